@@ -1,0 +1,33 @@
+# Two commands a newcomer needs: `make quickstart` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install quickstart test lint tiny clean
+
+# Install CPU torch 2.13.0 first when no torch is present: an unpinned torch would pull CUDA wheels.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Tiny local checkpoints (tokenizer + GPT-2 policy) the configs point at; built offline from configs.
+tiny: $(STAMP)
+	$(BIN)/lightning-ppo make-tiny --out checkpoints/tiny
+
+quickstart: tiny
+	WANDB_MODE=offline $(BIN)/lightning-ppo fit --config configs/quickstart.yaml
+
+test: $(STAMP)
+	WANDB_MODE=offline $(BIN)/python -m pytest -q --durations=10
+
+lint: $(STAMP)
+	$(BIN)/ruff check lightning_ppo tests
+
+clean:
+	rm -rf runs checkpoints .pytest_cache
