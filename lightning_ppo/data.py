@@ -1,0 +1,528 @@
+"""Prompt data for PPO: load prompts, tokenize them once, and serve left-padded batches.
+
+PPO only needs prompts (the policy writes the responses), so a batch is the tokenized prompts plus
+whatever other columns the dataset has (reference answers, task metadata) for the reward function.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import datasets
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+from torch.utils.data import DataLoader, Dataset
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# Suffixes `datasets` decompresses on the fly, so "x.jsonl.gz" is still a json file.
+_COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
+_TOKENIZE_CHUNK = 1024
+
+
+@rank_zero_only
+def _warn(message: str) -> None:
+    """Log a warning once per job rather than once per rank."""
+    log.warning(message)
+
+
+@dataclass
+class PromptBatch:
+    """A batch of tokenized prompts.
+
+    Attributes:
+        prompt_ids: ``(B, P)`` long tensor, left padded with the tokenizer's pad token id so that
+            generation continues right after the last real token of every row.
+        prompt_mask: ``(B, P)`` bool tensor, True on real tokens. Built from the prompt lengths, so it
+            stays correct when the pad token doubles as a real token (pad == eos).
+        prompts: prompt text as tokenized (after the chat template, before truncation).
+        extras: every other dataset column, one value per sample (e.g. a reference answer).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    prompts: list[str]
+    extras: dict[str, list] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+
+class PromptRows(Dataset):
+    """Tokenized prompts held as plain lists; each item is a row for :func:`collate_prompts`.
+
+    Args:
+        input_ids: token ids of each prompt, already truncated, unpadded.
+        prompts: prompt text of each row.
+        extras: other columns, each a list with one value per row.
+    """
+
+    def __init__(self, input_ids: list[list[int]], prompts: list[str], extras: dict[str, list]) -> None:
+        self.input_ids = input_ids
+        self.prompts = prompts
+        self.extras = extras
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {
+            "input_ids": self.input_ids[index],
+            "prompt": self.prompts[index],
+            "extras": {name: values[index] for name, values in self.extras.items()},
+        }
+
+
+def collate_prompts(rows: Sequence[Mapping[str, Any]], pad_token_id: int) -> PromptBatch:
+    """Left-pad rows to the longest prompt in the batch.
+
+    Args:
+        rows: mappings with ``input_ids`` (list of ints or 1-D tensor), ``prompt`` (str) and an optional
+            ``extras`` mapping (column name -> value).
+        pad_token_id: id written into the padding positions.
+
+    Returns:
+        The batch; ``prompt_mask`` is derived from the row lengths.
+    """
+    if not rows:
+        raise ValueError("cannot collate an empty list of rows")
+    lengths = [len(row["input_ids"]) for row in rows]
+    width = max(lengths)
+    prompt_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+        if length:
+            prompt_ids[i, width - length :] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            prompt_mask[i, width - length :] = True
+    names = list(rows[0].get("extras", {}))
+    extras = {name: [row["extras"][name] for row in rows] for name in names}
+    return PromptBatch(prompt_ids, prompt_mask, [row["prompt"] for row in rows], extras)
+
+
+def _as_file_list(data_files: str | Sequence[str] | Mapping[str, Any]) -> list[str]:
+    """Flatten the forms `datasets` accepts for ``data_files`` into one list of paths."""
+    if isinstance(data_files, str):
+        return [data_files]
+    values = list(data_files.values()) if isinstance(data_files, Mapping) else list(data_files)
+    files: list[str] = []
+    for value in values:
+        files.extend([value] if isinstance(value, str) else value)
+    return files
+
+
+def _builder_for_file(path: str) -> str:
+    """Return the `datasets` builder name for a file, from its extension."""
+    stem = path.lower()
+    for suffix in _COMPRESSION:
+        stem = stem.removesuffix(suffix)
+    builder = _BUILDERS.get(os.path.splitext(stem)[1])
+    if builder is None:
+        raise ValueError(
+            f"cannot infer the format of data file {path!r}: expected one of {sorted(_BUILDERS)}"
+        )
+    return builder
+
+
+def _check_exists(path: str) -> None:
+    """Fail early, naming the file, instead of deep inside `datasets`; URLs are left to `datasets`."""
+    if "://" in path:
+        return
+    if any(ch in path for ch in "*?["):
+        if not glob.glob(path, recursive=True):
+            raise FileNotFoundError(f"no data file matches the pattern {path!r}")
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(f"data file not found: {path!r}")
+
+
+def infer_builder(data_files: str | Sequence[str] | Mapping[str, Any]) -> str:
+    """Check that every data file exists and that all share one format; return that format's builder.
+
+    Args:
+        data_files: a path, a list of paths, or a mapping split name -> path(s).
+
+    Returns:
+        ``"json"``, ``"csv"`` or ``"parquet"``.
+    """
+    files = _as_file_list(data_files)
+    if not files:
+        raise ValueError("data_files is empty")
+    builders = set()
+    for path in files:
+        builders.add(_builder_for_file(path))
+        _check_exists(path)
+    if len(builders) > 1:
+        raise ValueError(f"data_files mixes formats {sorted(builders)}; use files of a single format")
+    return builders.pop()
+
+
+class PromptDataModule(pl.LightningDataModule):
+    """Prompts for PPO from local files, a `datasets` hub/disk dataset, or an in-memory list.
+
+    Prompts are validated and tokenized once in :meth:`setup`; dataloaders yield :class:`PromptBatch`.
+    Subclasses that generate prompts in code (synthetic tasks) override :meth:`load_dataset`.
+
+    Args:
+        tokenizer: path or hub name passed to ``AutoTokenizer.from_pretrained``; usually linked to the
+            policy's path. Leave None when the tokenizer is given with :meth:`set_tokenizer`.
+        data_files: local json/jsonl/csv/parquet file(s): a path, a list of paths, or a mapping
+            split name -> path. The format is inferred from the extension.
+        dataset_name: name (or local directory) of a dataset for ``datasets.load_dataset``; a directory
+            written by ``save_to_disk`` is read with ``datasets.load_from_disk``.
+        dataset_config: configuration name of ``dataset_name``.
+        prompts: prompts given in memory. Exactly one of ``data_files``, ``dataset_name`` and
+            ``prompts`` must be set, unless a subclass overrides :meth:`load_dataset`.
+        prompt_column: column holding the prompt text; all other columns are passed through as
+            ``PromptBatch.extras``.
+        train_split: split used for training.
+        val_split: split used for validation, if the dataset has one.
+        val_size: hold out this part of the train split for validation: a fraction in (0, 1) or a
+            number of rows; 0 disables it.
+        val_prompts: validation prompts given in memory. At most one of ``val_split``, ``val_size``
+            and ``val_prompts`` may be set.
+        chat_template: wrap each prompt as a user message with the tokenizer's chat template and add
+            the generation prompt.
+        system_prompt: system message placed before each prompt; needs ``chat_template``.
+        max_prompt_length: longer prompts keep only their last ``max_prompt_length`` tokens.
+        batch_size: prompts per batch (per device).
+        num_workers: dataloader worker processes.
+        shuffle: shuffle the training prompts each epoch.
+        seed: seed of the shuffling and of the ``val_size`` hold-out.
+        drop_last: drop the last incomplete training batch, so PPO always sees full batches.
+        trust_remote_code: allow custom tokenizer code (and, with ``datasets`` < 4, dataset scripts).
+    """
+
+    def __init__(
+        self,
+        tokenizer: str | None = None,
+        data_files: str | list[str] | dict[str, str] | None = None,
+        dataset_name: str | None = None,
+        dataset_config: str | None = None,
+        prompts: list[str] | None = None,
+        prompt_column: str = "prompt",
+        train_split: str = "train",
+        val_split: str | None = None,
+        val_size: int | float = 0,
+        val_prompts: list[str] | None = None,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+        max_prompt_length: int = 128,
+        batch_size: int = 16,
+        num_workers: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__()
+        # In-memory prompt lists would bloat checkpoints and logged configs.
+        self.save_hyperparameters(ignore=["prompts", "val_prompts"])
+        self.data_files = data_files
+        self.dataset_name = dataset_name
+        self.dataset_config = dataset_config
+        self.prompts = prompts
+        self.prompt_column = prompt_column
+        self.train_split = train_split
+        self.val_split = val_split
+        self.val_size = val_size
+        self.val_prompts = val_prompts
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
+        self.max_prompt_length = max_prompt_length
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.trust_remote_code = trust_remote_code
+        self.train_dataset: PromptRows | None = None
+        self.val_dataset: PromptRows | None = None
+        self._tokenizer_name = tokenizer
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._check_args()
+
+    def _check_args(self) -> None:
+        """Reject inconsistent arguments at construction, before any loading."""
+        sources = {"data_files": self.data_files, "dataset_name": self.dataset_name, "prompts": self.prompts}
+        given = [name for name, value in sources.items() if value is not None]
+        # Subclasses that override load_dataset generate their own prompts and need no source.
+        if len(given) > 1 or (not given and type(self).load_dataset is PromptDataModule.load_dataset):
+            raise ValueError(f"give exactly one prompt source of {sorted(sources)}; got {given or 'none'}")
+        self.val_size = self._check_val_size(self.val_size)
+        val_given = [
+            name
+            for name, value in (("val_split", self.val_split), ("val_prompts", self.val_prompts))
+            if value is not None
+        ] + (["val_size"] if self.val_size else [])
+        if len(val_given) > 1:
+            raise ValueError(f"give at most one of val_split, val_size and val_prompts; got {val_given}")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("system_prompt needs chat_template=True")
+        for name in ("max_prompt_length", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    @staticmethod
+    def _check_val_size(val_size: int | float) -> int | float:
+        """Return ``val_size`` as a fraction in [0, 1) or a whole row count."""
+        if isinstance(val_size, bool) or val_size < 0:
+            raise ValueError(f"val_size must be a fraction in (0, 1) or a row count, got {val_size!r}")
+        if isinstance(val_size, float) and val_size >= 1:
+            # Some parsers and YAML files turn 3 into 3.0; a whole number still means a row count.
+            if not val_size.is_integer():
+                raise ValueError(f"a fractional val_size must be below 1, got {val_size}")
+            return int(val_size)
+        return val_size
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer, loaded from the ``tokenizer`` path on first use."""
+        if self._tokenizer is None:
+            if self._tokenizer_name is None:
+                raise ValueError("no tokenizer: pass tokenizer=<path or name> or call set_tokenizer()")
+            loaded = AutoTokenizer.from_pretrained(
+                self._tokenizer_name, trust_remote_code=self.trust_remote_code
+            )
+            self.set_tokenizer(loaded)
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: PreTrainedTokenizerBase | str) -> None:
+        self.set_tokenizer(tokenizer)
+
+    def set_tokenizer(self, tokenizer: PreTrainedTokenizerBase | str) -> None:
+        """Use this tokenizer (an object, or a path loaded lazily); data already set up is re-tokenized.
+
+        Args:
+            tokenizer: a tokenizer object, or a path/name for ``AutoTokenizer.from_pretrained``.
+        """
+        self.train_dataset = self.val_dataset = None
+        if isinstance(tokenizer, str):
+            self._tokenizer_name, self._tokenizer = tokenizer, None
+            return
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise ValueError(
+                    f"tokenizer {tokenizer.name_or_path!r} has neither a pad token nor an eos token; "
+                    "set tokenizer.pad_token first"
+                )
+            # Safe because PromptBatch masks come from lengths, never from comparing ids to pad.
+            tokenizer.pad_token = tokenizer.eos_token
+            _warn(f"tokenizer {tokenizer.name_or_path!r} has no pad token; using eos {tokenizer.eos_token!r}")
+        self._tokenizer = tokenizer
+
+    @property
+    def pad_token_id(self) -> int:
+        """Id used to left-pad prompts."""
+        return self.tokenizer.pad_token_id
+
+    def load_dataset(self) -> datasets.DatasetDict | datasets.Dataset:
+        """Load the raw prompts; override to generate prompts in code.
+
+        Returns:
+            A ``DatasetDict`` (splits chosen by ``train_split``/``val_split``) or a single ``Dataset``
+            used as the train split. It must have the ``prompt_column``.
+        """
+        if self.prompts is not None:
+            return datasets.Dataset.from_dict({self.prompt_column: list(self.prompts)})
+        if self.data_files is not None:
+            builder = infer_builder(self.data_files)
+            return datasets.load_dataset(builder, data_files=self.data_files)
+        if self.dataset_name is None:
+            raise ValueError("no prompt source: set one of data_files, dataset_name, prompts")
+        if os.path.isdir(self.dataset_name) and any(
+            os.path.isfile(os.path.join(self.dataset_name, name))
+            for name in ("dataset_dict.json", "state.json")
+        ):
+            return datasets.load_from_disk(self.dataset_name)
+        # datasets>=4 ignores trust_remote_code but logs an error when it is passed as True.
+        extra = {"trust_remote_code": True} if self.trust_remote_code else {}
+        return datasets.load_dataset(self.dataset_name, self.dataset_config, **extra)
+
+    def prepare_data(self) -> None:
+        """Download the tokenizer and a hub dataset on one process, so the other ranks read the cache."""
+        if self._tokenizer is None and self._tokenizer_name is not None:
+            AutoTokenizer.from_pretrained(self._tokenizer_name, trust_remote_code=self.trust_remote_code)
+        if self.dataset_name is not None:
+            self.load_dataset()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load, validate and tokenize the prompts; later calls reuse the result.
+
+        Args:
+            stage: Lightning stage ("fit", "validate", ...); all stages share the same data.
+        """
+        if self.train_dataset is not None:
+            return
+        tokenizer = self.tokenizer
+        if self.chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"chat_template=True but tokenizer {tokenizer.name_or_path!r} has no chat template"
+            )
+        train, val = self._split(self.load_dataset())
+        train_rows = self._build_rows(train, self.train_split)
+        val_rows = None if val is None else self._build_rows(val, self.val_split or "validation")
+        if self.drop_last and len(train_rows) < self.batch_size:
+            raise ValueError(
+                f"the train set has {len(train_rows)} prompts, fewer than "
+                f"batch_size={self.batch_size}, so drop_last=True would leave no batch; "
+                "lower batch_size or set drop_last=False"
+            )
+        # Assigned only once everything is valid, so a failed setup is not mistaken for a finished one.
+        self.train_dataset, self.val_dataset = train_rows, val_rows
+
+    def _split(
+        self, raw: datasets.DatasetDict | datasets.Dataset
+    ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+        """Pick the train and validation sets out of what :meth:`load_dataset` returned."""
+        if isinstance(raw, datasets.DatasetDict):
+            train = self._get_split(raw, self.train_split)
+        elif isinstance(raw, datasets.Dataset):
+            if self.val_split is not None:
+                raise ValueError(f"val_split={self.val_split!r} given but the dataset has no splits")
+            train = raw
+        else:
+            raise TypeError(f"load_dataset() must return a Dataset or DatasetDict, got {type(raw).__name__}")
+        if self.val_prompts is not None:
+            return train, datasets.Dataset.from_dict({self.prompt_column: list(self.val_prompts)})
+        if self.val_split is not None:
+            return train, self._get_split(raw, self.val_split)
+        if self.val_size:
+            held = train.train_test_split(test_size=self.val_size, shuffle=True, seed=self.seed)
+            return held["train"], held["test"]
+        return train, None
+
+    @staticmethod
+    def _get_split(raw: datasets.DatasetDict, name: str) -> datasets.Dataset:
+        if name not in raw:
+            raise ValueError(f"split {name!r} not found; the dataset has splits {sorted(raw)}")
+        return raw[name]
+
+    def _build_rows(self, dataset: datasets.Dataset, split: str) -> PromptRows:
+        """Validate one split, drop blank prompts, then format, tokenize and left-truncate."""
+        if self.prompt_column not in dataset.column_names:
+            raise ValueError(
+                f"prompt column {self.prompt_column!r} not found in the {split} split; "
+                f"columns present: {dataset.column_names}"
+            )
+        columns = dataset.to_dict()
+        raw_prompts = columns.pop(self.prompt_column)
+        for index, prompt in enumerate(raw_prompts):
+            if not isinstance(prompt, str):
+                raise ValueError(
+                    f"{split} row {index}: prompt column {self.prompt_column!r} must hold strings, "
+                    f"got {type(prompt).__name__} ({repr(prompt)[:80]})"
+                )
+        keep = [i for i, prompt in enumerate(raw_prompts) if prompt.strip()]
+        if not keep:
+            raise ValueError(f"the {split} split has no non-empty prompts")
+        if len(keep) < len(raw_prompts):
+            dropped = len(raw_prompts) - len(keep)
+            _warn(f"dropped {dropped} empty or whitespace-only prompts from the {split} split")
+        texts = [self.format_prompt(raw_prompts[i]) for i in keep]
+        input_ids = self._tokenize(texts, split)
+        extras = {name: [values[i] for i in keep] for name, values in columns.items()}
+        return PromptRows(input_ids, texts, extras)
+
+    def format_prompt(self, prompt: str) -> str:
+        """Apply the chat template (if enabled) to one raw prompt.
+
+        Args:
+            prompt: the raw prompt text.
+
+        Returns:
+            The text that is tokenized.
+        """
+        if not self.chat_template:
+            return prompt
+        messages = [{"role": "user", "content": prompt}]
+        if self.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _tokenize(self, texts: list[str], split: str) -> list[list[int]]:
+        """Tokenize without padding, keeping the last ``max_prompt_length`` tokens of long prompts."""
+        # Chat templates already write special tokens such as BOS; adding them again would double them.
+        add_special_tokens = not self.chat_template
+        input_ids: list[list[int]] = []
+        for start in range(0, len(texts), _TOKENIZE_CHUNK):
+            chunk = texts[start : start + _TOKENIZE_CHUNK]
+            input_ids.extend(self.tokenizer(chunk, add_special_tokens=add_special_tokens)["input_ids"])
+        truncated = 0
+        for index, ids in enumerate(input_ids):
+            if not ids:
+                raise ValueError(f"{split} prompt {texts[index]!r} tokenizes to no tokens")
+            if len(ids) > self.max_prompt_length:
+                # The end of a prompt (the question, the generation prompt) matters most for the answer.
+                input_ids[index] = list(ids[-self.max_prompt_length :])
+                truncated += 1
+        if truncated:
+            _warn(
+                f"{truncated} of {len(texts)} {split} prompts are longer than max_prompt_length="
+                f"{self.max_prompt_length} tokens; kept their last {self.max_prompt_length} tokens"
+            )
+        return input_ids
+
+    def collate(self, rows: Sequence[Mapping[str, Any]]) -> PromptBatch:
+        """Left-pad rows (as yielded by :attr:`train_dataset`) into a :class:`PromptBatch`.
+
+        Args:
+            rows: mappings with ``input_ids``, ``prompt`` and optional ``extras``.
+
+        Returns:
+            The padded batch.
+        """
+        return collate_prompts(rows, self.pad_token_id)
+
+    def make_batch(self, prompts: Sequence[str], extras: dict[str, list] | None = None) -> PromptBatch:
+        """Format, tokenize and collate raw prompts directly, e.g. for sampling outside the loaders.
+
+        Args:
+            prompts: raw prompt strings.
+            extras: optional extra columns, one value per prompt.
+
+        Returns:
+            The padded batch, truncated like the training data.
+        """
+        texts = [self.format_prompt(prompt) for prompt in prompts]
+        rows = PromptRows(self._tokenize(texts, "given"), texts, dict(extras or {}))
+        return self.collate([rows[i] for i in range(len(rows))])
+
+    def _require_setup(self) -> PromptRows:
+        if self.train_dataset is None:
+            raise RuntimeError("call setup() before asking for dataloaders")
+        return self.train_dataset
+
+    def _loader(self, dataset: PromptRows, shuffle: bool, drop_last: bool) -> DataLoader:
+        # A dedicated seeded generator makes the order reproducible without touching global RNG state.
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            generator=generator,
+            drop_last=drop_last,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            # A partial of a module-level function pickles into workers without the datamodule.
+            collate_fn=functools.partial(collate_prompts, pad_token_id=self.pad_token_id),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Training prompts, shuffled with a generator seeded from ``seed``."""
+        return self._loader(self._require_setup(), self.shuffle, self.drop_last)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation prompts in order, or ``[]`` when there is no validation set."""
+        self._require_setup()
+        if self.val_dataset is None:
+            return []
+        return self._loader(self.val_dataset, shuffle=False, drop_last=False)
