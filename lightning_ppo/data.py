@@ -362,6 +362,13 @@ class PromptDataModule(pl.LightningDataModule):
         """
         if self.train_dataset is not None:
             return
+        if self._tokenizer is None and self._tokenizer_name is None:
+            # Under a Trainer the module already loaded the policy's tokenizer: share it.
+            module_tokenizer = (
+                getattr(self.trainer.lightning_module, "tokenizer", None) if self.trainer else None
+            )
+            if module_tokenizer is not None:
+                self.set_tokenizer(module_tokenizer)
         tokenizer = self.tokenizer
         if self.chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(

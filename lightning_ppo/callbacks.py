@@ -1,0 +1,69 @@
+"""Callbacks that report on a run: where its logs are, and whether the score rose."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+
+@dataclass
+class RunSummary:
+    """First vs last mean score of a run (over the first and last 10 % of its iterations)."""
+
+    iterations: int
+    first_score: float
+    last_score: float
+    final_kl: float
+    wall_seconds: float
+
+    def __str__(self) -> str:
+        return (
+            f"{self.iterations} PPO iterations in {self.wall_seconds:.0f} s: mean score "
+            f"{self.first_score:.3f} (first 10 %) -> {self.last_score:.3f} (last 10 %), "
+            f"final KL {self.final_kl:.3f}"
+        )
+
+
+def summarise(scores: list[float], final_kl: float, wall_seconds: float) -> RunSummary:
+    """Means over the first and last tenth (at least one iteration each) of ``scores``."""
+    tenth = max(1, len(scores) // 10)
+    return RunSummary(
+        iterations=len(scores),
+        first_score=sum(scores[:tenth]) / tenth,
+        last_score=sum(scores[-tenth:]) / tenth,
+        final_kl=final_kl,
+        wall_seconds=wall_seconds,
+    )
+
+
+class TrainingSummary(Callback):
+    """Prints where the logs go when training starts, and a first-vs-last score summary at the end."""
+
+    def __init__(self) -> None:
+        self.scores: list[float] = []
+        self.final_kl = float("nan")
+        self.summary: RunSummary | None = None
+        self._start = 0.0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start = time.perf_counter()
+        for logger in trainer.loggers:
+            where = logger.log_dir or logger.save_dir
+            rank_zero_info(f"lightning_ppo: logging to {type(logger).__name__} at {where}")
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx
+    ) -> None:
+        metrics = trainer.callback_metrics
+        if "objective/scores" in metrics:
+            self.scores.append(float(metrics["objective/scores"]))
+            self.final_kl = float(metrics["objective/kl"])
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.scores:
+            return
+        self.summary = summarise(self.scores, self.final_kl, time.perf_counter() - self._start)
+        rank_zero_info(f"lightning_ppo summary: {self.summary}")

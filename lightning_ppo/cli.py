@@ -1,0 +1,68 @@
+"""The ``lightning-ppo`` command: LightningCLI for ``fit``, plus ``make-tiny`` for offline checkpoints.
+
+``main(args)`` runs in-process, so tests drive the real CLI without a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_ppo.data import PromptDataModule
+from lightning_ppo.module import PPOLightningModule
+from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
+
+DESCRIPTION = (
+    "PPO for RLHF of Hugging Face causal LMs on PyTorch Lightning. "
+    "Run `lightning-ppo fit --config CONFIG.yaml`. "
+    "Other commands: `lightning-ppo make-tiny --out DIR` writes a tiny offline checkpoint."
+)
+
+
+class PPOLightningCLI(LightningCLI):
+    """LightningCLI whose model and data can be any subclass, selected by ``class_path``."""
+
+
+def make_tiny_main(argv: list[str]) -> None:
+    """``lightning-ppo make-tiny``: write a tokenizer and a random tiny causal LM to a folder."""
+    parser = argparse.ArgumentParser(prog="lightning-ppo make-tiny", description=make_tiny_main.__doc__)
+    parser.add_argument("--out", required=True, help="folder to write (created if missing)")
+    parser.add_argument("--arch", default="gpt2", choices=["gpt2", "llama"])
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-positions", type=int, default=128)
+    parser.add_argument("--alphabet", default=DEFAULT_ALPHABET, help="characters of the char-level tokenizer")
+    parser.add_argument("--seed", type=int, default=0)
+    ns = parser.parse_args(argv)
+    spec = TinyModelSpec(ns.arch, ns.n_layer, ns.n_embd, ns.n_head, ns.n_positions)
+    out = make_tiny_checkpoint(ns.out, spec, ns.alphabet, ns.seed)
+    print(f"wrote a tiny {ns.arch} checkpoint ({ns.n_layer} x {ns.n_embd}) and its tokenizer to {out}")
+
+
+def main(args: list[str] | None = None) -> PPOLightningCLI | None:
+    """Entry point of the ``lightning-ppo`` console script; ``args`` defaults to ``sys.argv[1:]``.
+
+    Called in-process with ``args``, it returns the CLI (``cli.trainer``, ``cli.model``) for inspection.
+    """
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] == "make-tiny":
+        make_tiny_main(argv[1:])
+        return None
+    cli = PPOLightningCLI(
+        PPOLightningModule,
+        PromptDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": DESCRIPTION},
+    )
+    # The console script passes our return value to sys.exit: only in-process callers get the CLI.
+    return cli if args is not None else None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Typed hyper-parameters of a PPO run.
+
+Each dataclass validates itself in ``__post_init__`` so a bad value fails before any model is
+loaded, with a ``ValueError`` that names the field and the allowed range. LightningCLI reads the
+``Args:`` sections below as the ``--help`` text of every option.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _check(condition: bool, field: str, expected: str, value: object) -> None:
+    if not condition:
+        raise ValueError(f"{field} must be {expected}, got {value!r}")
+
+
+@dataclass
+class GenerationConfig:
+    """How responses are sampled during a rollout.
+
+    Args:
+        max_new_tokens: Maximum number of tokens generated per response (>= 1).
+        temperature: Sampling temperature (> 0). Log-probs are computed at the same temperature.
+        top_k: Keep only the k most likely tokens when sampling; 0 disables it.
+        top_p: Nucleus sampling threshold in (0, 1]; 1.0 disables it.
+        stop_token: Text of the token that ends a response. ``None`` means the tokenizer's EOS.
+            Everything after the first stop token is padding.
+        forward_chunk_size: Rollout forwards (policy, reference, value, reward) run on chunks of
+            this many sequences to bound peak memory; 0 means the whole batch at once.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token: str | None = None
+    forward_chunk_size: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 1, "generation.max_new_tokens", ">= 1", self.max_new_tokens)
+        _check(self.temperature > 0, "generation.temperature", "> 0", self.temperature)
+        _check(self.top_k >= 0, "generation.top_k", ">= 0 (0 disables it)", self.top_k)
+        _check(0 < self.top_p <= 1, "generation.top_p", "in (0, 1]", self.top_p)
+        _check(self.forward_chunk_size >= 0, "generation.forward_chunk_size", ">= 0", self.forward_chunk_size)
+
+
+@dataclass
+class PPOConfig:
+    """The PPO algorithm: losses, KL penalty, advantage estimation and the inner update loop.
+
+    Args:
+        ppo_epochs: Passes over each rollout batch per PPO iteration (>= 1).
+        num_minibatches: Minibatches per epoch; the rollout batch must divide evenly into them.
+        gradient_accumulation_steps: Micro-batches accumulated into each minibatch's optimizer step.
+        clip_range: Policy ratio clip epsilon (> 0).
+        value_clip_range: Value prediction clip around the rollout values (> 0).
+        vf_coef: Weight of the value loss in the total loss (>= 0).
+        entropy_coef: Weight of the entropy bonus subtracted from the loss (>= 0).
+        kl_coef: Initial coefficient of the per-token KL penalty in the reward (>= 0).
+        kl_estimator: Per-token KL estimator: ``k1`` (log-ratio), ``k2`` or ``k3``.
+        kl_target: If set, the KL coefficient adapts toward this per-sequence KL (Ziegler et al.).
+        kl_horizon: Horizon of the adaptive KL controller, in episodes (> 0).
+        gamma: Discount factor in [0, 1].
+        gae_lambda: GAE lambda in [0, 1].
+        whiten_advantages: Normalise advantages over the real response tokens of the batch.
+        whiten_rewards: Normalise per-token rewards (without shifting the mean) before GAE.
+        missing_eos_penalty: Subtracted from the score of responses that never emit the stop token.
+        max_grad_norm: Clip the global gradient norm to this value; ``None`` disables clipping.
+    """
+
+    ppo_epochs: int = 4
+    num_minibatches: int = 2
+    gradient_accumulation_steps: int = 1
+    clip_range: float = 0.2
+    value_clip_range: float = 0.2
+    vf_coef: float = 0.1
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.05
+    kl_estimator: str = "k1"
+    kl_target: float | None = None
+    kl_horizon: float = 10000.0
+    gamma: float = 1.0
+    gae_lambda: float = 0.95
+    whiten_advantages: bool = True
+    whiten_rewards: bool = False
+    missing_eos_penalty: float | None = None
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.ppo_epochs >= 1, "ppo.ppo_epochs", ">= 1", self.ppo_epochs)
+        _check(self.num_minibatches >= 1, "ppo.num_minibatches", ">= 1", self.num_minibatches)
+        _check(
+            self.gradient_accumulation_steps >= 1,
+            "ppo.gradient_accumulation_steps",
+            ">= 1",
+            self.gradient_accumulation_steps,
+        )
+        _check(self.clip_range > 0, "ppo.clip_range", "> 0", self.clip_range)
+        _check(self.value_clip_range > 0, "ppo.value_clip_range", "> 0", self.value_clip_range)
+        _check(self.vf_coef >= 0, "ppo.vf_coef", ">= 0", self.vf_coef)
+        _check(self.entropy_coef >= 0, "ppo.entropy_coef", ">= 0", self.entropy_coef)
+        _check(self.kl_coef >= 0, "ppo.kl_coef", ">= 0", self.kl_coef)
+        _check(
+            self.kl_estimator in _KL_ESTIMATORS,
+            "ppo.kl_estimator",
+            f"one of {_KL_ESTIMATORS}",
+            self.kl_estimator,
+        )
+        _check(self.kl_target is None or self.kl_target > 0, "ppo.kl_target", "> 0 or null", self.kl_target)
+        _check(self.kl_horizon > 0, "ppo.kl_horizon", "> 0", self.kl_horizon)
+        _check(0 <= self.gamma <= 1, "ppo.gamma", "in [0, 1]", self.gamma)
+        _check(0 <= self.gae_lambda <= 1, "ppo.gae_lambda", "in [0, 1]", self.gae_lambda)
+        _check(
+            self.max_grad_norm is None or self.max_grad_norm > 0,
+            "ppo.max_grad_norm",
+            "> 0 or null",
+            self.max_grad_norm,
+        )
+
+    def check_batch_size(self, batch_size: int) -> None:
+        """Fail early when a rollout batch cannot be split into equal minibatches and micro-batches."""
+        parts = self.num_minibatches * self.gradient_accumulation_steps
+        if batch_size % parts:
+            raise ValueError(
+                f"the rollout batch ({batch_size} prompts) must divide into ppo.num_minibatches x "
+                f"ppo.gradient_accumulation_steps = {self.num_minibatches} x "
+                f"{self.gradient_accumulation_steps} = {parts} equal parts"
+            )

@@ -1,0 +1,100 @@
+"""The experience of one PPO iteration: everything the inner epochs train on.
+
+``make_experience`` is pure math on tensors (KL penalty, rewards, GAE, whitening); the forwards
+that produce its inputs live in the module. Shapes: B sequences, P prompt tokens, R response
+tokens, L = P + R.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from lightning_ppo import functional as F
+from lightning_ppo.config import PPOConfig
+from lightning_ppo.rollout import Rollout
+
+
+@dataclass
+class Experience:
+    """Rollout tensors plus the quantities PPO computed from them (no gradients anywhere)."""
+
+    input_ids: Tensor  # (B, L) prompt + response
+    attention_mask: Tensor  # (B, L) bool
+    position_ids: Tensor  # (B, L)
+    response_ids: Tensor  # (B, R)
+    response_mask: Tensor  # (B, R) bool, True up to and including the stop token
+    logprobs: Tensor  # (B, R) under the rollout policy, at the sampling temperature
+    ref_logprobs: Tensor  # (B, R) under the frozen reference
+    values: Tensor  # (B, R) critic estimates before each response token
+    scores: Tensor  # (B,) reward per sequence (after the missing-EOS penalty)
+    kl: Tensor  # (B, R) per-token KL estimate, 0 on padding
+    rewards: Tensor  # (B, R) -kl_coef * kl, plus the score at the last real token
+    advantages: Tensor  # (B, R) GAE advantages (whitened if configured), 0 on padding
+    returns: Tensor  # (B, R) advantages + values before whitening, 0 on padding
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: Tensor) -> Experience:
+        """The rows ``index`` of every tensor."""
+        return Experience(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    def minibatches(self, num: int, generator: torch.Generator | None = None) -> Iterator[Experience]:
+        """``num`` equal, disjoint minibatches covering the batch in a random order."""
+        order = torch.randperm(len(self), generator=generator).to(self.input_ids.device)
+        for index in order.chunk(num):
+            yield self.select(index)
+
+    def split(self, num: int) -> Iterator[Experience]:
+        """``num`` consecutive micro-batches (for gradient accumulation)."""
+        for index in torch.arange(len(self), device=self.input_ids.device).chunk(num):
+            yield self.select(index)
+
+
+def last_token_index(response_mask: Tensor) -> Tensor:
+    """(B,) index of the last real response token (the stop token, or the last of a truncated one)."""
+    return (response_mask.long().sum(dim=1) - 1).clamp(min=0)
+
+
+def make_experience(
+    rollout: Rollout,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    values: Tensor,
+    scores: Tensor,
+    kl_coef: float,
+    config: PPOConfig,
+) -> Experience:
+    """Turn a rollout, its log-probs, values and scores into per-token rewards, advantages, returns."""
+    mask = rollout.response_mask
+    if config.missing_eos_penalty is not None:
+        scores = torch.where(rollout.ended, scores, scores - config.missing_eos_penalty)
+    kl = torch.where(mask, F.kl_penalty(logprobs, ref_logprobs, config.kl_estimator), 0.0)
+    rewards = -kl_coef * kl
+    rows = torch.arange(len(scores), device=scores.device)
+    # The score is earned by the whole response, so it lands on its last real token.
+    rewards[rows, last_token_index(mask)] += scores
+    if config.whiten_rewards:
+        rewards = F.masked_whiten(rewards, mask, shift_mean=False)
+    advantages, returns = F.gae(rewards, values, mask, config.gamma, config.gae_lambda)
+    if config.whiten_advantages:
+        advantages = F.masked_whiten(advantages, mask)
+    return Experience(
+        input_ids=rollout.input_ids,
+        attention_mask=rollout.attention_mask,
+        position_ids=rollout.position_ids,
+        response_ids=rollout.response_ids,
+        response_mask=mask,
+        logprobs=logprobs,
+        ref_logprobs=ref_logprobs,
+        values=torch.where(mask, values, 0.0),
+        scores=scores,
+        kl=kl,
+        rewards=rewards,
+        advantages=advantages,
+        returns=returns,
+    )

@@ -1,0 +1,213 @@
+"""Pure tensor math for PPO on language models.
+
+Nothing here knows about Lightning or transformers: every function takes tensors and returns
+tensors (or a small dataclass of tensors), so each formula can be tested against hand-computed
+numbers. Shapes use B = batch, T = response length, V = vocabulary size.
+
+Masks are boolean and *positive*: True on real response tokens. Positions where the mask is
+False never contribute to a mean and always come out as 0, whatever garbage they held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+KLEstimator = Literal["k1", "k2", "k3"]
+
+# Rows of a (B, T, V) logits tensor processed at once by the vocabulary-wide reductions: bounds
+# the temporary (rows, T, V) float32 buffer that log_softmax/softmax would otherwise allocate for
+# the whole batch.
+_ROWS_PER_CHUNK = 8
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is True (0 where nothing is masked in)."""
+    mask = mask.bool()
+    total = torch.where(mask, x, torch.zeros_like(x))
+    if dim is None:
+        return total.sum() / mask.sum().clamp(min=1)
+    return total.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of ``x`` over the masked-in positions (a scalar)."""
+    mask = mask.bool()
+    mean = masked_mean(x, mask)
+    centered = torch.where(mask, x - mean, torch.zeros_like(x))
+    var = masked_mean(centered.square(), mask)
+    if unbiased:
+        count = mask.sum()
+        # Bessel's correction; a single element has no spread to correct.
+        var = torch.where(count > 1, var * count / (count - 1).clamp(min=1), var)
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalise ``x`` to unit variance (and zero mean if ``shift_mean``) over the mask.
+
+    Masked-out positions are returned as 0 so that they cannot leak into a later sum.
+    """
+    mask = mask.bool()
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask, whitened, torch.zeros_like(whitened))
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """Log-probability of each token under ``softmax(logits / temperature)``.
+
+    Args:
+        logits: (..., V) unnormalised scores; position i scores ``tokens[..., i]``.
+        tokens: (...) token ids, same leading shape as ``logits``.
+        temperature: the sampling temperature; log-probs must use the one sampling used.
+
+    Returns:
+        (...) float tensor, the shape of ``tokens``.
+
+    Computed as ``logit[token] - logsumexp(logits)`` a few rows at a time, so no second
+    vocabulary-sized tensor is materialised for the whole batch.
+    """
+    if temperature != 1.0:
+        logits = logits / temperature
+    flat_logits = logits.reshape(-1, *logits.shape[-2:]) if logits.dim() > 2 else logits[None]
+    flat_tokens = tokens.reshape(-1, tokens.shape[-1]) if tokens.dim() > 1 else tokens[None]
+    out = []
+    for rows, toks in zip(
+        flat_logits.split(_ROWS_PER_CHUNK), flat_tokens.split(_ROWS_PER_CHUNK), strict=True
+    ):
+        rows = rows.float()
+        picked = rows.gather(-1, toks.unsqueeze(-1)).squeeze(-1)
+        out.append(picked - torch.logsumexp(rows, dim=-1))
+    return torch.cat(out).reshape(tokens.shape)
+
+
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of ``softmax(logits / temperature)`` over the last dimension, shape ``logits.shape[:-1]``."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    flat = logits.reshape(-1, *logits.shape[-2:]) if logits.dim() > 2 else logits[None]
+    out = []
+    for rows in flat.split(_ROWS_PER_CHUNK):
+        rows = rows.float()
+        probs = torch.softmax(rows, dim=-1)
+        out.append(torch.logsumexp(rows, dim=-1) - (probs * rows).sum(-1))
+    return torch.cat(out).reshape(logits.shape[:-1])
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k1") -> Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled-token log-probs.
+
+    ``k1`` = logp - ref (unbiased, can be negative), ``k2`` = 0.5 (logp - ref)^2,
+    ``k3`` = exp(ref - logp) - 1 - (ref - logp) (unbiased and non-negative, Schulman's estimator).
+    """
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"kl_estimator must be one of 'k1', 'k2', 'k3', got {estimator!r}")
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over the masked-in positions of each row.
+
+    Args:
+        rewards: (B, T) per-token rewards.
+        values: (B, T) value estimates of the state before each token.
+        mask: (B, T) True on real tokens. Masked positions are skipped: their reward and value
+            are never read, and they receive advantage 0 and return 0.
+        gamma: discount factor.
+        lam: GAE lambda.
+
+    Returns:
+        ``(advantages, returns)``, each (B, T), with ``returns = advantages + values`` on real tokens.
+    """
+    mask = mask.bool()
+    rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
+    values = torch.where(mask, values, torch.zeros_like(values))
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(rewards.shape[1])):
+        real = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = torch.where(real, delta + gamma * lam * next_advantage, torch.zeros_like(delta))
+        advantages[:, t] = advantage
+        # Carry the bootstrap across padding: a masked position must not reset or shift it.
+        next_advantage = torch.where(real, advantage, next_advantage)
+        next_value = torch.where(real, values[:, t], next_value)
+    returns = torch.where(mask, advantages + values, torch.zeros_like(values))
+    return advantages, returns
+
+
+@dataclass
+class PolicyLossOutput:
+    """The clipped surrogate loss and the statistics users log (all scalars, stats detached)."""
+
+    loss: Tensor
+    clipfrac: Tensor
+    approx_kl: Tensor
+    ratio: Tensor
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_range: float,
+) -> PolicyLossOutput:
+    """PPO clipped surrogate: masked mean of ``max(-A r, -A clip(r, 1 - e, 1 + e))``.
+
+    ``approx_kl`` is 0.5 (log r)^2 averaged over real tokens, ``clipfrac`` the fraction of real
+    tokens where the clipped term was the larger one, ``ratio`` the mean of r.
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        return PolicyLossOutput(
+            loss=loss,
+            clipfrac=masked_mean((clipped > unclipped).float(), mask),
+            approx_kl=0.5 * masked_mean(log_ratio.square(), mask),
+            ratio=masked_mean(ratio, mask),
+        )
+
+
+@dataclass
+class ValueLossOutput:
+    """The clipped value loss and the fraction of real tokens where clipping was binding."""
+
+    loss: Tensor
+    clipfrac: Tensor
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_range: float
+) -> ValueLossOutput:
+    """0.5 x masked mean of ``max((v - R)^2, (v_clipped - R)^2)``, v clipped to ``old +- clip_range``."""
+    clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+    unclipped_err = (values - returns).square()
+    clipped_err = (clipped_values - returns).square()
+    loss = 0.5 * masked_mean(torch.maximum(unclipped_err, clipped_err), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped_err > unclipped_err).float(), mask)
+    return ValueLossOutput(loss=loss, clipfrac=clipfrac)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var(returns - values) / Var(returns) over real tokens (1 is a perfect critic)."""
+    var_returns = masked_var(returns, mask, unbiased=False)
+    var_residual = masked_var(returns - values, mask, unbiased=False)
+    return 1.0 - var_residual / var_returns.clamp(min=1e-8)

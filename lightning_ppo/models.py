@@ -1,0 +1,91 @@
+"""Building the trained and frozen roles from Hugging Face checkpoints (paths or hub names).
+
+Every model is loaded with dropout off: PPO's first minibatch must reproduce the rollout's
+log-probs exactly (ratio == 1), and dropout would make the policy and reference disagree at random.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+
+def _config_without_dropout(name_or_path: str, trust_remote_code: bool) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    # Architectures name their dropout rates differently (attn_pdrop, attention_dropout, ...);
+    # some apply them functionally, so zeroing the nn.Dropout modules alone is not enough.
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+    return config
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every ``nn.Dropout`` in ``model`` to p=0 (for models built without our loaders)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Frozen roles never receive gradients and always run in eval mode."""
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def load_causal_lm(
+    name_or_path: str, trust_remote_code: bool = False, dtype: torch.dtype | None = None
+) -> PreTrainedModel:
+    """A causal LM (policy or reference) with dropout off."""
+    config = _config_without_dropout(name_or_path, trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path, config=config, trust_remote_code=trust_remote_code, dtype=dtype
+    )
+    return disable_dropout(model)
+
+
+class ValueModel(nn.Module):
+    """A transformer backbone with a scalar head: one value per position.
+
+    The head starts at zero so the first value estimates are 0, not noise, and the critic's
+    early error cannot dominate the advantages.
+    """
+
+    def __init__(self, backbone: PreTrainedModel) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.v_head = nn.Linear(backbone.config.hidden_size, 1)
+        nn.init.zeros_(self.v_head.weight)
+        nn.init.zeros_(self.v_head.bias)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, trust_remote_code: bool = False) -> ValueModel:
+        """The backbone of any HF checkpoint (causal LM or classifier) plus a fresh value head."""
+        config = _config_without_dropout(name_or_path, trust_remote_code)
+        backbone = AutoModel.from_pretrained(name_or_path, config=config, trust_remote_code=trust_remote_code)
+        return cls(disable_dropout(backbone))
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+        """(B, L) value of the state at each position."""
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
+        return self.v_head(hidden).squeeze(-1).float()
+
+
+def response_logits(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, length: int
+) -> Tensor:
+    """(B, length, V) logits predicting the last ``length`` tokens of each sequence.
+
+    ``logits_to_keep`` runs the LM head on those positions only: the prompt's logits are never needed.
+    """
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=length + 1,
+    ).logits
+    return logits[:, :-1]

@@ -1,0 +1,109 @@
+"""Sampling responses from the policy, and the masks that say which response tokens are real."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import transformers
+from torch import Tensor
+
+from lightning_ppo.config import GenerationConfig
+
+
+@dataclass
+class Rollout:
+    """Prompts and the responses sampled for them.
+
+    ``response_mask`` is the only response mask: True up to and including the first stop token
+    (or over every token of a response that never stopped). It comes from the position of the
+    stop token, never from ``ids != pad_token_id``, so pad == eos is safe.
+    """
+
+    prompt_ids: Tensor  # (B, P) long, left padded
+    prompt_mask: Tensor  # (B, P) bool
+    response_ids: Tensor  # (B, R) long, pad after the stop token
+    response_mask: Tensor  # (B, R) bool
+    ended: Tensor  # (B,) bool, whether the response emitted the stop token
+
+    @property
+    def input_ids(self) -> Tensor:
+        """(B, P + R) prompt and response."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """(B, P + R) True on real prompt and response tokens."""
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def position_ids(self) -> Tensor:
+        """(B, P + R) positions counted from each row's first real token, as generation used them."""
+        return position_ids_from_mask(self.attention_mask)
+
+    @property
+    def response_lengths(self) -> Tensor:
+        """(B,) number of real response tokens, stop token included."""
+        return self.response_mask.sum(dim=1)
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions that skip left padding: HF generation computes them the same way."""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def truncate_at_stop(
+    response_ids: Tensor, stop_token_id: int, pad_token_id: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Mask everything after the first stop token.
+
+    Returns:
+        ``(response_ids, response_mask, ended)``: ids with pad after the stop token, the positive
+        mask (stop token included) and whether each row emitted the stop token.
+    """
+    is_stop = response_ids == stop_token_id
+    ended = is_stop.any(dim=1)
+    last = response_ids.shape[1] - 1
+    stop_at = torch.where(ended, is_stop.int().argmax(dim=1), torch.full_like(ended, last, dtype=torch.long))
+    positions = torch.arange(response_ids.shape[1], device=response_ids.device)
+    response_mask = positions[None, :] <= stop_at[:, None]
+    response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, pad_token_id))
+    return response_ids, response_mask, ended
+
+
+def hf_generation_config(
+    config: GenerationConfig, stop_token_id: int, pad_token_id: int
+) -> transformers.GenerationConfig:
+    """An explicit HF generation config, so that no default from the checkpoint (top_k=50,
+    repetition penalty, ...) changes the distribution the log-probs are computed under."""
+    return transformers.GenerationConfig(
+        do_sample=True,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        eos_token_id=stop_token_id,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+
+
+@torch.no_grad()
+def generate(
+    model: transformers.PreTrainedModel,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    generation_config: transformers.GenerationConfig,
+) -> Rollout:
+    """Sample one response per left-padded prompt and mask it at the first stop token."""
+    was_training = model.training
+    # Generation runs in eval mode: with gradient checkpointing in train mode HF drops the KV cache.
+    model.eval()
+    sequences = model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=generation_config
+    )
+    model.train(was_training)
+    response_ids, response_mask, ended = truncate_at_stop(
+        sequences[:, prompt_ids.shape[1] :], generation_config.eos_token_id, generation_config.pad_token_id
+    )
+    return Rollout(prompt_ids, prompt_mask.bool(), response_ids, response_mask, ended)

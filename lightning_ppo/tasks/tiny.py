@@ -1,0 +1,94 @@
+"""Tiny local checkpoints built from configs: no download, real ``save_pretrained`` on disk.
+
+The quickstart, the example configs and the tests load these by path, so the same
+``from_pretrained`` code that loads a real model is what runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
+DEFAULT_ALPHABET = "0123456789=+-*/:;,.?! abcdefghijklmnopqrstuvwxyz"
+
+
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one token per character of ``alphabet`` plus pad, eos, bos."""
+    specials = [PAD, EOS, BOS]
+    chars = list(dict.fromkeys(alphabet))
+    vocab = {token: i for i, token in enumerate(specials + chars)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS, bos_token=BOS)
+
+
+@dataclass
+class TinyModelSpec:
+    """Size of a tiny causal LM.
+
+    Args:
+        arch: ``gpt2`` or ``llama``.
+        n_layer: Transformer blocks.
+        n_embd: Hidden width.
+        n_head: Attention heads.
+        n_positions: Maximum sequence length.
+    """
+
+    arch: str = "gpt2"
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    n_positions: int = 128
+
+
+def build_tiny_causal_lm(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec, seed: int = 0):
+    """A randomly initialised causal LM sized by ``spec`` for ``tokenizer``'s vocabulary."""
+    import torch
+
+    torch.manual_seed(seed)
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if spec.arch == "gpt2":
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            n_layer=spec.n_layer,
+            n_embd=spec.n_embd,
+            n_head=spec.n_head,
+            n_positions=spec.n_positions,
+            **ids,
+        )
+        return GPT2LMHeadModel(config)
+    if spec.arch == "llama":
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            num_hidden_layers=spec.n_layer,
+            hidden_size=spec.n_embd,
+            intermediate_size=4 * spec.n_embd,
+            num_attention_heads=spec.n_head,
+            num_key_value_heads=spec.n_head,
+            max_position_embeddings=spec.n_positions,
+            **ids,
+        )
+        return LlamaForCausalLM(config)
+    raise ValueError(f"arch must be 'gpt2' or 'llama', got {spec.arch!r}")
+
+
+def make_tiny_checkpoint(
+    out_dir: str | Path, spec: TinyModelSpec | None = None, alphabet: str = DEFAULT_ALPHABET, seed: int = 0
+) -> Path:
+    """Write a tokenizer and a random tiny causal LM to ``out_dir`` with ``save_pretrained``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer(alphabet)
+    model = build_tiny_causal_lm(tokenizer, spec or TinyModelSpec(), seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny real checkpoints written with save_pretrained and loaded by path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2 x 64 GPT-2 with a char-level tokenizer (pad != eos)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_gpt2"), TinyModelSpec(n_layer=2, n_embd=64))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2 x 64 Llama-style model with the same tokenizer."""
+    spec = TinyModelSpec(arch="llama", n_layer=2, n_embd=64)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), spec)

@@ -1,0 +1,72 @@
+"""Rollout masks: from the stop token's position, never from pad ids; generation matches forwards."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_ppo import functional as F
+from lightning_ppo.config import GenerationConfig
+from lightning_ppo.models import load_causal_lm, response_logits
+from lightning_ppo.rollout import generate, hf_generation_config, position_ids_from_mask, truncate_at_stop
+
+EOS = PAD = 1  # pad == eos: the case that breaks masks built from `ids != pad_token_id`
+
+
+def test_truncate_at_stop_with_pad_equal_eos():
+    ids = torch.tensor([[5, 6, EOS, 7, 8], [5, 6, 7, 8, 9], [EOS, 5, EOS, 6, 7]])
+    out_ids, mask, ended = truncate_at_stop(ids, stop_token_id=EOS, pad_token_id=PAD)
+    assert mask.tolist() == [
+        [True, True, True, False, False],
+        [True, True, True, True, True],
+        [True, False, False, False, False],
+    ]
+    assert ended.tolist() == [True, False, True]
+    assert out_ids.tolist() == [[5, 6, EOS, PAD, PAD], [5, 6, 7, 8, 9], [EOS, PAD, PAD, PAD, PAD]]
+
+
+def test_custom_stop_token_is_not_eos():
+    ids = torch.tensor([[5, EOS, 9, 7], [5, 6, 7, 8]])
+    _, mask, ended = truncate_at_stop(ids, stop_token_id=9, pad_token_id=0)
+    assert mask.tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert ended.tolist() == [True, False]
+
+
+def test_position_ids_skip_left_padding():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_forward_logprobs_equal_sampling_distribution(tiny_gpt2):
+    """Log-probs recomputed by a forward over left-padded prompts equal generation's own scores."""
+    torch.manual_seed(0)
+    model = load_causal_lm(str(tiny_gpt2))
+    config = GenerationConfig(max_new_tokens=6, temperature=0.7)
+    gen = hf_generation_config(config, stop_token_id=1, pad_token_id=0)
+    prompt_ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    prompt_mask = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    rollout = generate(model, prompt_ids, prompt_mask, gen)
+    torch.manual_seed(0)  # the same draw again, this time keeping generation's scores
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask.long(),
+            generation_config=gen,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        assert torch.equal(
+            out.sequences[:, 4:][rollout.response_mask], rollout.response_ids[rollout.response_mask]
+        )
+        scores = torch.stack(out.scores, 1)[:, : rollout.response_ids.shape[1]]
+        logits = response_logits(
+            model,
+            rollout.input_ids,
+            rollout.attention_mask,
+            rollout.position_ids,
+            rollout.response_ids.shape[1],
+        )
+    # generation's scores are logits / temperature with no other processor applied
+    assert torch.allclose(logits / 0.7, scores, atol=1e-4)
+    logprobs = F.logprobs_from_logits(logits, rollout.response_ids, 0.7)
+    expected = torch.log_softmax(scores, -1).gather(-1, rollout.response_ids[..., None]).squeeze(-1)
+    assert torch.allclose(logprobs, expected, atol=1e-4)
