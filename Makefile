@@ -16,9 +16,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Tiny local checkpoints (tokenizer + GPT-2 policy) the configs point at; built offline from configs.
+# The tiny local checkpoint (char tokenizer + random GPT-2) the configs load by path; built offline.
 tiny: $(STAMP)
-	$(BIN)/lightning-ppo make-tiny --out checkpoints/tiny
+	$(BIN)/lightning-ppo make-tiny --out checkpoints/tiny-digits --alphabet "0123456789="
 
 quickstart: tiny
 	WANDB_MODE=offline $(BIN)/lightning-ppo fit --config configs/quickstart.yaml

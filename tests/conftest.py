@@ -25,3 +25,11 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2 x 64 Llama-style model with the same tokenizer."""
     spec = TinyModelSpec(arch="llama", n_layer=2, n_embd=64)
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), spec)
+
+
+@pytest.fixture(scope="session")
+def tiny_digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The quickstart's checkpoint: a 2 x 64 GPT-2 over a 14-token digit vocabulary."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_digits"), TinyModelSpec(), alphabet="0123456789="
+    )

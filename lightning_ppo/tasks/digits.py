@@ -1,9 +1,10 @@
-"""The quickstart task: copy the digits before the ``=`` sign.
+"""The quickstart task: answer with the digits of the prompt.
 
-Prompt ``"47192="``, ideal response ``"47192"`` then the stop token. The score is the fraction
-of characters in the right place: ``matches / max(len(target), len(response))``, so 1.0 is an
-exact copy, a response of the right digits in the wrong order earns little, and padding a
-response with extra characters costs. Prompts are generated in code: no download.
+Prompt ``"47192="``. By default a response earns credit for each of its first five characters
+that is one of the prompt's digits (``"29417"`` and ``"47192"`` both score 1.0, ``"4x"`` 0.2);
+with ``in_order=True`` only characters in the same place as in the prompt count (an exact copy,
+a harder task). Either way the credit is divided by ``max(len(target), len(response))``, so a
+response that runs on past five characters costs. Prompts are generated in code: no download.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def digit_prompts(num: int, num_digits: int, seed: int) -> dict[str, list[str]]:
     return {"prompt": [f"{t}=" for t in targets], "target": targets}
 
 
-class DigitCopyDataModule(PromptDataModule):
-    """Synthetic copy-the-digits prompts, with the answer in the ``target`` column.
+class DigitsDataModule(PromptDataModule):
+    """Synthetic digit prompts, with the answer in the ``target`` column.
 
     Args:
         num_prompts: Training prompts generated.
@@ -52,17 +53,34 @@ class DigitCopyDataModule(PromptDataModule):
         return datasets.DatasetDict(splits)
 
 
-def copy_score(completion: str, target: str) -> float:
-    """Fraction of characters in the right place, over the longer of response and target."""
-    matches = sum(a == b for a, b in zip(completion, target, strict=False))
+def digits_score(completion: str, target: str, in_order: bool = False) -> float:
+    """Credit for the first ``len(target)`` characters, over the longer of response and target.
+
+    A character earns credit when it is one of the target's digits, or, with ``in_order``, when it
+    equals the target's character at the same place.
+    """
+    head = completion[: len(target)]
+    if in_order:
+        matches = sum(a == b for a, b in zip(head, target, strict=False))
+    else:
+        matches = sum(ch in target for ch in head)
     return matches / max(len(target), len(completion), 1)
 
 
-class DigitCopyReward(RewardFunction):
-    """Scores a completion by :func:`copy_score` against the ``target`` column."""
+class DigitsReward(RewardFunction):
+    """Scores a completion by :func:`digits_score` against the ``target`` column.
+
+    Args:
+        in_order: Count only characters in the same place as in the prompt (exact copy).
+    """
+
+    def __init__(self, in_order: bool = False) -> None:
+        self.in_order = in_order
 
     def __call__(self, prompts: list[str], completions: list[str], batch: ScoreInputs) -> Tensor:
         if "target" not in batch.extras:
-            raise KeyError(f"DigitCopyReward needs a 'target' column; the batch has {sorted(batch.extras)}")
+            raise KeyError(f"DigitsReward needs a 'target' column; the batch has {sorted(batch.extras)}")
         targets = batch.extras["target"]
-        return torch.tensor([copy_score(c, t) for c, t in zip(completions, targets, strict=True)])
+        return torch.tensor(
+            [digits_score(c, t, self.in_order) for c, t in zip(completions, targets, strict=True)]
+        )
