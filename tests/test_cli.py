@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 def _csv_logger(tmp_path: Path) -> str:
-    return f'[{{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {{"save_dir": "{tmp_path}", "name": "csv"}}}}]'
+    logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "csv"}}
+    return json.dumps([logger])
 
 
 def _short_run(config: Path, policy: Path, tmp_path: Path, *extra: str):
