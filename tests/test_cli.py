@@ -16,7 +16,8 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 def _csv_logger(tmp_path: Path) -> str:
-    logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "csv"}}
+    init_args = {"save_dir": str(tmp_path), "name": "csv"}
+    logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": init_args}
     return json.dumps([logger])
 
 
