@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import transformers
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_ppo.data import PromptDataModule
@@ -48,6 +49,8 @@ def main(args: list[str] | None = None) -> PPOLightningCLI | None:
     Called in-process with ``args``, it returns the CLI (``cli.trainer``, ``cli.model``) for inspection.
     """
     argv = sys.argv[1:] if args is None else list(args)
+    # Tiny and cached checkpoints load in milliseconds; HF's per-load progress bars are only noise.
+    transformers.utils.logging.disable_progress_bar()
     if argv and argv[0] == "make-tiny":
         make_tiny_main(argv[1:])
         return None
