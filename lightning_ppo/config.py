@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _KL_ESTIMATORS = ("k1", "k2", "k3")
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
+_KL_PLACEMENTS = ("reward", "loss")
+_BAD_REWARD_POLICIES = ("error", "drop")
 
 
 def _check(condition: bool, field: str, expected: str, value: object) -> None:
@@ -52,6 +55,10 @@ class PPOConfig:
     """The PPO algorithm: losses, KL penalty, advantage estimation and the inner update loop.
 
     Args:
+        advantage_estimator: ``gae`` (PPO with a critic), ``grpo`` (group mean/std normalised
+            scores), ``rloo`` (leave-one-out baseline) or ``reinforce_pp`` (REINFORCE++: returns
+            normalised over the batch). Only ``gae`` builds and trains a value model.
+        num_generations: Completions sampled per prompt (group sampling); grpo and rloo need >= 2.
         ppo_epochs: Passes over each rollout batch per PPO iteration (>= 1).
         num_minibatches: Minibatches per epoch; the rollout batch must divide evenly into them.
         gradient_accumulation_steps: Micro-batches accumulated into each minibatch's optimizer step.
@@ -61,6 +68,8 @@ class PPOConfig:
         entropy_coef: Weight of the entropy bonus subtracted from the loss (>= 0).
         kl_coef: Initial coefficient of the per-token KL penalty in the reward (>= 0).
         kl_estimator: Per-token KL estimator: ``k1`` (log-ratio), ``k2`` or ``k3``.
+        kl_placement: ``reward``: -kl_coef x KL is part of the per-token reward (PPO);
+            ``loss``: kl_coef x KL is added to the loss, recomputed each minibatch (GRPO).
         kl_target: If set, the KL coefficient adapts toward this per-sequence KL (Ziegler et al.).
         kl_horizon: Horizon of the adaptive KL controller, in episodes (> 0).
         gamma: Discount factor in [0, 1].
@@ -69,8 +78,15 @@ class PPOConfig:
         whiten_rewards: Normalise per-token rewards (without shifting the mean) before GAE.
         missing_eos_penalty: Subtracted from the score of responses that never emit the stop token.
         max_grad_norm: Clip the global gradient norm to this value; ``None`` disables clipping.
+        dual_clip: Dual-clip constant c > 1: the loss of a negative-advantage token is capped at -c A.
+        score_clip: Clip scores to [-score_clip, score_clip] before anything else uses them.
+        score_norm: Normalise scores by a running mean and std over all iterations so far.
+        on_bad_reward: ``error`` stops on a NaN/inf score; ``drop`` leaves that sample out of
+            the update and counts it (``reward/dropped``).
     """
 
+    advantage_estimator: str = "gae"
+    num_generations: int = 1
     ppo_epochs: int = 4
     num_minibatches: int = 2
     gradient_accumulation_steps: int = 1
@@ -80,6 +96,7 @@ class PPOConfig:
     entropy_coef: float = 0.0
     kl_coef: float = 0.05
     kl_estimator: str = "k1"
+    kl_placement: str = "reward"
     kl_target: float | None = None
     kl_horizon: float = 10000.0
     gamma: float = 1.0
@@ -88,8 +105,47 @@ class PPOConfig:
     whiten_rewards: bool = False
     missing_eos_penalty: float | None = None
     max_grad_norm: float | None = 1.0
+    dual_clip: float | None = None
+    score_clip: float | None = None
+    score_norm: bool = False
+    on_bad_reward: str = "error"
+
+    @property
+    def uses_critic(self) -> bool:
+        """Only GAE needs a value model; the other estimators build none."""
+        return self.advantage_estimator == "gae"
 
     def __post_init__(self) -> None:
+        _check(
+            self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+            "ppo.advantage_estimator",
+            f"one of {ADVANTAGE_ESTIMATORS}",
+            self.advantage_estimator,
+        )
+        _check(self.num_generations >= 1, "ppo.num_generations", ">= 1", self.num_generations)
+        if self.advantage_estimator in ("grpo", "rloo"):
+            _check(
+                self.num_generations >= 2,
+                "ppo.num_generations",
+                f">= 2 with advantage_estimator {self.advantage_estimator!r}",
+                self.num_generations,
+            )
+        _check(
+            self.kl_placement in _KL_PLACEMENTS,
+            "ppo.kl_placement",
+            f"one of {_KL_PLACEMENTS}",
+            self.kl_placement,
+        )
+        _check(self.dual_clip is None or self.dual_clip > 1, "ppo.dual_clip", "> 1 or null", self.dual_clip)
+        _check(
+            self.score_clip is None or self.score_clip > 0, "ppo.score_clip", "> 0 or null", self.score_clip
+        )
+        _check(
+            self.on_bad_reward in _BAD_REWARD_POLICIES,
+            "ppo.on_bad_reward",
+            f"one of {_BAD_REWARD_POLICIES}",
+            self.on_bad_reward,
+        )
         _check(self.ppo_epochs >= 1, "ppo.ppo_epochs", ">= 1", self.ppo_epochs)
         _check(self.num_minibatches >= 1, "ppo.num_minibatches", ">= 1", self.num_minibatches)
         _check(
@@ -123,9 +179,11 @@ class PPOConfig:
     def check_batch_size(self, batch_size: int) -> None:
         """Fail early when a rollout batch cannot be split into equal minibatches and micro-batches."""
         parts = self.num_minibatches * self.gradient_accumulation_steps
-        if batch_size % parts:
+        sequences = batch_size * self.num_generations
+        if sequences % parts:
             raise ValueError(
-                f"the rollout batch ({batch_size} prompts) must divide into ppo.num_minibatches x "
+                f"the rollout batch ({batch_size} prompts x ppo.num_generations {self.num_generations} = "
+                f"{sequences} sequences) must divide into ppo.num_minibatches x "
                 f"ppo.gradient_accumulation_steps = {self.num_minibatches} x "
                 f"{self.gradient_accumulation_steps} = {parts} equal parts"
             )

@@ -56,6 +56,17 @@ class PromptBatch:
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
+    def repeat_interleave(self, n: int) -> PromptBatch:
+        """Each prompt ``n`` times in a row (group sampling: the group of a prompt stays contiguous)."""
+        if n == 1:
+            return self
+        return PromptBatch(
+            prompt_ids=self.prompt_ids.repeat_interleave(n, dim=0),
+            prompt_mask=self.prompt_mask.repeat_interleave(n, dim=0),
+            prompts=[p for p in self.prompts for _ in range(n)],
+            extras={k: [v for v in values for _ in range(n)] for k, values in self.extras.items()},
+        )
+
 
 class PromptRows(Dataset):
     """Tokenized prompts held as plain lists; each item is a row for :func:`collate_prompts`.

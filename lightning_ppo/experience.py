@@ -69,20 +69,21 @@ def make_experience(
     kl_coef: float,
     config: PPOConfig,
 ) -> Experience:
-    """Turn a rollout, its log-probs, values and scores into per-token rewards, advantages, returns."""
+    """Turn a rollout, its log-probs, values and scores into per-token rewards, advantages, returns.
+
+    With a critic-free estimator pass ``values`` as zeros: they are neither read nor trained.
+    """
     mask = rollout.response_mask
     if config.missing_eos_penalty is not None:
         scores = torch.where(rollout.ended, scores, scores - config.missing_eos_penalty)
     kl = torch.where(mask, F.kl_penalty(logprobs, ref_logprobs, config.kl_estimator), 0.0)
-    rewards = -kl_coef * kl
+    # With kl_placement "loss" the KL is a loss term instead (recomputed in every minibatch).
+    rewards = -kl_coef * kl if config.kl_placement == "reward" else torch.zeros_like(kl)
     rows = torch.arange(len(scores), device=scores.device)
     # The score is earned by the whole response, so it lands on its last real token.
     rewards[rows, last_token_index(mask)] += scores
-    if config.whiten_rewards:
-        rewards = F.masked_whiten(rewards, mask, shift_mean=False)
-    advantages, returns = F.gae(rewards, values, mask, config.gamma, config.gae_lambda)
-    if config.whiten_advantages:
-        advantages = F.masked_whiten(advantages, mask)
+    values = torch.where(mask, values, 0.0)
+    advantages, returns = estimate_advantages(rewards, values, mask, config)
     return Experience(
         input_ids=rollout.input_ids,
         attention_mask=rollout.attention_mask,
@@ -91,10 +92,33 @@ def make_experience(
         response_mask=mask,
         logprobs=logprobs,
         ref_logprobs=ref_logprobs,
-        values=torch.where(mask, values, 0.0),
+        values=values,
         scores=scores,
         kl=kl,
         rewards=rewards,
         advantages=advantages,
         returns=returns,
     )
+
+
+def estimate_advantages(
+    rewards: Tensor, values: Tensor, mask: Tensor, config: PPOConfig
+) -> tuple[Tensor, Tensor]:
+    """(advantages, returns), both (B, R) and 0 on padding, by ``config.advantage_estimator``."""
+    estimator = config.advantage_estimator
+    if estimator == "gae":
+        if config.whiten_rewards:
+            rewards = F.masked_whiten(rewards, mask, shift_mean=False)
+        advantages, returns = F.gae(rewards, values, mask, config.gamma, config.gae_lambda)
+        if config.whiten_advantages:
+            advantages = F.masked_whiten(advantages, mask)
+        return advantages, returns
+    if estimator == "reinforce_pp":
+        # REINFORCE++: token-level reward-to-go (KL included), normalised over the whole batch.
+        returns = F.discounted_returns(rewards, mask, config.gamma)
+        return F.masked_whiten(returns, mask), returns
+    # grpo / rloo: one return per sequence (score plus its KL part), compared within its group.
+    sequence_return = rewards.sum(dim=1)
+    advantage = F.group_advantages(sequence_return, config.num_generations, estimator)
+    zero = torch.zeros_like(rewards)
+    return torch.where(mask, advantage[:, None], zero), torch.where(mask, sequence_return[:, None], zero)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 KLEstimator = Literal["k1", "k2", "k3"]
+GroupEstimator = Literal["grpo", "rloo"]
 
 # Rows of a (B, T, V) logits tensor processed at once by the vocabulary-wide reductions: bounds
 # the temporary (rows, T, V) float32 buffer that log_softmax/softmax would otherwise allocate for
@@ -165,9 +166,12 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     clip_range: float,
+    dual_clip: float | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate: masked mean of ``max(-A r, -A clip(r, 1 - e, 1 + e))``.
 
+    With ``dual_clip = c > 1`` (Ye et al., 2020), the per-token loss of a negative advantage is
+    also capped at ``-c A``, so a huge ratio on a bad action cannot blow the update up.
     ``approx_kl`` is 0.5 (log r)^2 averaged over real tokens, ``clipfrac`` the fraction of real
     tokens where the clipped term was the larger one, ``ratio`` the mean of r.
     """
@@ -175,7 +179,10 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    per_token = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
+    loss = masked_mean(per_token, mask)
     with torch.no_grad():
         return PolicyLossOutput(
             loss=loss,
@@ -211,3 +218,38 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     var_returns = masked_var(returns, mask, unbiased=False)
     var_residual = masked_var(returns - values, mask, unbiased=False)
     return 1.0 - var_residual / var_returns.clamp(min=1e-8)
+
+
+def group_advantages(scores: Tensor, group_size: int, estimator: GroupEstimator, eps: float = 1e-6) -> Tensor:
+    """Critic-free sequence advantages from groups of completions of the same prompt.
+
+    ``scores`` is (B,) with the ``group_size`` completions of each prompt next to each other.
+    ``grpo``: (s - group mean) / (group std + eps), the std unbiased (Shao et al., 2024).
+    ``rloo``: s minus the mean of the *other* completions of its prompt (Ahmadian et al., 2024).
+    """
+    if scores.numel() % group_size:
+        raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
+    if group_size < 2:
+        raise ValueError(f"advantage_estimator {estimator!r} needs num_generations >= 2, got {group_size}")
+    groups = scores.reshape(-1, group_size)
+    mean = groups.mean(dim=1, keepdim=True)
+    if estimator == "grpo":
+        advantages = (groups - mean) / (groups.std(dim=1, keepdim=True) + eps)
+    elif estimator == "rloo":
+        others_mean = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+        advantages = groups - others_mean
+    else:
+        raise ValueError(f"group estimator must be 'grpo' or 'rloo', got {estimator!r}")
+    return advantages.reshape(-1)
+
+
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """(B, T) reward-to-go ``sum_k gamma^k r_{t+k}`` over real tokens; 0 on padding."""
+    mask = mask.bool()
+    rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(mask[:, t], running, torch.zeros_like(running))
+    return returns

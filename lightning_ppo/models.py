@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 
 def _config_without_dropout(name_or_path: str, trust_remote_code: bool) -> PretrainedConfig:
@@ -89,3 +97,27 @@ def response_logits(
         logits_to_keep=length + 1,
     ).logits
     return logits[:, :-1]
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The policy's tokenizer, with EOS standing in for a missing pad token."""
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def resolve_stop_token(tokenizer: PreTrainedTokenizerBase, stop_token: str | None) -> int:
+    """The id of ``generation.stop_token`` (EOS when unset), checked against the vocabulary."""
+    if stop_token is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("generation.stop_token is unset and the tokenizer has no EOS token: set one")
+        return tokenizer.eos_token_id
+    token_id = tokenizer.convert_tokens_to_ids(stop_token)
+    if token_id is None or token_id == tokenizer.unk_token_id and stop_token != tokenizer.unk_token:
+        raise ValueError(
+            f"generation.stop_token {stop_token!r} is not a single token of the tokenizer's vocabulary"
+        )
+    return token_id

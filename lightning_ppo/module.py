@@ -15,15 +15,28 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_ppo import functional as F
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.models import ValueModel, freeze, load_causal_lm, response_logits
-from lightning_ppo.rewards import RewardFunction, RewardModel, ScoreInputs, check_scores
+from lightning_ppo.models import (
+    ValueModel,
+    freeze,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_stop_token,
+    response_logits,
+)
+from lightning_ppo.rewards import (
+    RewardLike,
+    RewardModel,
+    RunningMoments,
+    ScoreInputs,
+    check_scores,
+    reward_name,
+)
 from lightning_ppo.rollout import Rollout, generate, hf_generation_config
 
 
@@ -33,45 +46,29 @@ class RolloutForwards:
 
     logprobs: Tensor
     ref_logprobs: Tensor
-    values: Tensor
+    values: Tensor  # zeros for critic-free estimators
     entropy: Tensor
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The policy's tokenizer, with EOS standing in for a missing pad token."""
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError(f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token")
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def resolve_stop_token(tokenizer: PreTrainedTokenizerBase, stop_token: str | None) -> int:
-    """The id of ``generation.stop_token`` (EOS when unset), checked against the vocabulary."""
-    if stop_token is None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError("generation.stop_token is unset and the tokenizer has no EOS token: set one")
-        return tokenizer.eos_token_id
-    token_id = tokenizer.convert_tokens_to_ids(stop_token)
-    if token_id is None or token_id == tokenizer.unk_token_id and stop_token != tokenizer.unk_token:
-        raise ValueError(
-            f"generation.stop_token {stop_token!r} is not a single token of the tokenizer's vocabulary"
-        )
-    return token_id
-
-
 class PPOLightningModule(LightningModule):
-    """PPO for RLHF of a Hugging Face causal LM.
+    """PPO (and GRPO, RLOO, REINFORCE++) for RLHF of a Hugging Face causal LM.
 
-    Override :meth:`score` in a subclass for a custom reward, or pass ``reward_fn`` / ``reward_model``.
+    Rewards: override :meth:`score` in a subclass, or configure ``reward_fn`` and/or ``reward_model``.
 
     Args:
         policy: Path or hub name of the causal LM to train.
-        reward_model: Path of an ``AutoModelForSequenceClassification`` (num_labels=1) sharing the
-            policy's tokenizer; the score is read at the last real token.
-        reward_fn: A ``RewardFunction`` on text, selected by ``class_path``.
-        value_model: Checkpoint the critic's backbone is loaded from (default: the policy).
+        reward_fn: One reward on text or a list of them, by ``class_path`` (a ``RewardFunction``
+            or a class with ``__call__``) or by import path (a plain function). Each is called as
+            ``fn(prompts, completions, batch)`` and returns one number per completion.
+        reward_weights: Weights of the rewards (reward functions first, then the reward model);
+            default 1 each.
+        reward_model: Path of an ``AutoModelForSequenceClassification`` (num_labels=1); the score
+            is read at the last real token.
+        reward_tokenizer: Tokenizer of the reward model (default: the one saved with it, else the
+            policy's). With a vocabulary other than the policy's, completions are decoded and
+            re-tokenised for it.
+        value_model: Checkpoint the critic's backbone is loaded from (default: the policy). Only
+            built when ``ppo.advantage_estimator`` is ``gae``.
         reference: Checkpoint of the frozen reference policy (default: the initial policy).
         tokenizer: Tokenizer path (default: the policy's).
         ppo: PPO hyper-parameters.
@@ -85,8 +82,10 @@ class PPOLightningModule(LightningModule):
     def __init__(
         self,
         policy: str,
+        reward_fn: RewardLike | list[RewardLike] | None = None,
+        reward_weights: list[float] | None = None,
         reward_model: str | None = None,
-        reward_fn: RewardFunction | None = None,
+        reward_tokenizer: str | None = None,
         value_model: str | None = None,
         reference: str | None = None,
         tokenizer: str | None = None,
@@ -101,15 +100,15 @@ class PPOLightningModule(LightningModule):
         self.automatic_optimization = False
         # Frozen roles are left out of checkpoints, so loading one must not demand their keys.
         self.strict_loading = False
-        has_custom_score = type(self).score is not PPOLightningModule.score
-        if reward_fn is None and reward_model is None and not has_custom_score:
-            raise ValueError("no reward: set reward_fn or reward_model, or override score() in a subclass")
-        if reward_fn is not None and reward_model is not None:
-            raise ValueError("set only one of reward_fn and reward_model")
+        self.reward_fns = (
+            [] if reward_fn is None else list(reward_fn) if isinstance(reward_fn, list) else [reward_fn]
+        )
+        self._check_rewards(reward_weights, reward_model)
         self.save_hyperparameters(
             {
                 "policy": policy,
                 "reward_model": reward_model,
+                "reward_weights": reward_weights,
                 "value_model": value_model,
                 "reference": reference,
                 "ppo": asdict(ppo),
@@ -124,43 +123,57 @@ class PPOLightningModule(LightningModule):
         self.hf_generation = hf_generation_config(generation, self.stop_token_id, self.tokenizer.pad_token_id)
         self.policy = load_causal_lm(policy, trust_remote_code)
         self.ref_policy = freeze(load_causal_lm(reference or policy, trust_remote_code))
-        self.value_model = ValueModel.from_pretrained(value_model or policy, trust_remote_code)
-        self.reward_fn = reward_fn
-        self.reward_model = (
-            RewardModel.from_pretrained(reward_model, trust_remote_code) if reward_model else None
+        self.value_model = (
+            ValueModel.from_pretrained(value_model or policy, trust_remote_code) if ppo.uses_critic else None
         )
+        self.reward_model = (
+            RewardModel.from_pretrained(reward_model, self.tokenizer, reward_tokenizer, trust_remote_code)
+            if reward_model
+            else None
+        )
+        self.reward_weights = reward_weights or [1.0] * (len(self.reward_fns) + (reward_model is not None))
         self.kl_ctl = make_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
+        self.score_moments = RunningMoments()
         self.iteration = 0
         self.episodes = 0
+
+    def _check_rewards(self, weights: list[float] | None, reward_model: str | None) -> None:
+        count = len(self.reward_fns) + (reward_model is not None)
+        if count == 0 and type(self).score is PPOLightningModule.score:
+            raise ValueError("no reward: set reward_fn or reward_model, or override score() in a subclass")
+        for fn in self.reward_fns:
+            if not callable(fn):
+                raise TypeError(f"reward_fn entries must be callable, got {type(fn).__name__}")
+        if weights is not None and len(weights) != count:
+            raise ValueError(
+                f"reward_weights has {len(weights)} entries but there are {count} rewards "
+                f"({len(self.reward_fns)} reward_fn + {int(reward_model is not None)} reward_model)"
+            )
 
     # ----------------------------------------------------------------- the PPO iteration
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         self.ppo.check_batch_size(len(batch))
+        batch = batch.repeat_interleave(self.ppo.num_generations)
         rollout = self.generate(batch)
-        prompts, completions = batch.prompts, self.decode_responses(rollout)
-        scores = self.score(prompts, completions, ScoreInputs(batch.extras, rollout))
-        scores = check_scores(scores, len(batch), self.reward_name, self.device)
+        completions = self.decode_responses(rollout)
+        scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
+        scores, dropped = self.shape_scores(scores, rollout)
         forwards = self.rollout_forwards(rollout)
+        kl_coef = self.kl_ctl.value
         exp = make_experience(
-            rollout,
-            forwards.logprobs,
-            forwards.ref_logprobs,
-            forwards.values,
-            scores,
-            self.kl_ctl.value,
-            self.ppo,
+            rollout, forwards.logprobs, forwards.ref_logprobs, forwards.values, scores, kl_coef, self.ppo
         )
         stats = self.ppo_update(exp)
-        mean_kl = exp.kl.sum(dim=1).mean()
         self.iteration += 1
         self.episodes += len(batch) * self.trainer.world_size
         stats.update(self.experience_stats(exp, forwards.entropy, rollout.ended))
-        stats["kl_coef"] = torch.tensor(self.kl_ctl.value)
-        self.kl_ctl.update(float(mean_kl), len(batch) * self.trainer.world_size)
+        stats["kl_coef"] = torch.tensor(kl_coef)
+        stats["reward/dropped"] = dropped.float().sum()
+        self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
         self.log_stats(stats, len(batch))
 
     def generate(self, batch: PromptBatch) -> Rollout:
-        """Sample one response per prompt with the current policy."""
+        """Sample one response per (repeated) prompt with the current policy."""
         return generate(self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_generation)
 
     def decode_responses(self, rollout: Rollout) -> list[str]:
@@ -170,29 +183,65 @@ class PPOLightningModule(LightningModule):
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def score(self, prompts: list[str], completions: list[str], batch: ScoreInputs) -> Tensor | list[float]:
-        """One score per completion. Override in a subclass for a custom reward.
+        """One score per completion: the weighted sum of the configured rewards. Override for your own.
 
         Args:
             prompts: Prompt text as given to the policy (after the chat template).
             completions: Sampled response text, without the stop token.
             batch: The dataset's extra columns (``batch.extras``) and the token ids (``batch.rollout``).
         """
-        if self.reward_fn is not None:
-            return self.reward_fn(prompts, completions, batch)
-        rollout = batch.rollout
-        return self.reward_model(rollout.input_ids, rollout.attention_mask, rollout.position_ids)
+        total = torch.zeros(len(completions), device=self.device)
+        components = [
+            (reward_name(fn), lambda fn=fn: fn(prompts, completions, batch)) for fn in self.reward_fns
+        ]
+        if self.reward_model is not None:
+            components.append(
+                ("reward_model", lambda: self.reward_model.score(prompts, completions, batch.rollout))
+            )
+        allow_nonfinite = self.ppo.on_bad_reward == "drop"
+        for (name, compute), weight in zip(components, self.reward_weights, strict=True):
+            part = check_scores(compute(), len(completions), name, self.device, allow_nonfinite)
+            if len(components) > 1:
+                self.log(f"reward/{name}", part[torch.isfinite(part)].mean(), batch_size=len(completions))
+            total = total + weight * part
+        return total
+
+    def shape_scores(self, scores: Any, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        """Validate, drop non-finite scores (if configured), clip and normalise.
+
+        Returns ``(scores, dropped)``; a dropped sample keeps score 0 and its response mask is
+        cleared, so it contributes to no loss and no statistic.
+        """
+        allow_nonfinite = self.ppo.on_bad_reward == "drop"
+        scores = check_scores(
+            scores, len(rollout.response_ids), self.reward_label, self.device, allow_nonfinite
+        )
+        dropped = ~torch.isfinite(scores)
+        scores = torch.where(dropped, torch.zeros_like(scores), scores)
+        rollout.response_mask &= ~dropped[:, None]
+        if self.ppo.score_clip is not None:
+            scores = scores.clamp(-self.ppo.score_clip, self.ppo.score_clip)
+        if self.ppo.score_norm:
+            self.score_moments.update(scores[~dropped])
+            scores = torch.where(dropped, scores, self.score_moments.normalize(scores))
+        return scores, dropped
 
     @property
-    def reward_name(self) -> str:
-        if self.reward_fn is not None:
-            return self.reward_fn.name
-        return "reward_model" if self.reward_model is not None else f"{type(self).__name__}.score"
+    def reward_label(self) -> str:
+        """The reward's name in error messages."""
+        if type(self).score is not PPOLightningModule.score:
+            return f"{type(self).__name__}.score"
+        names = [reward_name(fn) for fn in self.reward_fns] + ["reward_model"] * (
+            self.reward_model is not None
+        )
+        return " + ".join(names)
 
     @torch.no_grad()
     def rollout_forwards(self, rollout: Rollout) -> RolloutForwards:
         """Log-probs, reference log-probs, values and entropy of the sampled responses."""
         chunk = self.generation_config.forward_chunk_size or len(rollout.input_ids)
         ids, mask, pos = rollout.input_ids, rollout.attention_mask, rollout.position_ids
+        temperature = self.generation_config.temperature
         parts = []
         for i in range(0, len(ids), chunk):
             sl = slice(i, i + chunk)
@@ -200,7 +249,6 @@ class PPOLightningModule(LightningModule):
             length = tokens.shape[1]
             logits = response_logits(self.policy, ids[sl], mask[sl], pos[sl], length)
             ref_logits = response_logits(self.ref_policy, ids[sl], mask[sl], pos[sl], length)
-            temperature = self.generation_config.temperature
             parts.append(
                 (
                     F.logprobs_from_logits(logits, tokens, temperature),
@@ -209,17 +257,16 @@ class PPOLightningModule(LightningModule):
                     F.entropy_from_logits(logits, temperature),
                 )
             )
-        logprobs, ref_logprobs, values, entropy = (torch.cat(p) for p in zip(*parts, strict=True))
         zero = ~rollout.response_mask
-        return RolloutForwards(
-            logprobs.masked_fill(zero, 0.0),
-            ref_logprobs.masked_fill(zero, 0.0),
-            values.masked_fill(zero, 0.0),
-            entropy.masked_fill(zero, 0.0),
+        logprobs, ref_logprobs, values, entropy = (
+            torch.cat(p).masked_fill(zero, 0.0) for p in zip(*parts, strict=True)
         )
+        return RolloutForwards(logprobs, ref_logprobs, values, entropy)
 
     def response_values(self, ids: Tensor, mask: Tensor, pos: Tensor, length: int) -> Tensor:
-        """(B, R) critic value of the state before each of the last ``length`` tokens."""
+        """(B, R) critic value of the state before each of the last ``length`` tokens (0 without a critic)."""
+        if self.value_model is None:
+            return torch.zeros(ids.shape[0], length, device=ids.device)
         return self.value_model(ids, mask, pos)[:, -length - 1 : -1]
 
     # ----------------------------------------------------------------- the inner PPO epochs
@@ -245,26 +292,35 @@ class PPOLightningModule(LightningModule):
         return {key: torch.stack([h[key] for h in history]).mean() for key in history[0]}
 
     def ppo_loss(self, mb: Experience) -> tuple[Tensor, dict[str, Tensor]]:
-        """Clipped policy loss + vf_coef x clipped value loss - entropy_coef x entropy, on one micro-batch."""
+        """Clipped policy loss (+ vf_coef x value loss, + kl_coef x KL, - entropy_coef x entropy)."""
         length = mb.response_ids.shape[1]
+        mask = mb.response_mask
         logits = response_logits(self.policy, mb.input_ids, mb.attention_mask, mb.position_ids, length)
         temperature = self.generation_config.temperature
         logprobs = F.logprobs_from_logits(logits, mb.response_ids, temperature)
-        pg = F.policy_loss(logprobs, mb.logprobs, mb.advantages, mb.response_mask, self.ppo.clip_range)
-        values = self.response_values(mb.input_ids, mb.attention_mask, mb.position_ids, length)
-        vf = F.value_loss(values, mb.values, mb.returns, mb.response_mask, self.ppo.value_clip_range)
+        pg = F.policy_loss(
+            logprobs, mb.logprobs, mb.advantages, mask, self.ppo.clip_range, self.ppo.dual_clip
+        )
         with torch.set_grad_enabled(self.ppo.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = F.masked_mean(F.entropy_from_logits(logits, temperature), mb.response_mask)
-        loss = pg.loss + self.ppo.vf_coef * vf.loss - self.ppo.entropy_coef * entropy
+            entropy = F.masked_mean(F.entropy_from_logits(logits, temperature), mask)
+        loss = pg.loss - self.ppo.entropy_coef * entropy
         stats = {
             "policy/approxkl_avg": pg.approx_kl,
             "policy/clipfrac_avg": pg.clipfrac,
             "policy/entropy_avg": entropy.detach(),
             "loss/policy_avg": pg.loss.detach(),
-            "loss/value_avg": vf.loss.detach(),
-            "val/clipfrac_avg": vf.clipfrac,
             "val/ratio": pg.ratio,
         }
+        if self.ppo.kl_placement == "loss":
+            kl = F.masked_mean(F.kl_penalty(logprobs, mb.ref_logprobs, self.ppo.kl_estimator), mask)
+            loss = loss + self.kl_ctl.value * kl
+            stats["loss/kl_avg"] = kl.detach()
+        if self.value_model is not None:
+            values = self.response_values(mb.input_ids, mb.attention_mask, mb.position_ids, length)
+            vf = F.value_loss(values, mb.values, mb.returns, mask, self.ppo.value_clip_range)
+            loss = loss + self.ppo.vf_coef * vf.loss
+            stats["loss/value_avg"] = vf.loss.detach()
+            stats["val/clipfrac_avg"] = vf.clipfrac
         return loss, stats
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -282,19 +338,21 @@ class PPOLightningModule(LightningModule):
         """Per-iteration statistics of the rollout; token statistics count real tokens only."""
         mask = exp.response_mask
         non_score = (-self.kl_ctl.value * exp.kl).sum(dim=1)
-        return {
+        stats = {
             "objective/kl": exp.kl.sum(dim=1).mean(),
             "objective/entropy": entropy.sum(dim=1).mean(),
             "objective/non_score_reward": non_score.mean(),
             "objective/rlhf_reward": (exp.scores + non_score).mean(),
             "objective/scores": exp.scores.mean(),
-            "val/explained_variance": F.explained_variance(exp.values, exp.returns, mask),
             "returns/mean": F.masked_mean(exp.returns, mask),
             "returns/std": F.masked_var(exp.returns, mask).sqrt(),
             "advantages/mean": F.masked_mean(exp.advantages, mask),
             "response/length_mean": mask.sum(dim=1).float().mean(),
             "response/eos_fraction": ended.float().mean(),
         }
+        if self.value_model is not None:
+            stats["val/explained_variance"] = F.explained_variance(exp.values, exp.returns, mask)
+        return stats
 
     def log_stats(self, stats: dict[str, Tensor], batch_size: int) -> None:
         stats["lr"] = torch.tensor(self.optimizers().param_groups[0]["lr"])
@@ -326,6 +384,7 @@ class PPOLightningModule(LightningModule):
             "kl_coef": float(self.kl_ctl.value),
             "iteration": self.iteration,
             "episodes": self.episodes,
+            "score_moments": self.score_moments.state_dict(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -333,3 +392,5 @@ class PPOLightningModule(LightningModule):
         self.kl_ctl.value = state.get("kl_coef", self.kl_ctl.value)
         self.iteration = state.get("iteration", 0)
         self.episodes = state.get("episodes", 0)
+        if "score_moments" in state:
+            self.score_moments.load_state_dict(state["score_moments"])

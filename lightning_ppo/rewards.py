@@ -7,15 +7,15 @@ float tensor of shape (B,) or raises an error that names the reward and what was
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoModelForSequenceClassification, PreTrainedModel
+from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_ppo.models import _config_without_dropout, freeze
+from lightning_ppo.models import _config_without_dropout, freeze, load_tokenizer
 from lightning_ppo.rollout import Rollout
 
 
@@ -50,8 +50,25 @@ class RewardFunction(ABC):
         """Score each completion of its prompt."""
 
 
-def check_scores(scores: Any, batch_size: int, name: str, device: torch.device | None = None) -> Tensor:
-    """Validate a reward's output and return it as a float32 tensor of shape (batch_size,)."""
+# A reward selected in YAML: a RewardFunction subclass by class_path, or any callable with the same
+# signature (a plain function by its import path, or a class with __call__ by class_path).
+RewardLike = RewardFunction | Callable[..., Any]
+
+
+def reward_name(reward: RewardLike) -> str:
+    """The name a reward is logged under: ``name``, a function's ``__name__``, or the class name."""
+    if isinstance(reward, RewardFunction):
+        return reward.name
+    return getattr(reward, "__name__", type(reward).__name__)
+
+
+def check_scores(
+    scores: Any, batch_size: int, name: str, device: torch.device | None = None, allow_nonfinite: bool = False
+) -> Tensor:
+    """Validate a reward's output and return it as a float32 tensor of shape (batch_size,).
+
+    NaN and inf raise unless ``allow_nonfinite`` (the caller then drops those samples).
+    """
     try:
         tensor = torch.as_tensor(scores, dtype=torch.float32, device=device)
     except (TypeError, ValueError, RuntimeError) as err:
@@ -65,35 +82,63 @@ def check_scores(scores: Any, batch_size: int, name: str, device: torch.device |
             f"reward {name!r} must return one score per completion, shape ({batch_size},), "
             f"got shape {tuple(tensor.shape)}"
         )
-    if not torch.isfinite(tensor).all():
+    if not allow_nonfinite and not torch.isfinite(tensor).all():
         bad = (~torch.isfinite(tensor)).nonzero().flatten().tolist()
         raise ValueError(f"reward {name!r} returned NaN or inf at positions {bad[:10]}")
     return tensor
 
 
 class RewardModel(nn.Module):
-    """A frozen ``AutoModelForSequenceClassification`` (num_labels=1) scoring token ids directly.
+    """A frozen ``AutoModelForSequenceClassification`` (num_labels=1) and its tokenizer.
 
     The score is read at the last real token of each sequence, located from the attention mask,
-    not from ``pad_token_id`` as HF's own pooling does (which breaks when pad == eos).
+    not from ``pad_token_id`` as HF's own pooling does (which breaks when pad == eos). A reward
+    model with the policy's vocabulary scores the rollout's token ids directly; one with another
+    tokenizer gets the decoded prompt + completion text, re-tokenised with its own tokenizer.
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         super().__init__()
         self.model = freeze(model)
+        self.tokenizer = tokenizer  # None: the policy's tokenizer, no text round trip
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, trust_remote_code: bool = False) -> RewardModel:
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        policy_tokenizer: PreTrainedTokenizerBase | None = None,
+        tokenizer: str | None = None,
+        trust_remote_code: bool = False,
+    ) -> RewardModel:
+        """Load the classifier; its tokenizer from ``tokenizer``, the checkpoint, or else the policy's."""
         config = _config_without_dropout(name_or_path, trust_remote_code)
         config.num_labels = 1
         model = AutoModelForSequenceClassification.from_pretrained(
             name_or_path, config=config, trust_remote_code=trust_remote_code
         )
-        return cls(model)
+        try:
+            own = load_tokenizer(tokenizer or name_or_path, trust_remote_code)
+        except (OSError, ValueError):
+            if tokenizer is not None:
+                raise
+            own = None  # a checkpoint saved without a tokenizer was trained on the policy's
+        if (
+            own is not None
+            and policy_tokenizer is not None
+            and own.get_vocab() == policy_tokenizer.get_vocab()
+        ):
+            own = None
+        return cls(model, own)
+
+    def score(self, prompts: list[str], completions: list[str], rollout: Rollout) -> Tensor:
+        """(B,) scores of the rollout's sequences."""
+        if self.tokenizer is None:
+            return self(rollout.input_ids, rollout.attention_mask, rollout.position_ids)
+        return self(*retokenize(prompts, completions, self.tokenizer, rollout.input_ids.device))
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        """(B,) score at the last real token of each right-padded-by-response sequence."""
+        """(B,) score at the last real token of each sequence (any padding side)."""
         backbone = getattr(self.model, self.model.base_model_prefix)
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
@@ -102,3 +147,44 @@ class RewardModel(nn.Module):
         last = attention_mask.shape[1] - 1 - attention_mask.long().flip(1).argmax(1)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         return head(hidden[rows, last]).squeeze(-1).float()
+
+
+class RunningMoments:
+    """Running mean and variance of every score seen so far (Chan et al.'s parallel update)."""
+
+    def __init__(self) -> None:
+        self.mean, self.var, self.count = 0.0, 1.0, 0
+
+    def update(self, values: Tensor) -> None:
+        values = values[torch.isfinite(values)].double()
+        n = values.numel()
+        if n == 0:
+            return
+        batch_mean, batch_var = values.mean().item(), values.var(unbiased=False).item()
+        total = self.count + n
+        delta = batch_mean - self.mean
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        self.mean, self.var, self.count = self.mean + delta * n / total, m2 / total, total
+
+    def normalize(self, values: Tensor) -> Tensor:
+        return (values - self.mean) / (self.var**0.5 + 1e-8)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), int(state["count"])
+
+
+def retokenize(
+    prompts: list[str], completions: list[str], tokenizer: PreTrainedTokenizerBase, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Prompt + completion text in a reward model's own tokenizer: (input_ids, attention_mask, position_ids).
+
+    Right padding with a mask from the lengths; RewardModel reads the last real token from the mask.
+    """
+    texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+    encoded = tokenizer(texts, padding=True, return_tensors="pt", padding_side="right")
+    mask = encoded["attention_mask"].to(device).bool()
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return encoded["input_ids"].to(device), mask, position_ids

@@ -29,3 +29,8 @@ class ShortAnswerModule(PPOLightningModule):
     def score(self, prompts, completions, batch):
         ShortAnswerModule.seen_extras.append(dict(batch.extras))
         return torch.tensor([1.0 if len(c) <= 2 else 0.0 for c in completions])
+
+
+def count_sevens(prompts, completions, batch):
+    """A plain function reward: the number of '7' characters in each completion."""
+    return [float(c.count("7")) for c in completions]
