@@ -1,0 +1,115 @@
+"""Advantage estimators, dual clip and the KL controllers against hand-computed numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_ppo import functional as F
+from lightning_ppo.config import PPOConfig
+from lightning_ppo.experience import make_experience
+from lightning_ppo.kl import AdaptiveKLController, FixedKLController
+from lightning_ppo.rollout import Rollout
+
+# 2 prompts x 4 completions, each group contiguous
+SCORES = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.0, 2.0, 6.0])
+
+
+def test_grpo_group_advantages_hand_computed():
+    adv = F.group_advantages(SCORES, 4, "grpo", eps=0.0)
+    # group 1: mean 1, unbiased std sqrt(((0)^2+1+1+4)/3) = sqrt(2); group 2: mean 3, std sqrt((1+1+1+9)/3) = 2
+    s2 = math.sqrt(2.0)
+    assert adv.tolist() == pytest.approx([0.0, -1 / s2, -1 / s2, 2 / s2, -0.5, -0.5, -0.5, 1.5])
+
+
+def test_rloo_leave_one_out_hand_computed():
+    adv = F.group_advantages(SCORES, 4, "rloo")
+    # group 1: completion 0 earns 1 - mean(0, 0, 3) = 0, completion 3 earns 3 - mean(1, 0, 0) = 8/3;
+    # group 2: 2 - mean(2, 2, 6) = -4/3 and 6 - mean(2, 2, 2) = 4
+    assert adv.tolist() == pytest.approx([0.0, -4 / 3, -4 / 3, 8 / 3, -4 / 3, -4 / 3, -4 / 3, 4.0])
+    assert adv.reshape(2, 4).sum(1).tolist() == pytest.approx([0.0, 0.0], abs=1e-6)
+
+
+def test_group_estimators_reject_groups_of_one():
+    with pytest.raises(ValueError, match="num_generations >= 2"):
+        F.group_advantages(SCORES, 1, "grpo")
+    with pytest.raises(ValueError, match="ppo.num_generations"):
+        PPOConfig(advantage_estimator="rloo", num_generations=1)
+
+
+def test_discounted_returns_hand_computed_and_padding_free():
+    rewards = torch.tensor([[1.0, 0.0, 2.0, 99.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    returns = F.discounted_returns(rewards, mask, gamma=0.5)
+    assert returns.tolist()[0] == pytest.approx([1.5, 1.0, 2.0, 0.0])
+
+
+def _rollout(batch: int) -> Rollout:
+    # responses of length 2 except the last one of each group (length 1)
+    mask = torch.ones(batch, 2, dtype=torch.bool)
+    mask[3::4, 1] = False
+    return Rollout(
+        prompt_ids=torch.zeros(batch, 1, dtype=torch.long),
+        prompt_mask=torch.ones(batch, 1, dtype=torch.bool),
+        response_ids=torch.ones(batch, 2, dtype=torch.long),
+        response_mask=mask,
+        ended=torch.ones(batch, dtype=torch.bool),
+    )
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_group_estimators_in_make_experience_broadcast_over_real_tokens(estimator):
+    config = PPOConfig(advantage_estimator=estimator, num_generations=4, kl_placement="loss")
+    zeros = torch.zeros(8, 2)
+    exp = make_experience(_rollout(8), zeros, zeros, zeros, SCORES, kl_coef=0.1, config=config)
+    expected = F.group_advantages(SCORES, 4, estimator)
+    assert torch.allclose(exp.advantages[:, 0], expected)
+    assert torch.allclose(exp.advantages[:3, 1], expected[:3])
+    assert exp.advantages[3, 1].item() == 0.0  # padding of the short response
+
+
+def test_group_estimator_with_kl_in_reward_uses_the_penalised_return():
+    config = PPOConfig(advantage_estimator="rloo", num_generations=4, kl_placement="reward")
+    logprobs = torch.zeros(8, 2)
+    ref = torch.zeros(8, 2)
+    ref[0, 0] = -1.0  # sequence 0 has KL 1 (k1) on its first token
+    exp = make_experience(_rollout(8), logprobs, ref, torch.zeros(8, 2), SCORES, kl_coef=0.5, config=config)
+    penalised = SCORES.clone()
+    penalised[0] -= 0.5
+    assert torch.allclose(exp.advantages[:, 0], F.group_advantages(penalised, 4, "rloo"))
+
+
+def test_reinforce_pp_normalises_reward_to_go_over_the_batch():
+    config = PPOConfig(advantage_estimator="reinforce_pp", gamma=1.0, kl_coef=0.0)
+    zeros = torch.zeros(8, 2)
+    exp = make_experience(_rollout(8), zeros, zeros, zeros, SCORES, kl_coef=0.0, config=config)
+    assert exp.returns[0].tolist() == pytest.approx([1.0, 1.0])  # score at the last token, reward-to-go
+    real = exp.advantages[exp.response_mask]
+    assert real.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert real.std().item() == pytest.approx(1.0, abs=1e-4)
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    old = torch.zeros(1, 2)
+    new = torch.log(torch.tensor([[10.0, 10.0]]))
+    adv = torch.tensor([[-1.0, 1.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    plain = F.policy_loss(new, old, adv, mask, clip_range=0.2)
+    dual = F.policy_loss(new, old, adv, mask, clip_range=0.2, dual_clip=3.0)
+    # token 0: max(10, 1.2) = 10 without dual clip, min(10, 3) = 3 with it; token 1: max(-10, -1.2) = -1.2
+    assert plain.loss.item() == pytest.approx((10.0 - 1.2) / 2)
+    assert dual.loss.item() == pytest.approx((3.0 - 1.2) / 2)
+
+
+def test_adaptive_kl_moves_toward_the_target():
+    above = AdaptiveKLController(0.1, target=1.0, horizon=100)
+    above.update(current_kl=5.0, n_episodes=10)  # too much KL: raise the coefficient
+    assert above.value == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))
+    below = AdaptiveKLController(0.1, target=1.0, horizon=100)
+    below.update(current_kl=0.5, n_episodes=10)  # too little KL: lower it (error -0.5 clipped to -0.2)
+    assert below.value == pytest.approx(0.1 * (1 - 0.2 * 10 / 100))
+    fixed = FixedKLController(0.1)
+    fixed.update(5.0, 10)
+    assert fixed.value == 0.1
