@@ -16,9 +16,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The tiny local checkpoint (char tokenizer + random GPT-2) the configs load by path; built offline.
+# The tiny local checkpoints (char tokenizer + random GPT-2 policy / reward model) the configs load
+# by path; built offline from configs.
 tiny: $(STAMP)
 	$(BIN)/lightning-ppo make-tiny --out checkpoints/tiny-digits --alphabet "0123456789="
+	$(BIN)/lightning-ppo make-tiny --out checkpoints/tiny-reward --kind reward --alphabet "0123456789=" --seed 1
 
 quickstart: tiny
 	WANDB_MODE=offline $(BIN)/lightning-ppo fit --config configs/quickstart.yaml

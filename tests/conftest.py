@@ -33,3 +33,10 @@ def tiny_digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(
         tmp_path_factory.mktemp("tiny_digits"), TinyModelSpec(), alphabet="0123456789="
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_reward(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random one-output GPT-2 classifier with its own tokenizer (the digit vocabulary)."""
+    out = tmp_path_factory.mktemp("tiny_reward")
+    return make_tiny_checkpoint(out, TinyModelSpec(n_embd=32), alphabet="0123456789=", seed=1, kind="reward")

@@ -84,3 +84,8 @@ class DigitsReward(RewardFunction):
         return torch.tensor(
             [digits_score(c, t, self.in_order) for c, t in zip(completions, targets, strict=True)]
         )
+
+
+def exact_length(prompts: list[str], completions: list[str], batch: ScoreInputs) -> list[float]:
+    """A plain-function reward: 1.0 when the completion is exactly as long as the prompt's digits."""
+    return [float(len(c) == len(p.rstrip("="))) for p, c in zip(prompts, completions, strict=True)]

@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 DEFAULT_ALPHABET = "0123456789=+-*/:;,.?! abcdefghijklmnopqrstuvwxyz"
@@ -81,14 +88,43 @@ def build_tiny_causal_lm(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec
     raise ValueError(f"arch must be 'gpt2' or 'llama', got {spec.arch!r}")
 
 
+def build_tiny_reward_model(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec, seed: int = 0):
+    """A randomly initialised GPT-2 sequence classifier with one output: a (random) reward model."""
+    import torch
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_layer=spec.n_layer,
+        n_embd=spec.n_embd,
+        n_head=spec.n_head,
+        n_positions=spec.n_positions,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    return GPT2ForSequenceClassification(config)
+
+
 def make_tiny_checkpoint(
-    out_dir: str | Path, spec: TinyModelSpec | None = None, alphabet: str = DEFAULT_ALPHABET, seed: int = 0
+    out_dir: str | Path,
+    spec: TinyModelSpec | None = None,
+    alphabet: str = DEFAULT_ALPHABET,
+    seed: int = 0,
+    kind: str = "causal-lm",
 ) -> Path:
-    """Write a tokenizer and a random tiny causal LM to ``out_dir`` with ``save_pretrained``."""
+    """Write a tokenizer and a random tiny model to ``out_dir`` with ``save_pretrained``.
+
+    ``kind`` is ``causal-lm`` (a policy) or ``reward`` (a one-output sequence classifier).
+    """
+    builders = {"causal-lm": build_tiny_causal_lm, "reward": build_tiny_reward_model}
+    if kind not in builders:
+        raise ValueError(f"kind must be one of {sorted(builders)}, got {kind!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer(alphabet)
-    model = build_tiny_causal_lm(tokenizer, spec or TinyModelSpec(), seed)
+    model = builders[kind](tokenizer, spec or TinyModelSpec(), seed)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
