@@ -30,6 +30,12 @@ def make_tiny_main(argv: list[str]) -> None:
     """``lightning-ppo make-tiny``: write a tokenizer and a random tiny causal LM to a folder."""
     parser = argparse.ArgumentParser(prog="lightning-ppo make-tiny", description=make_tiny_main.__doc__)
     parser.add_argument("--out", required=True, help="folder to write (created if missing)")
+    parser.add_argument(
+        "--kind",
+        default="causal-lm",
+        choices=["causal-lm", "reward"],
+        help="a policy, or a one-output sequence classifier used as a reward model",
+    )
     parser.add_argument("--arch", default="gpt2", choices=["gpt2", "llama"])
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--n-embd", type=int, default=64)
@@ -39,8 +45,8 @@ def make_tiny_main(argv: list[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     ns = parser.parse_args(argv)
     spec = TinyModelSpec(ns.arch, ns.n_layer, ns.n_embd, ns.n_head, ns.n_positions)
-    out = make_tiny_checkpoint(ns.out, spec, ns.alphabet, ns.seed)
-    print(f"wrote a tiny {ns.arch} checkpoint ({ns.n_layer} x {ns.n_embd}) and its tokenizer to {out}")
+    out = make_tiny_checkpoint(ns.out, spec, ns.alphabet, ns.seed, ns.kind)
+    print(f"wrote a tiny {ns.arch} {ns.kind} checkpoint ({ns.n_layer} x {ns.n_embd}) and its tokenizer to {out}")
 
 
 def main(args: list[str] | None = None) -> PPOLightningCLI | None:

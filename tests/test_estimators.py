@@ -19,7 +19,8 @@ SCORES = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.0, 2.0, 6.0])
 
 def test_grpo_group_advantages_hand_computed():
     adv = F.group_advantages(SCORES, 4, "grpo", eps=0.0)
-    # group 1: mean 1, unbiased std sqrt(((0)^2+1+1+4)/3) = sqrt(2); group 2: mean 3, std sqrt((1+1+1+9)/3) = 2
+    # group 1: mean 1, unbiased std sqrt((0 + 1 + 1 + 4) / 3) = sqrt(2)
+    # group 2: mean 3, unbiased std sqrt((1 + 1 + 1 + 9) / 3) = 2
     s2 = math.sqrt(2.0)
     assert adv.tolist() == pytest.approx([0.0, -1 / s2, -1 / s2, 2 / s2, -0.5, -0.5, -0.5, 1.5])
 
