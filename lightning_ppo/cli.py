@@ -46,7 +46,7 @@ def make_tiny_main(argv: list[str]) -> None:
     ns = parser.parse_args(argv)
     spec = TinyModelSpec(ns.arch, ns.n_layer, ns.n_embd, ns.n_head, ns.n_positions)
     out = make_tiny_checkpoint(ns.out, spec, ns.alphabet, ns.seed, ns.kind)
-    print(f"wrote a tiny {ns.arch} {ns.kind} checkpoint ({ns.n_layer} x {ns.n_embd}) and its tokenizer to {out}")
+    print(f"wrote a tiny {ns.arch} {ns.kind} ({ns.n_layer} x {ns.n_embd}) and its tokenizer to {out}")
 
 
 def main(args: list[str] | None = None) -> PPOLightningCLI | None:
