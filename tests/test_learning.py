@@ -1,25 +1,35 @@
-"""Learning, end to end: a short quickstart run through the CLI raises the score."""
+"""Learning, end to end: short runs of the quickstart task through the CLI raise the score."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from lightning_ppo.callbacks import TrainingSummary
 from lightning_ppo.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# (config, extra overrides): every estimator on the same task, 64 sequences per iteration
+RUNS = {
+    "gae": ("quickstart.yaml", ["--model.init_args.ppo.kl_coef", "0.02"]),
+    "grpo": ("grpo.yaml", []),
+    "rloo": ("rloo.yaml", []),
+    "reinforce_pp": ("quickstart.yaml", ["--model.init_args.ppo.advantage_estimator", "reinforce_pp"]),
+}
 
-def test_quickstart_task_score_rises(tiny_digits, tmp_path):
+
+@pytest.mark.parametrize("estimator", list(RUNS))
+def test_quickstart_task_score_rises(estimator, tiny_digits, tmp_path):
+    config, extra = RUNS[estimator]
     cli = main(
         [
             "fit",
             "--config",
-            str(ROOT / "configs" / "quickstart.yaml"),
+            str(ROOT / "configs" / config),
             "--model.init_args.policy",
             str(tiny_digits),
-            "--model.init_args.ppo.kl_coef",
-            "0.02",
             "--trainer.limit_train_batches",
             "60",
             "--trainer.default_root_dir",
@@ -32,11 +42,13 @@ def test_quickstart_task_score_rises(tiny_digits, tmp_path):
             "false",
             "--trainer.callbacks",
             '[{"class_path": "lightning_ppo.callbacks.TrainingSummary"}]',
+            *extra,
         ]
     )
+    assert cli.model.ppo.advantage_estimator == estimator
     summary = next(cb for cb in cli.trainer.callbacks if isinstance(cb, TrainingSummary)).summary
     assert summary.iterations == 60
     # a random policy earns about 0.25; the first 6 iterations average below 0.4
     assert summary.first_score < 0.4
-    assert summary.last_score > summary.first_score + 0.2
+    assert summary.last_score > summary.first_score + 0.15
     assert summary.final_kl < 20.0

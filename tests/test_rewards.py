@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2ForSequenceClassification
 
@@ -36,3 +37,133 @@ def test_reward_model_reads_the_last_real_token_with_pad_equal_eos(tmp_path):
             expected.append(reward.model.score(hidden[0, -1]).item())
     assert torch.allclose(scores, torch.tensor(expected), atol=1e-5)
     assert all(not p.requires_grad for p in reward.parameters())
+
+
+def _digits_module(policy, **kwargs):
+    from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+
+    ppo = PPOConfig(**kwargs.pop("ppo", {}))
+    return PPOLightningModule(
+        policy=str(policy), ppo=ppo, generation=GenerationConfig(max_new_tokens=6), **kwargs
+    )
+
+
+def _rollout_and_text(module, prompts):
+    from lightning_ppo import PromptDataModule
+
+    data = PromptDataModule(prompts=prompts, batch_size=len(prompts))
+    data.set_tokenizer(module.tokenizer)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    rollout = module.generate(batch)
+    return batch, rollout, module.decode_responses(rollout)
+
+
+def test_reward_model_with_its_own_tokenizer_scores_the_decoded_text(tiny_gpt2, tiny_reward):
+    from lightning_ppo.rewards import ScoreInputs
+
+    torch.manual_seed(0)
+    module = _digits_module(tiny_gpt2, reward_model=str(tiny_reward))
+    own = module.reward_model.tokenizer
+    assert own is not None and own.get_vocab() != module.tokenizer.get_vocab()
+    batch, rollout, completions = _rollout_and_text(module, ["12=", "345=", "6="])
+    scores = module.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
+    # the same text tokenised by the reward model's tokenizer, one sequence at a time, no padding
+    expected = []
+    for prompt, completion in zip(batch.prompts, completions, strict=True):
+        ids = torch.tensor([own(prompt + completion)["input_ids"]])
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        expected.append(module.reward_model(ids, mask, torch.arange(ids.shape[1])[None]).item())
+    assert torch.allclose(scores, torch.tensor(expected), atol=1e-5)
+
+
+def test_reward_model_sharing_the_policy_vocabulary_skips_the_round_trip(tiny_digits, tmp_path):
+    from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(
+        tmp_path / "rm", TinyModelSpec(n_embd=32), alphabet="0123456789=", kind="reward"
+    )
+    module = _digits_module(tiny_digits, reward_model=str(path))
+    assert module.reward_model.tokenizer is None
+
+
+def test_weighted_rewards_sum_and_plain_functions(tiny_digits):
+    from lightning_ppo.rewards import ScoreInputs
+    from lightning_ppo.tasks.digits import DigitsReward, digits_score, exact_length
+
+    torch.manual_seed(0)
+    module = _digits_module(tiny_digits, reward_fn=[DigitsReward(), exact_length], reward_weights=[2.0, -1.0])
+    batch, rollout, completions = _rollout_and_text(module, ["12345=", "67890="])
+    batch.extras["target"] = ["12345", "67890"]
+    scores = module.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
+    expected = [
+        2.0 * digits_score(c, t) - float(len(c) == 5) for c, t in zip(completions, ["12345", "67890"])
+    ]
+    assert scores.tolist() == pytest.approx(expected)
+
+
+def test_reward_weights_must_match_the_rewards(tiny_digits):
+    from lightning_ppo.tasks.digits import exact_length
+
+    with pytest.raises(ValueError, match="reward_weights has 2 entries but there are 1 rewards"):
+        _digits_module(tiny_digits, reward_fn=exact_length, reward_weights=[1.0, 2.0])
+
+
+def nan_for_first(prompts, completions, batch):
+    return [float("nan")] + [1.0] * (len(completions) - 1)
+
+
+def test_nan_reward_raises_naming_the_reward_or_is_dropped_and_counted(tiny_digits):
+    from lightning_ppo.rewards import ScoreInputs
+
+    torch.manual_seed(0)
+    strict = _digits_module(tiny_digits, reward_fn=nan_for_first)
+    batch, rollout, completions = _rollout_and_text(strict, ["12=", "34="])
+    with pytest.raises(ValueError, match="reward 'nan_for_first' returned NaN or inf at positions \\[0\\]"):
+        strict.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
+
+    lenient = _digits_module(tiny_digits, reward_fn=nan_for_first, ppo={"on_bad_reward": "drop"})
+    scores = lenient.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
+    shaped, dropped = lenient.shape_scores(scores, rollout)
+    assert dropped.tolist() == [True, False]
+    assert shaped.tolist() == [0.0, 1.0]
+    assert not rollout.response_mask[0].any() and rollout.response_mask[1].any()
+
+
+def test_wrong_length_reward_names_the_reward(tiny_digits):
+    from lightning_ppo.rewards import ScoreInputs
+
+    module = _digits_module(tiny_digits, reward_fn=lambda p, c, b: [1.0])
+    batch, rollout, completions = _rollout_and_text(module, ["12=", "34="])
+    with pytest.raises(
+        ValueError, match="reward '<lambda>' must return one score per completion, shape \\(2,\\)"
+    ):
+        module.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
+
+
+def test_critic_free_estimator_holds_no_value_parameters(tiny_digits):
+    from lightning_ppo.tasks.digits import exact_length
+
+    module = _digits_module(
+        tiny_digits, reward_fn=exact_length, ppo={"advantage_estimator": "grpo", "num_generations": 2}
+    )
+    assert module.value_model is None
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    assert trainable == sum(p.numel() for p in module.policy.parameters())
+
+
+def test_score_clip_and_running_normalisation(tiny_digits):
+    from lightning_ppo.tasks.digits import exact_length
+
+    module = _digits_module(tiny_digits, reward_fn=exact_length, ppo={"score_clip": 1.0, "score_norm": True})
+    rollout = Rollout(
+        prompt_ids=torch.zeros(4, 1, dtype=torch.long),
+        prompt_mask=torch.ones(4, 1, dtype=torch.bool),
+        response_ids=torch.ones(4, 2, dtype=torch.long),
+        response_mask=torch.ones(4, 2, dtype=torch.bool),
+        ended=torch.ones(4, dtype=torch.bool),
+    )
+    shaped, _ = module.shape_scores(torch.tensor([-5.0, 0.0, 1.0, 9.0]), rollout)
+    clipped = torch.tensor([-1.0, 0.0, 1.0, 1.0])
+    expected = (clipped - clipped.mean()) / clipped.var(unbiased=False).sqrt()
+    assert torch.allclose(shaped, expected, atol=1e-5)
