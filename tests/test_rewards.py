@@ -97,7 +97,8 @@ def test_weighted_rewards_sum_and_plain_functions(tiny_digits):
     batch.extras["target"] = ["12345", "67890"]
     scores = module.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
     expected = [
-        2.0 * digits_score(c, t) - float(len(c) == 5) for c, t in zip(completions, ["12345", "67890"])
+        2.0 * digits_score(c, t) - float(len(c) == 5)
+        for c, t in zip(completions, ["12345", "67890"], strict=True)
     ]
     assert scores.tolist() == pytest.approx(expected)
 
