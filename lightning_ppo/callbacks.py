@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 
@@ -67,3 +68,41 @@ class TrainingSummary(Callback):
             return
         self.summary = summarise(self.scores, self.final_kl, time.perf_counter() - self._start)
         rank_zero_info(f"lightning_ppo summary: {self.summary}")
+
+
+class SampleTable(Callback):
+    """Every ``every_n_iterations`` PPO iterations, log a table of samples to W&B.
+
+    Columns: iteration, prompt, completion, score, kl (the response's summed KL). Loggers other
+    than ``WandbLogger`` are skipped.
+
+    Args:
+        every_n_iterations: Log a table every this many iterations (>= 1).
+        max_rows: Samples per table.
+    """
+
+    def __init__(self, every_n_iterations: int = 50, max_rows: int = 16) -> None:
+        if every_n_iterations < 1 or max_rows < 1:
+            raise ValueError(
+                f"every_n_iterations and max_rows must be >= 1, got {every_n_iterations}, {max_rows}"
+            )
+        self.every_n_iterations, self.max_rows = every_n_iterations, max_rows
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx
+    ) -> None:
+        samples = getattr(pl_module, "last_samples", None)
+        iteration = getattr(pl_module, "iteration", 0)
+        if samples is None or iteration % self.every_n_iterations:
+            return
+        rows = [
+            [iteration, p, c, s, k]
+            for p, c, s, k in list(
+                zip(samples.prompts, samples.completions, samples.scores, samples.kl, strict=True)
+            )[: self.max_rows]
+        ]
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_table(
+                    key="samples", columns=["iteration", "prompt", "completion", "score", "kl"], data=rows
+                )

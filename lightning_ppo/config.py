@@ -33,6 +33,7 @@ class GenerationConfig:
             Everything after the first stop token is padding.
         forward_chunk_size: Rollout forwards (policy, reference, value, reward) run on chunks of
             this many sequences to bound peak memory; 0 means the whole batch at once.
+        eval_do_sample: Validation samples like training instead of decoding greedily.
     """
 
     max_new_tokens: int = 16
@@ -41,6 +42,7 @@ class GenerationConfig:
     top_p: float = 1.0
     stop_token: str | None = None
     forward_chunk_size: int = 0
+    eval_do_sample: bool = False
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "generation.max_new_tokens", ">= 1", self.max_new_tokens)

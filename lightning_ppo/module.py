@@ -41,6 +41,16 @@ from lightning_ppo.rollout import Rollout, generate, hf_generation_config
 
 
 @dataclass
+class Samples:
+    """The latest iteration's text, for sample tables (one entry per sequence)."""
+
+    prompts: list[str]
+    completions: list[str]
+    scores: list[float]
+    kl: list[float]
+
+
+@dataclass
 class RolloutForwards:
     """No-grad forwards over a rollout (all (B, R), 0-padded past each response's end)."""
 
@@ -121,6 +131,9 @@ class PPOLightningModule(LightningModule):
         self.tokenizer = load_tokenizer(tokenizer or policy, trust_remote_code)
         self.stop_token_id = resolve_stop_token(self.tokenizer, generation.stop_token)
         self.hf_generation = hf_generation_config(generation, self.stop_token_id, self.tokenizer.pad_token_id)
+        self.hf_eval_generation = hf_generation_config(
+            generation, self.stop_token_id, self.tokenizer.pad_token_id, do_sample=generation.eval_do_sample
+        )
         self.policy = load_causal_lm(policy, trust_remote_code)
         self.ref_policy = freeze(load_causal_lm(reference or policy, trust_remote_code))
         self.value_model = (
@@ -136,6 +149,7 @@ class PPOLightningModule(LightningModule):
         self.score_moments = RunningMoments()
         self.iteration = 0
         self.episodes = 0
+        self.last_samples: Samples | None = None
 
     def _check_rewards(self, weights: list[float] | None, reward_model: str | None) -> None:
         count = len(self.reward_fns) + (reward_model is not None)
@@ -171,6 +185,19 @@ class PPOLightningModule(LightningModule):
         stats["reward/dropped"] = dropped.float().sum()
         self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
         self.log_stats(stats, len(batch))
+        self.last_samples = Samples(batch.prompts, completions, exp.scores.tolist(), exp.kl.sum(1).tolist())
+
+    def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
+        """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""
+        rollout = generate(self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_eval_generation)
+        completions = self.decode_responses(rollout)
+        scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
+        scores = check_scores(scores, len(batch), self.reward_label, self.device, allow_nonfinite=True)
+        finite = torch.isfinite(scores)
+        self.log("eval/scores", scores[finite].mean(), batch_size=int(finite.sum()), sync_dist=True)
+        self.log(
+            "eval/length_mean", rollout.response_lengths.float().mean(), batch_size=len(batch), sync_dist=True
+        )
 
     def generate(self, batch: PromptBatch) -> Rollout:
         """Sample one response per (repeated) prompt with the current policy."""
@@ -201,8 +228,9 @@ class PPOLightningModule(LightningModule):
         allow_nonfinite = self.ppo.on_bad_reward == "drop"
         for (name, compute), weight in zip(components, self.reward_weights, strict=True):
             part = check_scores(compute(), len(completions), name, self.device, allow_nonfinite)
-            if len(components) > 1:
-                self.log(f"reward/{name}", part[torch.isfinite(part)].mean(), batch_size=len(completions))
+            if len(components) > 1 and self._trainer is not None:
+                prefix = "eval/reward" if self.trainer.validating else "reward"
+                self.log(f"{prefix}/{name}", part[torch.isfinite(part)].mean(), batch_size=len(completions))
             total = total + weight * part
         return total
 

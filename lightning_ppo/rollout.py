@@ -72,10 +72,19 @@ def truncate_at_stop(
 
 
 def hf_generation_config(
-    config: GenerationConfig, stop_token_id: int, pad_token_id: int
+    config: GenerationConfig, stop_token_id: int, pad_token_id: int, do_sample: bool = True
 ) -> transformers.GenerationConfig:
     """An explicit HF generation config, so that no default from the checkpoint (top_k=50,
-    repetition penalty, ...) changes the distribution the log-probs are computed under."""
+    repetition penalty, ...) changes the distribution the log-probs are computed under.
+    ``do_sample=False`` gives greedy decoding (validation)."""
+    if not do_sample:
+        return transformers.GenerationConfig(
+            do_sample=False,
+            max_new_tokens=config.max_new_tokens,
+            eos_token_id=stop_token_id,
+            pad_token_id=pad_token_id,
+            use_cache=True,
+        )
     return transformers.GenerationConfig(
         do_sample=True,
         max_new_tokens=config.max_new_tokens,

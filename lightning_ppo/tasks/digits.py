@@ -40,6 +40,8 @@ class DigitsDataModule(PromptDataModule):
     def __init__(
         self, num_prompts: int = 20000, num_val_prompts: int = 0, num_digits: int = 5, **kwargs: Any
     ) -> None:
+        if num_val_prompts and kwargs.get("val_split") is None:
+            kwargs["val_split"] = "validation"
         super().__init__(**kwargs)
         self.num_prompts, self.num_val_prompts, self.num_digits = num_prompts, num_val_prompts, num_digits
 
