@@ -77,6 +77,8 @@ class PPOLightningModule(LightningModule):
         reward_tokenizer: Tokenizer of the reward model (default: the one saved with it, else the
             policy's). With a vocabulary other than the policy's, completions are decoded and
             re-tokenised for it.
+        reward_chat_template: Give the reward model each prompt and completion as a user/assistant
+            chat in its tokenizer's chat template (always via text).
         value_model: Checkpoint the critic's backbone is loaded from (default: the policy). Only
             built when ``ppo.advantage_estimator`` is ``gae``.
         reference: Checkpoint of the frozen reference policy (default: the initial policy).
@@ -96,6 +98,7 @@ class PPOLightningModule(LightningModule):
         reward_weights: list[float] | None = None,
         reward_model: str | None = None,
         reward_tokenizer: str | None = None,
+        reward_chat_template: bool = False,
         value_model: str | None = None,
         reference: str | None = None,
         tokenizer: str | None = None,
@@ -140,7 +143,9 @@ class PPOLightningModule(LightningModule):
             ValueModel.from_pretrained(value_model or policy, trust_remote_code) if ppo.uses_critic else None
         )
         self.reward_model = (
-            RewardModel.from_pretrained(reward_model, self.tokenizer, reward_tokenizer, trust_remote_code)
+            RewardModel.from_pretrained(
+                reward_model, self.tokenizer, reward_tokenizer, trust_remote_code, reward_chat_template
+            )
             if reward_model
             else None
         )

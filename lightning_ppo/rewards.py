@@ -97,10 +97,20 @@ class RewardModel(nn.Module):
     tokenizer gets the decoded prompt + completion text, re-tokenised with its own tokenizer.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        chat_template: bool = False,
+    ) -> None:
         super().__init__()
         self.model = freeze(model)
         self.tokenizer = tokenizer  # None: the policy's tokenizer, no text round trip
+        self.chat_template = chat_template
+        if chat_template and (tokenizer is None or not getattr(tokenizer, "chat_template", None)):
+            raise ValueError(
+                "reward_chat_template is set but the reward model's tokenizer has no chat template"
+            )
 
     @classmethod
     def from_pretrained(
@@ -109,6 +119,7 @@ class RewardModel(nn.Module):
         policy_tokenizer: PreTrainedTokenizerBase | None = None,
         tokenizer: str | None = None,
         trust_remote_code: bool = False,
+        chat_template: bool = False,
     ) -> RewardModel:
         """Load the classifier; its tokenizer from ``tokenizer``, the checkpoint, or else the policy's."""
         config = _config_without_dropout(name_or_path, trust_remote_code)
@@ -122,18 +133,21 @@ class RewardModel(nn.Module):
             if tokenizer is not None:
                 raise
             own = None  # a checkpoint saved without a tokenizer was trained on the policy's
-        if (
+        shares_vocab = (
             own is not None
             and policy_tokenizer is not None
             and own.get_vocab() == policy_tokenizer.get_vocab()
-        ):
-            own = None
-        return cls(model, own)
+        )
+        if shares_vocab and not chat_template:
+            own = None  # score the rollout's token ids directly, no text round trip
+        return cls(model, own, chat_template)
 
     def score(self, prompts: list[str], completions: list[str], rollout: Rollout) -> Tensor:
         """(B,) scores of the rollout's sequences."""
         if self.tokenizer is None:
             return self(rollout.input_ids, rollout.attention_mask, rollout.position_ids)
+        if self.chat_template:
+            prompts, completions = as_chat(prompts, completions, self.tokenizer), [""] * len(completions)
         return self(*retokenize(prompts, completions, self.tokenizer, rollout.input_ids.device))
 
     @torch.no_grad()
@@ -188,3 +202,13 @@ def retokenize(
     mask = encoded["attention_mask"].to(device).bool()
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
     return encoded["input_ids"].to(device), mask, position_ids
+
+
+def as_chat(prompts: list[str], completions: list[str], tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """Each prompt and completion as a user/assistant conversation in ``tokenizer``'s chat template."""
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False
+        )
+        for p, c in zip(prompts, completions, strict=True)
+    ]

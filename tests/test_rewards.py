@@ -168,3 +168,34 @@ def test_score_clip_and_running_normalisation(tiny_digits):
     clipped = torch.tensor([-1.0, 0.0, 1.0, 1.0])
     expected = (clipped - clipped.mean()) / clipped.var(unbiased=False).sqrt()
     assert torch.allclose(shaped, expected, atol=1e-5)
+
+
+def test_reward_model_chat_template_wraps_prompt_and_completion(tiny_gpt2, tmp_path):
+    from transformers import AutoTokenizer
+
+    from lightning_ppo.rewards import ScoreInputs
+    from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(
+        tmp_path / "rm", TinyModelSpec(n_embd=32), alphabet="0123456789=:ua ", kind="reward"
+    )
+    template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }} {% endfor %}"
+    own = AutoTokenizer.from_pretrained(path)
+    own.chat_template = template
+    own.save_pretrained(path)
+    torch.manual_seed(0)
+    module = _digits_module(tiny_gpt2, reward_model=str(path), reward_chat_template=True)
+    batch, rollout, completions = _rollout_and_text(module, ["12=", "3="])
+    scores = module.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
+    expected = []
+    for prompt, completion in zip(batch.prompts, completions, strict=True):
+        ids = torch.tensor([own(f"u:{prompt} a:{completion} ")["input_ids"]])
+        expected.append(
+            module.reward_model(ids, torch.ones_like(ids, dtype=torch.bool), torch.arange(ids.shape[1])[None])
+        )
+    assert torch.allclose(scores, torch.cat(expected), atol=1e-5)
+
+
+def test_reward_chat_template_without_a_template_is_a_clear_error(tiny_gpt2, tiny_reward):
+    with pytest.raises(ValueError, match="reward_chat_template"):
+        _digits_module(tiny_gpt2, reward_model=str(tiny_reward), reward_chat_template=True)
