@@ -17,7 +17,7 @@ class Rollout:
 
     ``response_mask`` is the only response mask: True up to and including the first stop token
     (or over every token of a response that never stopped). It comes from the position of the
-    stop token, never from ``ids != pad_token_id``, so pad == eos is safe.
+    stop token, never by comparing ids with the pad id, so pad == eos is safe.
     """
 
     prompt_ids: Tensor  # (B, P) long, left padded

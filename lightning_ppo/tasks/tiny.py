@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     GPT2Config,
@@ -53,26 +54,32 @@ class TinyModelSpec:
     n_positions: int = 128
 
 
-def build_tiny_causal_lm(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec, seed: int = 0):
-    """A randomly initialised causal LM sized by ``spec`` for ``tokenizer``'s vocabulary."""
-    import torch
-
-    torch.manual_seed(seed)
-    ids = {
+def _special_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
+    return {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
+
+
+def _gpt2_config(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec, **extra: int) -> GPT2Config:
+    return GPT2Config(
+        vocab_size=len(tokenizer),
+        n_layer=spec.n_layer,
+        n_embd=spec.n_embd,
+        n_head=spec.n_head,
+        n_positions=spec.n_positions,
+        **_special_ids(tokenizer),
+        **extra,
+    )
+
+
+def build_tiny_causal_lm(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec, seed: int = 0):
+    """A randomly initialised causal LM sized by ``spec`` for ``tokenizer``'s vocabulary."""
+    torch.manual_seed(seed)
+    ids = _special_ids(tokenizer)
     if spec.arch == "gpt2":
-        config = GPT2Config(
-            vocab_size=len(tokenizer),
-            n_layer=spec.n_layer,
-            n_embd=spec.n_embd,
-            n_head=spec.n_head,
-            n_positions=spec.n_positions,
-            **ids,
-        )
-        return GPT2LMHeadModel(config)
+        return GPT2LMHeadModel(_gpt2_config(tokenizer, spec))
     if spec.arch == "llama":
         config = LlamaConfig(
             vocab_size=len(tokenizer),
@@ -90,20 +97,8 @@ def build_tiny_causal_lm(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec
 
 def build_tiny_reward_model(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec, seed: int = 0):
     """A randomly initialised GPT-2 sequence classifier with one output: a (random) reward model."""
-    import torch
-
     torch.manual_seed(seed)
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_layer=spec.n_layer,
-        n_embd=spec.n_embd,
-        n_head=spec.n_head,
-        n_positions=spec.n_positions,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
+    config = _gpt2_config(tokenizer, spec, num_labels=1)
     return GPT2ForSequenceClassification(config)
 
 
