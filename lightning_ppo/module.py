@@ -186,7 +186,7 @@ class PPOLightningModule(LightningModule):
         self.iteration += 1
         self.episodes += len(batch) * self.trainer.world_size
         stats.update(self.experience_stats(exp, forwards.entropy, rollout.ended))
-        stats["kl_coef"] = torch.tensor(kl_coef)
+        stats["kl_coef"] = kl_coef
         stats["reward/dropped"] = dropped.float().sum()
         self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
         self.log_stats(stats, len(batch))
@@ -387,10 +387,11 @@ class PPOLightningModule(LightningModule):
             stats["val/explained_variance"] = F.explained_variance(exp.values, exp.returns, mask)
         return stats
 
-    def log_stats(self, stats: dict[str, Tensor], batch_size: int) -> None:
-        stats["lr"] = torch.tensor(self.optimizers().param_groups[0]["lr"])
-        stats["episode"] = torch.tensor(float(self.episodes))
-        stats["iteration"] = torch.tensor(float(self.iteration))
+    def log_stats(self, stats: dict[str, Tensor | float], batch_size: int) -> None:
+        # Plain floats: Lightning puts them on the module's device, so sync_dist works on GPUs too.
+        stats["lr"] = float(self.optimizers().param_groups[0]["lr"])
+        stats["episode"] = float(self.episodes)
+        stats["iteration"] = float(self.iteration)
         progress = {"objective/scores", "objective/kl"}
         shown = {k: v for k, v in stats.items() if k in progress}
         rest = {k: v for k, v in stats.items() if k not in progress}
