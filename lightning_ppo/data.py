@@ -18,7 +18,7 @@ import datasets
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_only
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,28 @@ class PromptBatch:
             prompts=[p for p in self.prompts for _ in range(n)],
             extras={k: [v for v in values for _ in range(n)] for k, values in self.extras.items()},
         )
+
+
+class ResumableSampler(DistributedSampler):
+    """A seeded, rank-aware sampler that can start mid-epoch.
+
+    It is a ``DistributedSampler`` even on one process: Lightning leaves such a sampler in place
+    under DDP (each rank reads its own shard) and calls ``set_epoch`` every epoch, so the order is
+    a pure function of ``seed``, epoch and rank. After a resume it skips the batches the
+    interrupted run already trained on, so the resumed run sees exactly the prompts it would have.
+    """
+
+    def __init__(
+        self, dataset: Dataset, batch_size: int, num_replicas: int = 1, rank: int = 0, **kwargs: Any
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, **kwargs)
+        self.batch_size = batch_size
+        self.start_batch = 0
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        start, self.start_batch = self.start_batch * self.batch_size, 0  # only the resumed epoch starts late
+        return iter(indices[start:])
 
 
 class PromptRows(Dataset):
@@ -520,13 +542,19 @@ class PromptDataModule(pl.LightningDataModule):
         return self.train_dataset
 
     def _loader(self, dataset: PromptRows, shuffle: bool, drop_last: bool) -> DataLoader:
-        # A dedicated seeded generator makes the order reproducible without touching global RNG state.
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        trainer = self.trainer
+        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        # The sampler's own seeded generator makes the order reproducible without global RNG state.
+        sampler = ResumableSampler(
+            dataset, self.batch_size, world_size, rank, shuffle=shuffle, seed=self.seed, drop_last=drop_last
+        )
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=shuffle,
-            generator=generator,
+            sampler=sampler,
+            # Its own generator: creating an iterator draws a worker seed, which must not advance the
+            # global RNG that sampling uses (a resumed run creates its iterator at another moment).
+            generator=torch.Generator().manual_seed(self.seed),
             drop_last=drop_last,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
@@ -535,8 +563,13 @@ class PromptDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Training prompts, shuffled with a generator seeded from ``seed``."""
-        return self._loader(self._require_setup(), self.shuffle, self.drop_last)
+        """Training prompts, shuffled by ``seed`` and epoch, resuming mid-epoch where a run stopped."""
+        loader = self._loader(self._require_setup(), self.shuffle, self.drop_last)
+        trainer = self.trainer
+        if trainer is not None and trainer.fit_loop.restarting:
+            # Checkpoints are written at the end of a batch: "processed" counts the batches trained on.
+            loader.sampler.start_batch = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return loader
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation prompts in order, or ``[]`` when there is no validation set."""

@@ -17,6 +17,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from lightning_ppo import functional as F
+from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.experience import Experience, make_experience
@@ -168,6 +169,12 @@ class PPOLightningModule(LightningModule):
                 f"reward_weights has {len(weights)} entries but there are {count} rewards "
                 f"({len(self.reward_fns)} reward_fn + {int(reward_model is not None)} reward_model)"
             )
+
+    def setup(self, stage: str) -> None:
+        # seed_everything gives every rank the same generator: offset it so ranks sample differently.
+        # A resumed run then overwrites this with each rank's saved state (on_load_checkpoint).
+        if self.trainer.world_size > 1:
+            torch.manual_seed(torch.initial_seed() + 1_000_003 * self.trainer.global_rank)
 
     # ----------------------------------------------------------------- the PPO iteration
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
@@ -419,6 +426,7 @@ class PPOLightningModule(LightningModule):
             "iteration": self.iteration,
             "episodes": self.episodes,
             "score_moments": self.score_moments.state_dict(),
+            "rng_states": gather_rng_states(self),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -428,3 +436,5 @@ class PPOLightningModule(LightningModule):
         self.episodes = state.get("episodes", 0)
         if "score_moments" in state:
             self.score_moments.load_state_dict(state["score_moments"])
+        if "rng_states" in state and self._trainer is not None:
+            restore_rng_states(self, state["rng_states"])

@@ -267,7 +267,25 @@ def test_missing_pad_token_uses_eos(tmp_path, caplog):
 
 def epoch_orders(dm: PromptDataModule, epochs: int = 2) -> list[list[str]]:
     loader = dm.train_dataloader()
-    return [[p for batch in loader for p in batch.prompts] for _ in range(epochs)]
+    orders = []
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)  # as Lightning does at the start of every epoch
+        orders.append([p for batch in loader for p in batch.prompts])
+    return orders
+
+
+def test_sampler_resumes_mid_epoch_and_shards_by_rank(tok_path):
+    prompts = [f"p{i}" for i in range(16)]
+    dm = make_dm(tok_path, prompts=prompts, batch_size=2, shuffle=True, seed=3)
+    loader = dm.train_dataloader()
+    full = [batch.prompts for batch in loader]
+    loader.sampler.start_batch = 3
+    assert [batch.prompts for batch in loader] == full[3:]
+    assert [batch.prompts for batch in loader] == full  # only the resumed epoch starts late
+    from lightning_ppo.data import ResumableSampler
+
+    shards = [list(ResumableSampler(dm.train_dataset, 2, 2, rank, shuffle=True, seed=3)) for rank in (0, 1)]
+    assert len(shards[0]) == len(shards[1]) == 8 and not set(shards[0]) & set(shards[1])
 
 
 def test_seeded_shuffle_reproducible(tok_path):

@@ -1,0 +1,92 @@
+"""Exact resume: the random state a PPO run needs, and a checkpoint callback counted in iterations.
+
+Lightning saves weights, optimizer, scheduler and loop progress. A PPO iteration also consumes
+random numbers (sampling), so a run resumed without them samples different responses and
+drifts from the uninterrupted one. The sampling state of every rank is saved here, as plain
+tensors, so checkpoints still load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+
+def rng_state(device: torch.device) -> Tensor:
+    """This process's torch RNG state (CPU, and the current CUDA device's when on one) as one uint8 tensor."""
+    state = torch.get_rng_state()
+    if device.type == "cuda":
+        state = torch.cat([state, torch.cuda.get_rng_state(device)])
+    return state
+
+
+def set_rng_state(state: Tensor, device: torch.device) -> None:
+    """Inverse of :func:`rng_state`."""
+    cpu_size = torch.get_rng_state().numel()
+    torch.set_rng_state(state[:cpu_size].cpu())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[cpu_size:].cpu(), device)
+
+
+def gather_rng_states(module: LightningModule) -> Tensor:
+    """(world_size, S) RNG states of all ranks; every rank must call this (it is a collective)."""
+    local = rng_state(module.device)
+    if module.trainer.world_size == 1:
+        return local[None]
+    # all_gather needs the backend's device (CUDA under NCCL); the bytes survive the round trip.
+    gathered = module.all_gather(local.to(module.device))
+    return gathered.cpu()
+
+
+def restore_rng_states(module: LightningModule, states: Tensor) -> None:
+    """Give this rank its saved RNG state back (if the world size is unchanged)."""
+    rank, world = module.trainer.global_rank, module.trainer.world_size
+    if states.shape[0] != world:
+        rank_zero_warn(
+            f"the checkpoint holds RNG states of {states.shape[0]} processes but this run has {world}: "
+            "sampling continues from freshly seeded generators, so it will not match the original run"
+        )
+        return
+    set_rng_state(states[rank], module.device)
+
+
+class PPOCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that saves every ``every_n_iterations`` PPO iterations.
+
+    Under manual optimization Lightning counts optimizer steps (``ppo_epochs x minibatches`` per
+    iteration), which makes ``every_n_train_steps`` awkward; this counts iterations. Everything
+    else is ``ModelCheckpoint``: ``save_last=True`` keeps ``last.ckpt`` for ``fit --ckpt_path
+    last``, ``monitor="objective/scores", mode="max", save_top_k=1`` keeps the best by score.
+    Lightning writes each file through an fsspec transaction (a temporary file, then a rename),
+    so an interrupted save never leaves a half-written checkpoint in place.
+
+    Args:
+        every_n_iterations: Save after every this many PPO iterations (>= 1).
+        **kwargs: Any ``ModelCheckpoint`` argument (``dirpath``, ``save_last``, ``monitor``, ...).
+    """
+
+    def __init__(self, every_n_iterations: int = 50, **kwargs: Any) -> None:
+        if every_n_iterations < 1:
+            raise ValueError(f"every_n_iterations must be >= 1, got {every_n_iterations}")
+        kwargs.setdefault("save_last", True)
+        super().__init__(**kwargs)
+        self.every_n_iterations = every_n_iterations
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx
+    ) -> None:
+        iteration = getattr(pl_module, "iteration", 0)
+        if (
+            iteration == 0
+            or iteration % self.every_n_iterations
+            or self._should_skip_saving_checkpoint(trainer)
+        ):
+            return
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)

@@ -1,0 +1,83 @@
+"""Exact resume: N iterations + a resumed N equal 2N uninterrupted iterations, bit for bit."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+from lightning_ppo.checkpoint import PPOCheckpoint
+from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
+
+EPOCHS, MINIBATCHES = 2, 2
+KEYS = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "kl_coef", "episode")
+
+
+class Recorder(pl.Callback):
+    """Every logged value of every iteration."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.rows.append({k: float(trainer.callback_metrics[k]) for k in KEYS})
+
+
+def _fit(policy, root, iterations: int, ckpt_path=None, callbacks=()):
+    pl.seed_everything(0)
+    module = PPOLightningModule(
+        policy=str(policy),
+        reward_fn=DigitsReward(),
+        # adaptive KL and running score normalisation: state beyond the weights that must survive
+        ppo=PPOConfig(
+            ppo_epochs=EPOCHS, num_minibatches=MINIBATCHES, kl_coef=0.05, kl_target=0.5, score_norm=True
+        ),
+        generation=GenerationConfig(max_new_tokens=6),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+    )
+    # 24 prompts / batch 8 = 3 iterations per epoch: the runs below cross epoch boundaries
+    data = DigitsDataModule(num_prompts=24, num_digits=3, batch_size=8, max_prompt_length=8)
+    recorder = Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=-1,
+        max_steps=iterations * EPOCHS * MINIBATCHES,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=[recorder, *callbacks],
+        enable_checkpointing=bool(callbacks),
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return module, trainer, recorder.rows
+
+
+def test_resumed_run_equals_uninterrupted_run_bitwise(tiny_digits, tmp_path):
+    full, _, full_rows = _fit(tiny_digits, tmp_path / "full", iterations=8)
+    # the interrupted run writes last.ckpt after every iteration and stops after iteration 4,
+    # in the middle of its second epoch (3 iterations per epoch)
+    saver = PPOCheckpoint(every_n_iterations=1, dirpath=tmp_path / "ckpt")
+    _, _, half_rows = _fit(tiny_digits, tmp_path / "half", iterations=4, callbacks=[saver])
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    resumed, _, resumed_rows = _fit(tiny_digits, tmp_path / "resumed", iterations=8, ckpt_path=ckpt)
+
+    assert resumed.iteration == full.iteration == 8
+    assert half_rows + resumed_rows == full_rows
+    for name, value in full.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+    assert resumed.kl_ctl.value == full.kl_ctl.value
+    assert resumed.score_moments.state_dict() == full.score_moments.state_dict()
+
+
+def test_checkpoint_every_n_iterations_writes_last_and_best(tiny_digits, tmp_path):
+    callback = PPOCheckpoint(
+        every_n_iterations=2, dirpath=tmp_path / "ckpt", monitor="objective/scores", mode="max", save_top_k=1
+    )
+    _fit(tiny_digits, tmp_path, iterations=4, callbacks=[callback])
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert "last.ckpt" in names and len(names) == 2  # last + the best by score
+    assert callback.best_model_score is not None
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert state["ppo_state"]["iteration"] == 4
+    assert state["ppo_state"]["rng_states"].shape[0] == 1
