@@ -85,6 +85,9 @@ class PPOConfig:
         score_norm: Normalise scores by a running mean and std over all iterations so far.
         on_bad_reward: ``error`` stops on a NaN/inf score; ``drop`` leaves that sample out of
             the update and counts it (``reward/dropped``).
+        max_consecutive_skips: An optimizer step with NaN/inf gradients is skipped and counted
+            (``train/skipped_updates``); this many in a row (or this many iterations in a row whose
+            every sample was dropped) stop training with an error.
     """
 
     advantage_estimator: str = "gae"
@@ -111,6 +114,7 @@ class PPOConfig:
     score_clip: float | None = None
     score_norm: bool = False
     on_bad_reward: str = "error"
+    max_consecutive_skips: int = 3
 
     @property
     def uses_critic(self) -> bool:
@@ -141,6 +145,9 @@ class PPOConfig:
         _check(self.dual_clip is None or self.dual_clip > 1, "ppo.dual_clip", "> 1 or null", self.dual_clip)
         _check(
             self.score_clip is None or self.score_clip > 0, "ppo.score_clip", "> 0 or null", self.score_clip
+        )
+        _check(
+            self.max_consecutive_skips >= 1, "ppo.max_consecutive_skips", ">= 1", self.max_consecutive_skips
         )
         _check(
             self.on_bad_reward in _BAD_REWARD_POLICIES,

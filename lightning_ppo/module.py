@@ -156,6 +156,7 @@ class PPOLightningModule(LightningModule):
         self.iteration = 0
         self.episodes = 0
         self.last_samples: Samples | None = None
+        self.consecutive_skips = 0
 
     def _check_rewards(self, weights: list[float] | None, reward_model: str | None) -> None:
         count = len(self.reward_fns) + (reward_model is not None)
@@ -184,6 +185,9 @@ class PPOLightningModule(LightningModule):
         completions = self.decode_responses(rollout)
         scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
         scores, dropped = self.shape_scores(scores, rollout)
+        if dropped.all():
+            self._skip_iteration(len(batch))
+            return
         forwards = self.rollout_forwards(rollout)
         kl_coef = self.kl_ctl.value
         exp = make_experience(
@@ -210,6 +214,18 @@ class PPOLightningModule(LightningModule):
         self.log(
             "eval/length_mean", rollout.response_lengths.float().mean(), batch_size=len(batch), sync_dist=True
         )
+
+    def _skip_iteration(self, batch_size: int) -> None:
+        """Every score of this batch was NaN/inf and dropped: nothing to learn from, count it."""
+        self.iteration += 1
+        self.consecutive_skips += 1
+        if self.consecutive_skips >= self.ppo.max_consecutive_skips:
+            raise FloatingPointError(
+                f"the reward {self.reward_label!r} returned only NaN/inf for {self.consecutive_skips} "
+                f"iterations in a row (ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): "
+                "stopping. The last checkpoint on disk predates them."
+            )
+        self.log("reward/dropped", float(batch_size), on_step=True, batch_size=batch_size)
 
     def generate(self, batch: PromptBatch) -> Rollout:
         """Sample one response per (repeated) prompt with the current policy."""
@@ -316,6 +332,7 @@ class PPOLightningModule(LightningModule):
         generator = torch.Generator().manual_seed(self.seed + self.iteration)
         accumulate = self.ppo.gradient_accumulation_steps
         history: list[dict[str, Tensor]] = []
+        skipped = 0
         for _ in range(self.ppo.ppo_epochs):
             for minibatch in exp.minibatches(self.ppo.num_minibatches, generator):
                 for i, micro in enumerate(minibatch.split(accumulate)):
@@ -325,11 +342,38 @@ class PPOLightningModule(LightningModule):
                         loss, stats = self.ppo_loss(micro)
                         self.manual_backward(loss / accumulate)
                     history.append(stats)
-                optimizer.step()
+                stepped = self._step_if_finite(optimizer)
                 optimizer.zero_grad(set_to_none=True)
-                if scheduler is not None:
+                if stepped and scheduler is not None:
                     scheduler.step()
-        return {key: torch.stack([h[key] for h in history]).mean() for key in history[0]}
+                skipped += not stepped
+        stats = {key: torch.stack([h[key] for h in history]).mean() for key in history[0]}
+        stats["train/skipped_updates"] = float(skipped)
+        return stats
+
+    def _step_if_finite(self, optimizer: Any) -> bool:
+        """Clip, then step unless a gradient is NaN/inf; stop after too many skips in a row.
+
+        Gradients are already all-reduced here, so every rank takes the same decision.
+        """
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            optimizer.step()  # 16-mixed: the grad scaler skips non-finite steps itself
+            return True
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.ppo.max_grad_norm or float("inf"))
+        if torch.isfinite(norm):
+            optimizer.step()
+            self.consecutive_skips = 0
+            return True
+        self.consecutive_skips += 1
+        if self.consecutive_skips >= self.ppo.max_consecutive_skips:
+            raise FloatingPointError(
+                f"{self.consecutive_skips} optimizer steps in a row had NaN/inf gradients "
+                f"(ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): stopping. The last "
+                "checkpoint on disk predates them. Check the learning rate, the reward scale and the "
+                "precision."
+            )
+        return False
 
     def ppo_loss(self, mb: Experience) -> tuple[Tensor, dict[str, Tensor]]:
         """Clipped policy loss (+ vf_coef x value loss, + kl_coef x KL, - entropy_coef x entropy)."""
@@ -364,8 +408,10 @@ class PPOLightningModule(LightningModule):
         return loss, stats
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # Called by the precision plugin after gradients are unscaled (16-mixed), so the norm is real.
-        if self.ppo.max_grad_norm is not None:
+        # Under 16-mixed the precision plugin calls this after unscaling, so the clipped norm is real;
+        # without a grad scaler _step_if_finite has clipped already.
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None and self.ppo.max_grad_norm is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_norm_(params, self.ppo.max_grad_norm)
 
@@ -426,6 +472,7 @@ class PPOLightningModule(LightningModule):
             "iteration": self.iteration,
             "episodes": self.episodes,
             "score_moments": self.score_moments.state_dict(),
+            "consecutive_skips": self.consecutive_skips,
             "rng_states": gather_rng_states(self),
         }
 
@@ -434,6 +481,7 @@ class PPOLightningModule(LightningModule):
         self.kl_ctl.value = state.get("kl_coef", self.kl_ctl.value)
         self.iteration = state.get("iteration", 0)
         self.episodes = state.get("episodes", 0)
+        self.consecutive_skips = state.get("consecutive_skips", 0)
         if "score_moments" in state:
             self.score_moments.load_state_dict(state["score_moments"])
         if "rng_states" in state and self._trainer is not None:

@@ -34,3 +34,27 @@ class ShortAnswerModule(PPOLightningModule):
 def count_sevens(prompts, completions, batch):
     """A plain function reward: the number of '7' characters in each completion."""
     return [float(c.count("7")) for c in completions]
+
+
+class NaNLossModule(PPOLightningModule):
+    """Returns a NaN loss on the optimizer steps listed in ``nan_steps`` (counted from 0)."""
+
+    nan_steps: set[int] = {0}
+
+    def ppo_loss(self, mb):
+        loss, stats = super().ppo_loss(mb)
+        self.loss_calls = getattr(self, "loss_calls", -1) + 1
+        if self.loss_calls in self.nan_steps:
+            loss = loss * float("nan")
+        return loss, stats
+
+
+class NaNFromIteration:
+    """A reward that is fine until iteration ``start`` (by call count), then NaN for every sample."""
+
+    def __init__(self, start: int = 2) -> None:
+        self.start, self.calls = start, 0
+
+    def __call__(self, prompts, completions, batch):
+        self.calls += 1
+        return [float("nan") if self.calls > self.start else 0.5] * len(completions)
