@@ -11,6 +11,7 @@ import sys
 import transformers
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_ppo.config import PPOConfig
 from lightning_ppo.data import PromptDataModule
 from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
@@ -24,6 +25,14 @@ DESCRIPTION = (
 
 class PPOLightningCLI(LightningCLI):
     """LightningCLI whose model and data can be any subclass, selected by ``class_path``."""
+
+    def before_instantiate_classes(self) -> None:
+        """Check what involves both model and data before any model is loaded (minutes, for big ones)."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        ppo = config.get("model.init_args.ppo")
+        batch_size = config.get("data.init_args.batch_size")
+        if ppo is not None and batch_size is not None:
+            PPOConfig(**ppo.as_dict()).check_batch_size(batch_size)
 
 
 def make_tiny_main(argv: list[str]) -> None:
