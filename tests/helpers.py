@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+from lightning.pytorch import Callback
 
 from lightning_ppo import PPOLightningModule
 from lightning_ppo.rewards import RewardFunction
@@ -58,3 +62,27 @@ class NaNFromIteration:
     def __call__(self, prompts, completions, batch):
         self.calls += 1
         return [float("nan") if self.calls > self.start else 0.5] * len(completions)
+
+
+class RankRecorder(Callback):
+    """Writes, per rank, a checksum of the policy weights and the sampled completions of every
+    iteration to ``<out_dir>/rank<k>.json`` (for the DDP test)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.rows: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        weights = torch.cat([p.detach().flatten().double() for p in pl_module.policy.parameters()])
+        self.rows.append(
+            {
+                "checksum": float(
+                    (weights * torch.arange(1, weights.numel() + 1, dtype=torch.float64)).sum()
+                ),
+                "completions": pl_module.last_samples.completions,
+                "prompts": pl_module.last_samples.prompts,
+                "scores_logged": float(trainer.callback_metrics["objective/scores"]),
+            }
+        )
+        path = Path(self.out_dir) / f"rank{trainer.global_rank}.json"
+        path.write_text(json.dumps(self.rows))
