@@ -67,14 +67,14 @@ class PPOCheckpoint(ModelCheckpoint):
 
     Args:
         every_n_iterations: Save after every this many PPO iterations (>= 1).
+        save_last: Keep ``last.ckpt``, the checkpoint ``fit --ckpt_path last`` resumes from.
         **kwargs: Any ``ModelCheckpoint`` argument (``dirpath``, ``save_last``, ``monitor``, ...).
     """
 
-    def __init__(self, every_n_iterations: int = 50, **kwargs: Any) -> None:
+    def __init__(self, every_n_iterations: int = 50, save_last: bool | None = True, **kwargs: Any) -> None:
         if every_n_iterations < 1:
             raise ValueError(f"every_n_iterations must be >= 1, got {every_n_iterations}")
-        kwargs.setdefault("save_last", True)
-        super().__init__(**kwargs)
+        super().__init__(save_last=save_last, **kwargs)
         self.every_n_iterations = every_n_iterations
 
     def on_train_batch_end(

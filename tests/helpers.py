@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -86,3 +87,13 @@ class RankRecorder(Callback):
         )
         path = Path(self.out_dir) / f"rank{trainer.global_rank}.json"
         path.write_text(json.dumps(self.rows))
+
+
+class Throttle(Callback):
+    """Sleeps after every iteration so that a test can interrupt a run mid-way; changes no result."""
+
+    def __init__(self, seconds: float = 0.2) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        time.sleep(self.seconds)
