@@ -1,4 +1,5 @@
-"""A run killed with SIGKILL mid-training resumes from its last checkpoint to the same result."""
+"""A run killed (SIGKILL) or interrupted (Ctrl-C) mid-training resumes from its last checkpoint to the
+same result, bit for bit."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_ppo.cli import main
@@ -59,7 +61,8 @@ def _saved_iteration(path: Path) -> int:
         return 0
 
 
-def test_killed_run_resumes_to_the_uninterrupted_result(tiny_digits, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "Ctrl-C"])
+def test_killed_run_resumes_to_the_uninterrupted_result(sig, tiny_digits, tmp_path):
     reference = main(_args(tiny_digits, tmp_path / "reference")).model
 
     root = tmp_path / "killed"
@@ -71,10 +74,10 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tiny_digits, tmp_path):
     deadline = time.monotonic() + 240
     while _saved_iteration(last) < 5 and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    process.send_signal(sig)
+    process.wait(timeout=60)
     killed_at = _saved_iteration(last)
-    assert 5 <= killed_at < ITERATIONS
+    assert 5 <= killed_at < ITERATIONS  # stopped mid-run, with a usable last checkpoint
     # whatever the moment of the kill, every checkpoint file left behind is complete
     for path in (root / "ckpt").glob("*.ckpt"):
         assert torch.load(path, weights_only=True)["state_dict"]
