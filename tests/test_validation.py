@@ -53,3 +53,10 @@ def test_stop_token_outside_the_vocabulary_fails_before_loading_weights(tmp_path
 def test_group_estimators_need_groups():
     with pytest.raises(ValueError, match="ppo.num_generations must be >= 2 with advantage_estimator 'grpo'"):
         PPOConfig(advantage_estimator="grpo")
+
+
+def test_gpu_configs_parse(capsys):
+    for config in sorted((ROOT / "configs" / "gpu").glob("*.yaml")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", str(config), "--print_config"])
+        assert exit_info.value.code == 0, config
