@@ -7,6 +7,7 @@ log-probs exactly (ratio == 1), and dropout would make the policy and reference 
 from __future__ import annotations
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from transformers import (
     AutoConfig,
@@ -105,7 +106,11 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token")
+        # Safe: masks come from lengths and the stop token, never from comparing ids with the pad id.
         tokenizer.pad_token = tokenizer.eos_token
+        rank_zero_warn(
+            f"tokenizer {name_or_path!r} has no pad token: using its EOS token {tokenizer.eos_token!r}"
+        )
     return tokenizer
 
 
