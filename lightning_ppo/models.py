@@ -13,11 +13,15 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+# Names of the dtypes that frozen weights may be loaded in (``frozen_dtype``).
+FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _config_without_dropout(name_or_path: str, trust_remote_code: bool) -> PretrainedConfig:
@@ -71,8 +75,24 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, trust_remote_code: bool = False) -> ValueModel:
-        """The backbone of any HF checkpoint (causal LM or classifier) plus a fresh value head."""
+        """The backbone of any HF checkpoint plus a value head.
+
+        From a one-output sequence classifier (a reward model, as InstructGPT and TRL initialise the
+        critic) the head starts as the classifier's score head; otherwise at zero.
+        """
         config = _config_without_dropout(name_or_path, trust_remote_code)
+        archs = config.architectures or []
+        if any(a.endswith("ForSequenceClassification") for a in archs) and config.num_labels == 1:
+            classifier = AutoModelForSequenceClassification.from_pretrained(
+                name_or_path, config=config, trust_remote_code=trust_remote_code
+            )
+            value_model = cls(disable_dropout(getattr(classifier, classifier.base_model_prefix)))
+            head = classifier.score if hasattr(classifier, "score") else classifier.classifier
+            with torch.no_grad():
+                value_model.v_head.weight.copy_(head.weight)
+                if head.bias is not None:
+                    value_model.v_head.bias.copy_(head.bias)
+            return value_model
         backbone = AutoModel.from_pretrained(name_or_path, config=config, trust_remote_code=trust_remote_code)
         return cls(disable_dropout(backbone))
 

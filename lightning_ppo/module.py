@@ -22,14 +22,7 @@ from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.models import (
-    ValueModel,
-    freeze,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_stop_token,
-    response_logits,
-)
+from lightning_ppo.models import load_tokenizer, resolve_stop_token
 from lightning_ppo.rewards import (
     RewardLike,
     RewardModel,
@@ -38,6 +31,7 @@ from lightning_ppo.rewards import (
     check_scores,
     reward_name,
 )
+from lightning_ppo.roles import LoraSettings, Roles
 from lightning_ppo.rollout import Rollout, generate, hf_generation_config
 
 
@@ -80,9 +74,19 @@ class PPOLightningModule(LightningModule):
             re-tokenised for it.
         reward_chat_template: Give the reward model each prompt and completion as a user/assistant
             chat in its tokenizer's chat template (always via text).
-        value_model: Checkpoint the critic's backbone is loaded from (default: the policy). Only
-            built when ``ppo.advantage_estimator`` is ``gae``.
-        reference: Checkpoint of the frozen reference policy (default: the initial policy).
+        value_model: The critic (only built for ``ppo.advantage_estimator: gae``): ``separate``, a
+            model of its own; ``shared``, a scalar head on the policy's backbone (one forward gives
+            log-probs and values, one optimizer trains both).
+        value: Checkpoint a separate critic is initialised from (default: the reward model when it
+            shares the policy's vocabulary, as InstructGPT and TRL do, else the policy).
+        reference: Checkpoint of the frozen reference policy (default: the initial policy; with
+            LoRA always the policy's base with the adapter disabled, no second copy).
+        lora: Train LoRA adapters instead of the full policy (PEFT). One copy of the base weights
+            then serves policy, reference and a shared critic.
+        frozen_dtype: ``bf16``, ``fp16`` or ``fp32`` for frozen weights (reference, reward model,
+            LoRA base); trained weights stay in fp32 under the Trainer's precision.
+        gradient_checkpointing: Recompute activations during the backward pass to save memory
+            (generation runs in eval mode, with the KV cache).
         tokenizer: Tokenizer path (default: the policy's).
         ppo: PPO hyper-parameters.
         generation: Sampling settings for rollouts.
@@ -100,8 +104,12 @@ class PPOLightningModule(LightningModule):
         reward_model: str | None = None,
         reward_tokenizer: str | None = None,
         reward_chat_template: bool = False,
-        value_model: str | None = None,
+        value_model: str = "separate",
+        value: str | None = None,
         reference: str | None = None,
+        lora: LoraSettings | None = None,
+        frozen_dtype: str | None = None,
+        gradient_checkpointing: bool = False,
         tokenizer: str | None = None,
         ppo: PPOConfig = PPOConfig(),
         generation: GenerationConfig = GenerationConfig(),
@@ -124,7 +132,10 @@ class PPOLightningModule(LightningModule):
                 "reward_model": reward_model,
                 "reward_weights": reward_weights,
                 "value_model": value_model,
+                "value": value,
                 "reference": reference,
+                "lora": asdict(lora) if lora is not None else None,
+                "policy_tokenizer": tokenizer or policy,
                 "ppo": asdict(ppo),
                 "generation": asdict(generation),
                 "seed": seed,
@@ -138,17 +149,27 @@ class PPOLightningModule(LightningModule):
         self.hf_eval_generation = hf_generation_config(
             generation, self.stop_token_id, self.tokenizer.pad_token_id, do_sample=generation.eval_do_sample
         )
-        self.policy = load_causal_lm(policy, trust_remote_code)
-        self.ref_policy = freeze(load_causal_lm(reference or policy, trust_remote_code))
-        self.value_model = (
-            ValueModel.from_pretrained(value_model or policy, trust_remote_code) if ppo.uses_critic else None
-        )
         self.reward_model = (
             RewardModel.from_pretrained(
-                reward_model, self.tokenizer, reward_tokenizer, trust_remote_code, reward_chat_template
+                reward_model,
+                self.tokenizer,
+                reward_tokenizer,
+                trust_remote_code,
+                reward_chat_template,
+                frozen_dtype,
             )
             if reward_model
             else None
+        )
+        self.roles = Roles(
+            policy,
+            reference=reference,
+            value=value or self._default_critic_source(policy, reward_model),
+            value_model=value_model if ppo.uses_critic else None,
+            lora=lora,
+            frozen_dtype=frozen_dtype,
+            gradient_checkpointing=gradient_checkpointing,
+            trust_remote_code=trust_remote_code,
         )
         self.reward_weights = reward_weights or [1.0] * (len(self.reward_fns) + (reward_model is not None))
         self.kl_ctl = make_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
@@ -157,6 +178,12 @@ class PPOLightningModule(LightningModule):
         self.episodes = 0
         self.last_samples: Samples | None = None
         self.consecutive_skips = 0
+
+    def _default_critic_source(self, policy: str, reward_model: str | None) -> str:
+        """The reward model when it reads the policy's tokens (InstructGPT, TRL), else the policy."""
+        if self.reward_model is not None and self.reward_model.tokenizer is None:
+            return reward_model
+        return policy
 
     def _check_rewards(self, weights: list[float] | None, reward_model: str | None) -> None:
         count = len(self.reward_fns) + (reward_model is not None)
@@ -303,13 +330,15 @@ class PPOLightningModule(LightningModule):
             sl = slice(i, i + chunk)
             tokens = rollout.response_ids[sl]
             length = tokens.shape[1]
-            logits = response_logits(self.policy, ids[sl], mask[sl], pos[sl], length)
-            ref_logits = response_logits(self.ref_policy, ids[sl], mask[sl], pos[sl], length)
+            logits, values = self.roles.policy_forward(ids[sl], mask[sl], pos[sl], length)
+            ref_logits = self.roles.reference_logits(ids[sl], mask[sl], pos[sl], length)
+            if values is None:
+                values = torch.zeros_like(tokens, dtype=torch.float32)
             parts.append(
                 (
                     F.logprobs_from_logits(logits, tokens, temperature),
                     F.logprobs_from_logits(ref_logits, tokens, temperature),
-                    self.response_values(ids[sl], mask[sl], pos[sl], length),
+                    values,
                     F.entropy_from_logits(logits, temperature),
                 )
             )
@@ -319,11 +348,20 @@ class PPOLightningModule(LightningModule):
         )
         return RolloutForwards(logprobs, ref_logprobs, values, entropy)
 
-    def response_values(self, ids: Tensor, mask: Tensor, pos: Tensor, length: int) -> Tensor:
-        """(B, R) critic value of the state before each of the last ``length`` tokens (0 without a critic)."""
-        if self.value_model is None:
-            return torch.zeros(ids.shape[0], length, device=ids.device)
-        return self.value_model(ids, mask, pos)[:, -length - 1 : -1]
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The trained causal LM (a ``PeftModel`` with LoRA)."""
+        return self.roles.policy
+
+    @property
+    def ref_policy(self) -> torch.nn.Module | None:
+        """The frozen reference copy; ``None`` with LoRA, where the reference is the adapter-free base."""
+        return self.roles.ref_policy
+
+    @property
+    def value_model(self) -> torch.nn.Module | None:
+        """The separate critic, or ``None`` (shared head, or a critic-free estimator)."""
+        return self.roles.value_model
 
     # ----------------------------------------------------------------- the inner PPO epochs
     def ppo_update(self, exp: Experience) -> dict[str, Tensor]:
@@ -379,7 +417,7 @@ class PPOLightningModule(LightningModule):
         """Clipped policy loss (+ vf_coef x value loss, + kl_coef x KL, - entropy_coef x entropy)."""
         length = mb.response_ids.shape[1]
         mask = mb.response_mask
-        logits = response_logits(self.policy, mb.input_ids, mb.attention_mask, mb.position_ids, length)
+        logits, values = self.roles.policy_forward(mb.input_ids, mb.attention_mask, mb.position_ids, length)
         temperature = self.generation_config.temperature
         logprobs = F.logprobs_from_logits(logits, mb.response_ids, temperature)
         pg = F.policy_loss(
@@ -399,8 +437,7 @@ class PPOLightningModule(LightningModule):
             kl = F.masked_mean(F.kl_penalty(logprobs, mb.ref_logprobs, self.ppo.kl_estimator), mask)
             loss = loss + self.kl_ctl.value * kl
             stats["loss/kl_avg"] = kl.detach()
-        if self.value_model is not None:
-            values = self.response_values(mb.input_ids, mb.attention_mask, mb.position_ids, length)
+        if values is not None:
             vf = F.value_loss(values, mb.values, mb.returns, mask, self.ppo.value_clip_range)
             loss = loss + self.ppo.vf_coef * vf.loss
             stats["loss/value_avg"] = vf.loss.detach()
@@ -436,7 +473,7 @@ class PPOLightningModule(LightningModule):
             "response/length_mean": mask.sum(dim=1).float().mean(),
             "response/eos_fraction": ended.float().mean(),
         }
-        if self.value_model is not None:
+        if self.roles.has_critic:
             stats["val/explained_variance"] = F.explained_variance(exp.values, exp.returns, mask)
         return stats
 
@@ -462,11 +499,10 @@ class PPOLightningModule(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Frozen roles are rebuilt from their checkpoints at load time: saving them wastes disk.
-        frozen = ("ref_policy.", "reward_model.")
-        checkpoint["state_dict"] = {
-            k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(frozen)
-        }
+        # Frozen weights (reference, reward model, a LoRA base) are reloaded from their own
+        # checkpoints when the run resumes: saving them would only copy what is on disk already.
+        frozen = {n for n, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
         checkpoint["ppo_state"] = {
             "kl_coef": float(self.kl_ctl.value),
             "iteration": self.iteration,

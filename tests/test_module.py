@@ -122,8 +122,8 @@ def test_checkpoint_leaves_frozen_roles_out_and_restores_state(tiny_gpt2, tmp_pa
     path = tmp_path / "ppo.ckpt"
     trainer.save_checkpoint(path)
     ckpt = torch.load(path, weights_only=True)
-    assert not any(k.startswith(("ref_policy.", "reward_model.")) for k in ckpt["state_dict"])
-    assert any(k.startswith("policy.") for k in ckpt["state_dict"])
+    assert not any(k.startswith(("roles.ref_policy.", "reward_model.")) for k in ckpt["state_dict"])
+    assert any(k.startswith("roles.policy.") for k in ckpt["state_dict"])
     restored = _module(tiny_gpt2, kl_target=1.0)
     restored.on_load_checkpoint(ckpt)
     assert restored.iteration == 1 and restored.kl_ctl.value == pytest.approx(module.kl_ctl.value)
