@@ -13,13 +13,15 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_ppo.config import PPOConfig
 from lightning_ppo.data import PromptDataModule
+from lightning_ppo.export import export_main
 from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
 
 DESCRIPTION = (
     "PPO for RLHF of Hugging Face causal LMs on PyTorch Lightning. "
     "Run `lightning-ppo fit --config CONFIG.yaml`. "
-    "Other commands: `lightning-ppo make-tiny --out DIR` writes a tiny offline checkpoint."
+    "Other commands: `lightning-ppo make-tiny --out DIR` writes a tiny offline checkpoint; "
+    "`lightning-ppo export CHECKPOINT --out DIR` writes the trained policy in Hugging Face format."
 )
 
 
@@ -68,6 +70,10 @@ def main(args: list[str] | None = None) -> PPOLightningCLI | None:
     transformers.utils.logging.disable_progress_bar()
     if argv and argv[0] == "make-tiny":
         make_tiny_main(argv[1:])
+        return None
+    if argv and argv[0] == "export":
+        out = export_main(argv[1:])
+        print(f"wrote the trained policy, its tokenizer and value head to {out}")
         return None
     cli = PPOLightningCLI(
         PPOLightningModule,

@@ -1,0 +1,77 @@
+"""Export the trained policy of a checkpoint as a Hugging Face model folder.
+
+``lightning-ppo export CHECKPOINT --out DIR`` writes a folder that
+``AutoModelForCausalLM.from_pretrained(DIR)`` loads: LoRA adapters merged into the base by
+default (or kept as a PEFT adapter with ``--keep-adapter``), the tokenizer, and the critic's
+value head beside it (``value_head.pt``: the head of a shared critic, or the whole state of a
+separate one).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from lightning_ppo.models import load_causal_lm, load_tokenizer
+from lightning_ppo.roles import LoraSettings, apply_lora
+
+POLICY_PREFIX = "roles.policy."
+CRITIC_PREFIXES = ("roles.value_head.", "roles.value_model.")
+
+
+def load_trained_policy(checkpoint: dict) -> PreTrainedModel:
+    """Rebuild the policy a checkpoint trained: its base from the saved path, its weights from the file."""
+    hparams = checkpoint["hyper_parameters"]
+    model = load_causal_lm(hparams["policy"])
+    if hparams.get("lora"):
+        model = apply_lora(model, LoraSettings(**hparams["lora"]))
+    trained = {
+        k[len(POLICY_PREFIX) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(POLICY_PREFIX)
+    }
+    # Frozen base weights are not in the checkpoint (they are the files at hparams["policy"]).
+    _, unexpected = model.load_state_dict(trained, strict=False)
+    if unexpected:
+        raise ValueError(
+            f"the checkpoint's policy weights do not fit {hparams['policy']!r}: {unexpected[:5]}"
+        )
+    return model
+
+
+def export_policy(checkpoint_path: str | Path, out_dir: str | Path, keep_adapter: bool = False) -> Path:
+    """Write the trained policy (LoRA merged unless ``keep_adapter``), tokenizer and value head."""
+    path = Path(checkpoint_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if "hyper_parameters" not in checkpoint or "policy" not in checkpoint["hyper_parameters"]:
+        raise ValueError(
+            f"{str(path)!r} is not a lightning_ppo checkpoint (no policy in its hyper_parameters)"
+        )
+    model = load_trained_policy(checkpoint)
+    if checkpoint["hyper_parameters"].get("lora") and not keep_adapter:
+        model = model.merge_and_unload()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    load_tokenizer(
+        checkpoint["hyper_parameters"].get("policy_tokenizer") or checkpoint["hyper_parameters"]["policy"]
+    ).save_pretrained(out)
+    critic = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith(CRITIC_PREFIXES)}
+    if critic:
+        torch.save(critic, out / "value_head.pt")
+    return out
+
+
+def export_main(argv: list[str]) -> Path:
+    """``lightning-ppo export CHECKPOINT --out DIR [--keep-adapter]``."""
+    parser = argparse.ArgumentParser(prog="lightning-ppo export", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "checkpoint", help="a .ckpt written by lightning-ppo fit (e.g. runs/x/checkpoints/last.ckpt)"
+    )
+    parser.add_argument("--out", required=True, help="folder to write (created if missing)")
+    parser.add_argument("--keep-adapter", action="store_true", help="save LoRA as a PEFT adapter, not merged")
+    ns = parser.parse_args(argv)
+    return export_policy(ns.checkpoint, ns.out, ns.keep_adapter)

@@ -1,0 +1,139 @@
+"""The roles: separate or shared critic, full or LoRA policy, GPT-2 and Llama; export round trip."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
+from lightning_ppo.export import export_policy
+from lightning_ppo.models import ValueModel, load_causal_lm, response_logits
+from lightning_ppo.roles import LoraSettings
+from tests.helpers import CountCharReward
+
+PROMPTS = [f"{i}{i + 1}{i + 2}=" for i in range(7)] * 4
+
+
+def _module(path, **kwargs) -> PPOLightningModule:
+    kwargs.setdefault("reward_fn", CountCharReward())
+    return PPOLightningModule(
+        policy=str(path),
+        ppo=PPOConfig(ppo_epochs=2, num_minibatches=2, kl_coef=0.05),
+        generation=GenerationConfig(max_new_tokens=6),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        **kwargs,
+    )
+
+
+def _fit(module, root, iterations=2) -> pl.Trainer:
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=iterations,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    trainer.fit(module, datamodule=PromptDataModule(prompts=PROMPTS, batch_size=8, max_prompt_length=8))
+    return trainer
+
+
+def _optimized(trainer) -> set[int]:
+    return {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("value_model", ["separate", "shared"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_role_combinations_fit(arch, value_model, lora, tiny_gpt2, tiny_llama, tmp_path):
+    path = tiny_gpt2 if arch == "gpt2" else tiny_llama
+    module = _module(path, value_model=value_model, lora=LoraSettings(r=4) if lora else None)
+    trainer = _fit(module, tmp_path)
+    assert trainer.global_step == 2 * 2 * 2
+    assert (module.ref_policy is None) == lora  # LoRA: no second copy of the weights
+    assert (module.value_model is None) == (value_model == "shared")
+    metrics = trainer.logged_metrics
+    assert torch.isfinite(metrics["loss/value_avg"]) and torch.isfinite(metrics["val/explained_variance"])
+
+
+def test_shared_critic_trains_head_and_policy_with_one_optimizer(tiny_gpt2, tmp_path):
+    module = _module(tiny_gpt2, value_model="shared")
+    head_before = module.roles.value_head.weight.clone()
+    trainer = _fit(module, tmp_path)
+    expected = {id(p) for p in module.policy.parameters()} | {
+        id(p) for p in module.roles.value_head.parameters()
+    }
+    assert _optimized(trainer) == expected
+    assert not torch.equal(module.roles.value_head.weight, head_before)
+
+
+def test_lora_keeps_the_base_and_disables_the_adapter_for_the_reference(tiny_gpt2, tmp_path):
+    module = _module(tiny_gpt2, value_model="shared", lora=LoraSettings(r=4))
+    base_before = {n: p.clone() for n, p in module.policy.named_parameters() if "lora_" not in n}
+    trainer = _fit(module, tmp_path, iterations=3)
+    # only adapters and the value head are optimised, and the base is bit-identical after training
+    adapters = {id(p) for n, p in module.policy.named_parameters() if "lora_" in n}
+    assert _optimized(trainer) == adapters | {id(p) for p in module.roles.value_head.parameters()}
+    for name, param in module.policy.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(param, base_before[name]), name
+    lora_b = [p for n, p in module.policy.named_parameters() if "lora_B" in n]
+    assert any(p.abs().sum() > 0 for p in lora_b)  # the adapters did train (B starts at zero)
+    # the reference is the untouched initial policy
+    initial = load_causal_lm(str(tiny_gpt2))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 11, 12, 13, 14, 15]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]]).bool()
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = response_logits(initial, ids, mask, pos, 3)
+        trained = response_logits(module.policy, ids, mask, pos, 3)
+    assert torch.equal(module.roles.reference_logits(ids, mask, pos, 3), expected)
+    assert not torch.allclose(trained, expected)
+
+
+def test_gradient_checkpointing_with_lora_trains(tiny_digits, tmp_path):
+    module = _module(tiny_digits, value_model="separate", lora=LoraSettings(r=4), gradient_checkpointing=True)
+    assert module.policy.base_model.model.is_gradient_checkpointing
+    trainer = _fit(module, tmp_path, iterations=1)
+    assert trainer.global_step == 4
+    assert any(p.abs().sum() > 0 for n, p in module.policy.named_parameters() if "lora_B" in n)
+
+
+def test_frozen_dtype_loads_the_reference_in_bf16(tiny_gpt2):
+    module = _module(tiny_gpt2, frozen_dtype="bf16")
+    assert next(module.ref_policy.parameters()).dtype == torch.bfloat16
+    assert next(module.policy.parameters()).dtype == torch.float32
+
+
+def test_separate_critic_starts_from_the_reward_models_head(tiny_digits, tmp_path):
+    from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(
+        tmp_path / "rm", TinyModelSpec(), alphabet="0123456789=", kind="reward", seed=3
+    )
+    critic = ValueModel.from_pretrained(str(path))
+    reward = AutoModelForSequenceClassification.from_pretrained(path)
+    assert torch.equal(critic.v_head.weight, reward.score.weight)
+    module = _module(tiny_digits, reward_fn=None, reward_model=str(path))
+    assert torch.equal(module.value_model.v_head.weight, reward.score.weight)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-merged"])
+def test_export_round_trip_gives_the_trained_policys_logits(lora, tiny_gpt2, tmp_path):
+    module = _module(tiny_gpt2, value_model="shared", lora=LoraSettings(r=4) if lora else None)
+    trainer = _fit(module, tmp_path)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    out = export_policy(tmp_path / "run.ckpt", tmp_path / "exported")
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        expected = module.policy(input_ids=ids).logits
+        got = exported(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert "roles.value_head.weight" in torch.load(out / "value_head.pt", weights_only=True)
+    assert (out / "tokenizer.json").exists()
