@@ -50,16 +50,16 @@ def _short_run(config: Path, policy: Path, tmp_path: Path, *extra: str):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_every_config_fits_in_process(config, tiny_gpt2, tiny_reward, tmp_path):
-    extra = (
-        ["--model.init_args.reward_model", str(tiny_reward)] if "reward_model:" in config.read_text() else []
-    )
+    text = config.read_text()
+    extra = ["--model.init_args.reward_model", str(tiny_reward)] if "reward_model:" in text else []
+    extra += ["--model.init_args.reference", str(tiny_gpt2)] if "reference:" in text else []
     cli = _short_run(config, tiny_gpt2, tmp_path, *extra)
     ppo = cli.model.ppo
     assert cli.trainer.global_step == 2 * ppo.ppo_epochs * ppo.num_minibatches
     rows = list(csv.DictReader((Path(cli.trainer.logger.log_dir) / "metrics.csv").open()))
     assert len(rows) == 2 and float(rows[-1]["episode"]) == 2 * 8 * ppo.num_generations
     # a critic-free estimator builds no value model and trains nothing but the policy
-    assert (cli.model.value_model is None) == (ppo.advantage_estimator != "gae")
+    assert cli.model.roles.has_critic == (ppo.advantage_estimator == "gae")
     if len(cli.model.reward_fns) > 1:
         names = [key for key in rows[-1] if key.startswith("reward/") and key != "reward/dropped"]
         assert sorted(names) == ["reward/DigitsReward", "reward/exact_length"]
