@@ -24,6 +24,7 @@ from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
 from lightning_ppo.models import load_tokenizer, resolve_stop_token
 from lightning_ppo.rewards import (
+    AdapterReward,
     RewardLike,
     RewardModel,
     RunningMoments,
@@ -72,6 +73,8 @@ class PPOLightningModule(LightningModule):
         reward_tokenizer: Tokenizer of the reward model (default: the one saved with it, else the
             policy's). With a vocabulary other than the policy's, completions are decoded and
             re-tokenised for it.
+        reward_adapter: With ``lora``: a PEFT sequence-classification adapter trained on the policy's
+            base, used as the reward on that same base (no second copy of the weights).
         reward_chat_template: Give the reward model each prompt and completion as a user/assistant
             chat in its tokenizer's chat template (always via text).
         value_model: The critic (only built for ``ppo.advantage_estimator: gae``): ``separate``, a
@@ -104,6 +107,7 @@ class PPOLightningModule(LightningModule):
         reward_model: str | None = None,
         reward_tokenizer: str | None = None,
         reward_chat_template: bool = False,
+        reward_adapter: str | None = None,
         value_model: str = "separate",
         value: str | None = None,
         reference: str | None = None,
@@ -125,7 +129,7 @@ class PPOLightningModule(LightningModule):
         self.reward_fns = (
             [] if reward_fn is None else list(reward_fn) if isinstance(reward_fn, list) else [reward_fn]
         )
-        self._check_rewards(reward_weights, reward_model)
+        self._check_rewards(reward_weights, [reward_model, reward_adapter])
         self.save_hyperparameters(
             {
                 "policy": policy,
@@ -171,7 +175,16 @@ class PPOLightningModule(LightningModule):
             gradient_checkpointing=gradient_checkpointing,
             trust_remote_code=trust_remote_code,
         )
-        self.reward_weights = reward_weights or [1.0] * (len(self.reward_fns) + (reward_model is not None))
+        self.reward_adapter = None
+        if reward_adapter is not None:
+            if lora is None:
+                raise ValueError(
+                    "reward_adapter needs lora: it is a second adapter on the policy's LoRA base"
+                )
+            self.reward_adapter = AdapterReward(self.roles.policy, reward_adapter)
+        self.reward_weights = reward_weights or [1.0] * (
+            len(self.reward_fns) + (reward_model is not None) + (reward_adapter is not None)
+        )
         self.kl_ctl = make_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
         self.score_moments = RunningMoments()
         self.iteration = 0
@@ -185,17 +198,20 @@ class PPOLightningModule(LightningModule):
             return reward_model
         return policy
 
-    def _check_rewards(self, weights: list[float] | None, reward_model: str | None) -> None:
-        count = len(self.reward_fns) + (reward_model is not None)
+    def _check_rewards(self, weights: list[float] | None, reward_paths: list[str | None]) -> None:
+        models = sum(path is not None for path in reward_paths)
+        count = len(self.reward_fns) + models
         if count == 0 and type(self).score is PPOLightningModule.score:
-            raise ValueError("no reward: set reward_fn or reward_model, or override score() in a subclass")
+            raise ValueError(
+                "no reward: set reward_fn, reward_model or reward_adapter, or override score() in a subclass"
+            )
         for fn in self.reward_fns:
             if not callable(fn):
                 raise TypeError(f"reward_fn entries must be callable, got {type(fn).__name__}")
         if weights is not None and len(weights) != count:
             raise ValueError(
                 f"reward_weights has {len(weights)} entries but there are {count} rewards "
-                f"({len(self.reward_fns)} reward_fn + {int(reward_model is not None)} reward_model)"
+                f"({len(self.reward_fns)} reward_fn + {models} reward model or adapter)"
             )
 
     def setup(self, stage: str) -> None:
@@ -280,6 +296,9 @@ class PPOLightningModule(LightningModule):
             components.append(
                 ("reward_model", lambda: self.reward_model.score(prompts, completions, batch.rollout))
             )
+        if self.reward_adapter is not None:
+            ids, mask, pos = batch.rollout.input_ids, batch.rollout.attention_mask, batch.rollout.position_ids
+            components.append(("reward_adapter", lambda: self.reward_adapter(ids, mask, pos)))
         allow_nonfinite = self.ppo.on_bad_reward == "drop"
         for (name, compute), weight in zip(components, self.reward_weights, strict=True):
             part = check_scores(compute(), len(completions), name, self.device, allow_nonfinite)

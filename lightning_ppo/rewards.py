@@ -213,3 +213,50 @@ def as_chat(prompts: list[str], completions: list[str], tokenizer: PreTrainedTok
         )
         for p, c in zip(prompts, completions, strict=True)
     ]
+
+
+class AdapterReward(nn.Module):
+    """A reward model that is a second LoRA adapter on the policy's own base (LoRA one-backbone).
+
+    ``path`` is a PEFT adapter trained for sequence classification (``task_type="SEQ_CLS"``, one
+    label) on the policy's base model. Its LoRA weights are loaded into the policy as the adapter
+    ``reward`` and selected per forward (PEFT's ``adapter_names``), so the policy's own adapter
+    stays the trained one; its score head is a small frozen ``Linear``. No second copy of the
+    base weights is loaded.
+    """
+
+    ADAPTER = "reward"
+
+    def __init__(self, policy: nn.Module, path: str) -> None:
+        super().__init__()
+        from safetensors.torch import load_file
+
+        policy.load_adapter(path, adapter_name=self.ADAPTER, is_trainable=False)
+        weights = load_file(f"{path}/adapter_model.safetensors")
+        heads = [k for k in weights if k.endswith(("score.weight", "classifier.weight")) and "lora_" not in k]
+        if not heads:
+            raise ValueError(f"reward_adapter {path!r} has no score head (train it with task_type='SEQ_CLS')")
+        head = weights[heads[0]]
+        if head.shape[0] != 1:
+            raise ValueError(f"reward_adapter {path!r} has {head.shape[0]} labels; a reward needs 1")
+        self.score_head = nn.Linear(head.shape[1], 1, bias=False)
+        with torch.no_grad():
+            self.score_head.weight.copy_(head)
+        self.score_head.requires_grad_(False)
+        self._policy = [policy]  # a plain list: the policy must not be registered twice
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+        """(B,) score at the last real token, computed with the ``reward`` adapter active."""
+        out = self._policy[0](
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            adapter_names=[self.ADAPTER] * input_ids.shape[0],
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
+        last = attention_mask.shape[1] - 1 - attention_mask.long().flip(1).argmax(1)
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        hidden = out.hidden_states[-1][rows, last]
+        return self.score_head(hidden.to(self.score_head.weight.dtype)).squeeze(-1).float()

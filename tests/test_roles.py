@@ -137,3 +137,51 @@ def test_export_round_trip_gives_the_trained_policys_logits(lora, tiny_gpt2, tmp
     assert torch.allclose(got, expected, atol=1e-5)
     assert "roles.value_head.weight" in torch.load(out / "value_head.pt", weights_only=True)
     assert (out / "tokenizer.json").exists()
+
+
+def _reward_adapter(base, out):
+    """A sequence-classification LoRA adapter on ``base``, with non-zero weights, saved with PEFT."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    classifier = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1)
+    peft_model = get_peft_model(classifier, LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["c_attn"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    peft_model.save_pretrained(out)
+    return peft_model.eval()
+
+
+def test_reward_adapter_scores_on_the_policys_own_base(tiny_digits, tmp_path):
+    reference = _reward_adapter(tiny_digits, tmp_path / "reward_adapter")
+    module = _module(
+        tiny_digits,
+        reward_fn=None,
+        reward_adapter=str(tmp_path / "reward_adapter"),
+        lora=LoraSettings(r=4),
+        value_model="shared",
+    )
+    # no second copy of the base: every base weight is the policy's
+    assert module.reward_model is None and module.ref_policy is None
+    assert sum(p.numel() for p in module.reward_adapter.parameters()) == 64  # only its score head
+    ids = torch.tensor([[5, 6, 7, 8, 1, 1], [9, 10, 11, 12, 13, 4]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]).bool()
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    scores = module.reward_adapter(ids, mask, pos)
+    with torch.no_grad():
+        expected = [reference(input_ids=ids[i : i + 1, : int(mask[i].sum())]).logits.item() for i in range(2)]
+    assert torch.allclose(scores, torch.tensor(expected), atol=1e-5)
+    # the policy's own adapter is still the one trained, and training leaves the reward adapter alone
+    reward_before = {n: p.clone() for n, p in module.policy.named_parameters() if ".reward." in n}
+    trainer = _fit(module, tmp_path)
+    assert trainer.global_step == 8
+    after = dict(module.policy.named_parameters())
+    assert reward_before and all(torch.equal(after[n], p) for n, p in reward_before.items())
+
+
+def test_reward_adapter_needs_lora(tiny_digits, tmp_path):
+    _reward_adapter(tiny_digits, tmp_path / "ra")
+    with pytest.raises(ValueError, match="reward_adapter needs lora"):
+        _module(tiny_digits, reward_fn=None, reward_adapter=str(tmp_path / "ra"))
