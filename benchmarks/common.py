@@ -1,0 +1,359 @@
+"""What the three benchmark variants share: sizes, checkpoints built from configs, timing, memory, FLOPs.
+
+Each variant (``run_lightning``, ``run_trl``, ``floor``) runs in its own subprocess as
+``python -m benchmarks.<variant> SPEC.json RESULT.json``: it reads a :class:`RunSpec`, runs
+``spec.iterations`` PPO iterations and writes a result dict (per-iteration seconds, per-phase
+seconds, peak RSS). ``benchmarks/bench.py`` drives them and prints the tables.
+
+Every variant does the same PPO work per iteration: sample ``response_length`` tokens for
+``batch_size`` prompts with HF ``generate`` (KV cache); policy, reference, value and reward
+forwards over prompt + response; per-token KL penalty, GAE, whitened advantages; then
+``ppo_epochs`` x ``num_minibatches`` of policy + value forward, backward and one AdamW step.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Offline, quiet, and no telemetry in any variant.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+# PPO hyper-parameters shared by every variant (the issue's setting; TRL's defaults where it has one).
+KL_COEF = 0.05
+VF_COEF = 0.1
+CLIP_RANGE = 0.2
+VALUE_CLIP_RANGE = 0.2
+GAMMA = 1.0
+GAE_LAMBDA = 0.95
+TEMPERATURE = 1.0
+LEARNING_RATE = 1e-5
+NUM_DIGITS = 5  # prompts are "47192=": 6 tokens of the char tokenizer
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A model size. Policy, reference, value and reward models all have this shape.
+
+    ``extra_vocab`` characters are added to the char tokenizer's alphabet so that a large model
+    gets a realistically sized LM head (the prompts still use digits only).
+    """
+
+    name: str
+    arch: str  # "gpt2" or "llama"
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_positions: int = 512
+    extra_vocab: int = 0
+
+
+PRESETS = {
+    "tiny": ModelPreset("tiny", "gpt2", 1, 32, 2),
+    # The GPU model's architecture and vocabulary at a CPU-friendly size (exercises that code path).
+    "tiny-llama": ModelPreset("tiny-llama", "llama", 1, 32, 2, extra_vocab=32000),
+    "small": ModelPreset("small", "gpt2", 2, 128, 4),
+    "medium": ModelPreset("medium", "gpt2", 4, 256, 4),
+    # ~0.47B parameters with a 32k vocabulary: a Llama-style model for the GPU run.
+    "llama-0.5b": ModelPreset("llama-0.5b", "llama", 24, 1024, 16, n_positions=2048, extra_vocab=32000),
+}
+
+
+@dataclass
+class RunSpec:
+    """One benchmark run of one variant (JSON-serialisable; it crosses a process boundary)."""
+
+    variant: str  # "lightning_ppo", "trl" or "floor"
+    preset: str
+    policy: str  # checkpoint folders written by build_checkpoints
+    reward: str
+    device: str = "cpu"
+    precision: str = "32"  # "32" or "bf16-mixed"
+    batch_size: int = 64
+    num_minibatches: int = 4
+    ppo_epochs: int = 4
+    response_length: int = 32
+    iterations: int = 8
+    seed: int = 0
+    phases: bool = True  # per-phase timers (synchronising on CUDA) in lightning_ppo and the floor
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default (one per physical core)
+
+
+@dataclass
+class RunResult:
+    """What a variant reports back to the driver."""
+
+    spec: dict[str, Any]
+    iteration_s: list[float] = field(default_factory=list)  # wall seconds of each PPO iteration
+    gc_s: list[float] = field(default_factory=list)  # seconds of garbage collection in each iteration
+    phases: list[dict[str, float]] = field(default_factory=list)  # per iteration: phase -> seconds
+    peak_rss_mib: float = 0.0
+    peak_gpu_mib: float | None = None
+    response_width: int | None = None  # generated tokens per sequence (the last iteration's)
+    device_name: str = ""
+    error: str | None = None
+
+    def median_s(self) -> float:
+        """Median seconds per iteration, the first iteration (warm-up) excluded."""
+        steady = self.iteration_s[1:] or self.iteration_s
+        return statistics.median(steady) if steady else float("nan")
+
+    def median_gc_s(self) -> float:
+        steady = self.gc_s[1:] or self.gc_s
+        return statistics.median(steady) if steady else float("nan")
+
+    def median_phases(self) -> dict[str, float]:
+        steady = self.phases[1:] or self.phases
+        names = sorted({name for phases in steady for name in phases})
+        return {name: statistics.median(p.get(name, 0.0) for p in steady) for name in names}
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def preset_alphabet(preset: ModelPreset) -> str:
+    from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET
+
+    # CJK ideographs onwards: single code points, none of them a surrogate for 32k characters.
+    return DEFAULT_ALPHABET + "".join(chr(0x4E00 + i) for i in range(preset.extra_vocab))
+
+
+def build_checkpoints(preset: ModelPreset, out_dir: Path, seed: int = 0) -> tuple[Path, Path]:
+    """Write a random policy (causal LM) and a random reward model (one-output sequence classifier)
+    of ``preset``'s shape with the same char tokenizer, by ``save_pretrained``. Returns the folders."""
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    from lightning_ppo.tasks.tiny import (
+        TinyModelSpec,
+        build_char_tokenizer,
+        build_tiny_causal_lm,
+        build_tiny_reward_model,
+    )
+
+    tokenizer = build_char_tokenizer(preset_alphabet(preset))
+    spec = TinyModelSpec(preset.arch, preset.n_layer, preset.n_embd, preset.n_head, preset.n_positions)
+    policy_dir, reward_dir = out_dir / "policy", out_dir / "reward"
+    policy = build_tiny_causal_lm(tokenizer, spec, seed)
+    if preset.arch == "gpt2":
+        reward = build_tiny_reward_model(tokenizer, spec, seed + 1)
+    else:
+        torch.manual_seed(seed + 1)
+        config = policy.config.__class__.from_dict({**policy.config.to_dict(), "num_labels": 1})
+        reward = LlamaForSequenceClassification(config)
+    for model, folder in ((policy, policy_dir), (reward, reward_dir)):
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return policy_dir, reward_dir
+
+
+def prompts(num: int, seed: int = 0) -> list[str]:
+    """The quickstart's digit prompts (``"47192="``), the same in every variant."""
+    from lightning_ppo.tasks.digits import digit_prompts
+
+    return digit_prompts(num, NUM_DIGITS, seed)["prompt"]
+
+
+# ----------------------------------------------------------------------------- timing and memory
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+class PhaseTimer:
+    """Wall seconds per named phase of each iteration. On CUDA it synchronises around every phase,
+    so it is only enabled when asked (``RunSpec.phases``); disabled, it costs nothing."""
+
+    def __init__(self, device: str, enabled: bool = True) -> None:
+        self.device, self.enabled = device, enabled
+        self.current: dict[str, float] = defaultdict(float)
+        self.history: list[dict[str, float]] = []
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize(self.device)
+            self.current[name] += time.perf_counter() - start
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        """``fn`` with its calls timed as phase ``name``."""
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+    def end_iteration(self) -> None:
+        if self.enabled:
+            self.history.append(dict(self.current))
+        self.current.clear()
+
+
+class IterationClock:
+    """Marks the end of each iteration; ``intervals()`` are the wall seconds between marks, and
+    ``gc_intervals()`` the seconds Python's garbage collector ran in each (explicit or automatic)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.marks: list[float] = []
+        self.gc_marks: list[float] = []
+        self._gc_total = 0.0
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self._gc_total += time.perf_counter() - self._gc_start
+
+    def mark(self) -> None:
+        synchronize(self.device)
+        self.marks.append(time.perf_counter())
+        self.gc_marks.append(self._gc_total)
+
+    def intervals(self) -> list[float]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+    def gc_intervals(self) -> list[float]:
+        return [b - a for a, b in zip(self.gc_marks, self.gc_marks[1:], strict=False)]
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(0)
+    n = torch.get_num_threads()
+    return f"CPU, {n} thread{'' if n == 1 else 's'}"
+
+
+def finish(result: RunResult, device: str) -> RunResult:
+    """Fill in the memory figures and the device name."""
+    import torch
+
+    result.peak_rss_mib = peak_rss_mib()
+    result.device_name = device_name(device)
+    if device.startswith("cuda"):
+        result.peak_gpu_mib = torch.cuda.max_memory_allocated() / 2**20
+    return result
+
+
+def runner_main(run: Callable[[RunSpec], RunResult]) -> None:
+    """Entry point of a variant's subprocess: ``python -m benchmarks.<variant> SPEC.json RESULT.json``."""
+    spec_path, result_path = sys.argv[1], sys.argv[2]
+    spec = RunSpec(**json.loads(Path(spec_path).read_text()))
+    if spec.threads:
+        import torch
+
+        torch.set_num_threads(spec.threads)
+    result = run(spec)
+    Path(result_path).write_text(json.dumps(asdict(result)))
+
+
+# ----------------------------------------------------------------------------- FLOPs
+@dataclass
+class ModelShape:
+    """What the FLOPs estimate needs to know about a model."""
+
+    n_layer: int
+    d_model: int
+    vocab: int
+    params: int  # non-embedding parameters (no token/position embeddings, no LM head)
+
+
+def model_shape(checkpoint: str | Path) -> ModelShape:
+    """The shape of a causal-LM checkpoint, from its config (built on the meta device: no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    positions = sum(p.numel() for name, p in model.named_parameters() if name.endswith("wpe.weight"))
+    params = total - embed.numel() - positions - (0 if head is embed else head.numel())
+    return ModelShape(config.num_hidden_layers, config.hidden_size, config.vocab_size, params)
+
+
+def forward_flops(shape: ModelShape, seq_len: int, head_positions: int) -> float:
+    """Model FLOPs of one forward over ``seq_len`` tokens, the LM head on ``head_positions`` of them.
+
+    2 x params per token for the matmuls, plus 4 x n_layer x seq_len x d for attention scores and
+    their weighted sum (PaLM's convention, no causal discount), plus 2 x d x vocab per LM-head position.
+    """
+    per_token = 2 * shape.params + 4 * shape.n_layer * seq_len * shape.d_model
+    return seq_len * per_token + head_positions * 2 * shape.d_model * shape.vocab
+
+
+def iteration_flops(
+    shape: ModelShape, batch: int, prompt_len: int, response_len: int, ppo_epochs: int
+) -> dict[str, float]:
+    """Model FLOPs of one PPO iteration by part: ``generation``, ``rollout`` forwards and ``train``.
+
+    Value and reward models are the policy's shape without the LM head; the backward pass costs
+    twice the forward.
+    """
+    length = prompt_len + response_len
+    policy = forward_flops(shape, length, response_len)
+    critic = forward_flops(shape, length, 0)
+    # Generation: a prefill, then one token at a time against a KV cache of growing length.
+    generation = forward_flops(shape, prompt_len, 1)
+    for t in range(1, response_len):
+        context = prompt_len + t
+        generation += 2 * shape.params + 4 * shape.n_layer * context * shape.d_model
+        generation += 2 * shape.d_model * shape.vocab
+    rollout = 2 * policy + 2 * critic  # policy, reference, value, reward
+    train = ppo_epochs * 3 * (policy + critic)
+    return {"generation": batch * generation, "rollout": batch * rollout, "train": batch * train}
+
+
+# Dense peak TFLOP/s by device-name substring, (bf16, fp32 without TF32); first match wins.
+PEAK_TFLOPS = (
+    ("H200", (989.0, 67.0)),
+    ("H100 PCIe", (756.0, 51.0)),
+    ("H100", (989.0, 67.0)),
+    ("A100", (312.0, 19.5)),
+    ("L40S", (362.0, 91.6)),
+    ("A10G", (125.0, 31.2)),
+    ("L4", (121.0, 30.3)),
+)
+
+
+def peak_tflops(name: str, precision: str) -> float | None:
+    """The device's dense peak for the precision's matmuls, or None when unknown (e.g. a CPU)."""
+    for key, (bf16, fp32) in PEAK_TFLOPS:
+        if key in name:
+            return bf16 if precision.startswith("bf16") else fp32
+    return None

@@ -1,0 +1,147 @@
+"""lightning_ppo through the real Lightning ``Trainer`` and ``PPOLightningModule``.
+
+Logger, checkpointing, progress bar and model summary are off; ``ppo.advantage_estimator`` is
+``gae`` with the default separate value model (built from the policy checkpoint); the reward is
+the same reward-model checkpoint TRL and the floor use; gradient clipping is off because TRL's
+PPO does not clip either. Phase timers wrap the module's own methods on the instance (the class
+is not changed), so the breakdown shows where an iteration's time goes.
+
+    python -m benchmarks.run_lightning SPEC.json RESULT.json
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+import lightning_ppo.module
+from benchmarks import common
+from lightning_ppo import PPOLightningModule
+from lightning_ppo.config import GenerationConfig, PPOConfig
+from lightning_ppo.tasks.digits import DigitsDataModule
+
+# The methods of one training_step, timed as phases (the floor times the same passes).
+PHASES = {
+    "generate": "generate",
+    "decode_responses": "decode",
+    "score": "reward",
+    "shape_scores": "shape_scores",
+    "rollout_forwards": "rollout_forwards",
+    "ppo_update": "train",
+    "experience_stats": "stats",
+    "log_stats": "log",
+}
+
+
+class Clock(Callback):
+    """Marks the end of every PPO iteration (one training batch) and closes its phase record."""
+
+    def __init__(self, clock: common.IterationClock, timer: common.PhaseTimer) -> None:
+        self.clock, self.timer = clock, timer
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.clock.marks:
+            self.clock.mark()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.clock.mark()
+        self.timer.end_iteration()
+
+
+def build_module(spec: common.RunSpec) -> PPOLightningModule:
+    ppo = PPOConfig(
+        advantage_estimator="gae",
+        ppo_epochs=spec.ppo_epochs,
+        num_minibatches=spec.num_minibatches,
+        clip_range=common.CLIP_RANGE,
+        value_clip_range=common.VALUE_CLIP_RANGE,
+        vf_coef=common.VF_COEF,
+        kl_coef=common.KL_COEF,
+        gamma=common.GAMMA,
+        gae_lambda=common.GAE_LAMBDA,
+        max_grad_norm=None,
+    )
+    generation = GenerationConfig(max_new_tokens=spec.response_length, temperature=common.TEMPERATURE)
+    optimizer = functools.partial(torch.optim.AdamW, lr=common.LEARNING_RATE, weight_decay=0.0)
+    return PPOLightningModule(
+        policy=spec.policy,
+        reward_model=spec.reward,
+        ppo=ppo,
+        generation=generation,
+        optimizer=optimizer,
+        seed=spec.seed,
+    )
+
+
+def instrument(module: PPOLightningModule, timer: common.PhaseTimer, result: common.RunResult) -> None:
+    """Time the module's phases on this instance; ``make_experience`` is looked up in module.py."""
+    for method, phase in PHASES.items():
+        setattr(module, method, timer.wrap(phase, getattr(module, method)))
+    module.training_step = timer.wrap("training_step", module.training_step)
+    experience = lightning_ppo.module.make_experience
+    lightning_ppo.module.make_experience = timer.wrap("experience", experience)
+
+    generate = module.generate
+
+    def generate_and_record_width(batch):
+        rollout = generate(batch)
+        result.response_width = rollout.response_ids.shape[1]
+        return rollout
+
+    module.generate = generate_and_record_width
+
+
+def split_overhead(phases: list[dict[str, float]], intervals: list[float]) -> list[dict[str, float]]:
+    """Replace ``training_step`` by what the named phases leave of it (``step_other``) and add the
+    time of the iteration spent outside ``training_step`` (``lightning_loop``: data, hooks, logging)."""
+    out = []
+    for phase, interval in zip(phases, intervals, strict=False):
+        phase = dict(phase)
+        step = phase.pop("training_step", 0.0)
+        phase["step_other"] = step - sum(phase.values())
+        phase["lightning_loop"] = interval - step
+        out.append(phase)
+    return out
+
+
+def run(spec: common.RunSpec) -> common.RunResult:
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    seed_everything(spec.seed, verbose=False)
+    result = common.RunResult(spec=vars(spec))
+    timer = common.PhaseTimer(spec.device, spec.phases)
+    clock = common.IterationClock(spec.device)
+    module = build_module(spec)
+    instrument(module, timer, result)
+    data = DigitsDataModule(
+        num_prompts=spec.batch_size * spec.iterations,
+        num_digits=common.NUM_DIGITS,
+        batch_size=spec.batch_size,
+        max_prompt_length=16,
+        seed=spec.seed,
+    )
+    trainer = Trainer(
+        accelerator="cuda" if spec.device.startswith("cuda") else "cpu",
+        devices=1,
+        precision="32-true" if spec.precision == "32" else spec.precision,
+        max_epochs=1,
+        limit_train_batches=spec.iterations,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Clock(clock, timer)],
+    )
+    trainer.fit(module, datamodule=data)
+    result.iteration_s, result.gc_s = clock.intervals(), clock.gc_intervals()
+    result.phases = split_overhead(timer.history, result.iteration_s) if spec.phases else []
+    return common.finish(result, spec.device)
+
+
+if __name__ == "__main__":
+    common.runner_main(run)

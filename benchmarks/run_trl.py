@@ -1,0 +1,109 @@
+"""TRL 1.12.0's PPO trainer (``trl.experimental.ppo``) on the same checkpoints, prompts and settings.
+
+TRL needs a reward model and a value model that are ``AutoModelForSequenceClassification`` with
+one label: the reward model is the shared reward checkpoint, the value model the policy
+checkpoint's backbone with a fresh one-output head (as lightning_ppo builds its critic). The
+optimizer is ``torch.optim.AdamW`` (``optim="adamw_torch"``, TRL's default would be the fused
+variant) with a constant learning rate and no weight decay, as in the other variants.
+``stop_token="eos"`` truncates responses at EOS like the others; generation itself never stops
+early (``response_length`` tokens, unless every row has emitted EOS). The console printer is
+removed, like the Lightning logger and progress bar; TRL still computes and ``.item()``s its metrics.
+
+    python -m benchmarks.run_trl SPEC.json RESULT.json
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+from datasets import Dataset
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    TrainerCallback,
+)
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from benchmarks import common
+
+
+class Clock(TrainerCallback):
+    """Marks the start of training and the end of every PPO iteration (TRL's ``on_step_end``)."""
+
+    def __init__(self, clock: common.IterationClock) -> None:
+        self.clock = clock
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.clock.mark()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.clock.mark()
+
+
+def run(spec: common.RunSpec) -> common.RunResult:
+    # Imported here, after benchmarks.common has silenced TRL's experimental-API notice.
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    torch.manual_seed(spec.seed)
+    result = common.RunResult(spec=vars(spec))
+    clock = common.IterationClock(spec.device)
+    on_cpu = not spec.device.startswith("cuda")
+    tokenizer = AutoTokenizer.from_pretrained(spec.policy, padding_side="left")
+    policy = AutoModelForCausalLM.from_pretrained(spec.policy)
+    reference = AutoModelForCausalLM.from_pretrained(spec.policy)
+    value = AutoModelForSequenceClassification.from_pretrained(spec.policy, num_labels=1)
+    reward = AutoModelForSequenceClassification.from_pretrained(spec.reward, num_labels=1)
+    texts = common.prompts(spec.batch_size * spec.iterations, spec.seed)
+    dataset = Dataset.from_dict({"input_ids": [tokenizer(t)["input_ids"] for t in texts]})
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = PPOConfig(
+            output_dir=output_dir,
+            per_device_train_batch_size=spec.batch_size,
+            gradient_accumulation_steps=1,
+            local_rollout_forward_batch_size=spec.batch_size,
+            num_mini_batches=spec.num_minibatches,
+            num_ppo_epochs=spec.ppo_epochs,
+            total_episodes=spec.batch_size * spec.iterations,
+            response_length=spec.response_length,
+            stop_token="eos",
+            temperature=common.TEMPERATURE,
+            kl_coef=common.KL_COEF,
+            vf_coef=common.VF_COEF,
+            cliprange=common.CLIP_RANGE,
+            cliprange_value=common.VALUE_CLIP_RANGE,
+            gamma=common.GAMMA,
+            lam=common.GAE_LAMBDA,
+            learning_rate=common.LEARNING_RATE,
+            weight_decay=0.0,
+            optim="adamw_torch",
+            lr_scheduler_type="constant",
+            num_sample_generations=0,
+            bf16=spec.precision == "bf16-mixed",
+            use_cpu=on_cpu,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=spec.seed,
+        )
+        trainer = PPOTrainer(
+            args=args,
+            processing_class=tokenizer,
+            model=policy,
+            ref_model=reference,
+            reward_model=reward,
+            train_dataset=dataset,
+            value_model=value,
+            callbacks=[Clock(clock)],
+        )
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        trainer.train()
+    result.iteration_s, result.gc_s = clock.intervals(), clock.gc_intervals()
+    result.response_width = spec.response_length
+    return common.finish(result, spec.device)
+
+
+if __name__ == "__main__":
+    common.runner_main(run)
