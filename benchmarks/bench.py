@@ -1,0 +1,316 @@
+"""The benchmark driver: the same PPO work three ways, alternated, each run in its own subprocess.
+
+    python -m benchmarks.bench               # CPU: small and medium GPT-2, fp32 and bf16-mixed, + scaling
+    python -m benchmarks.bench --threads 1   # the same on a machine shared with other jobs
+    python -m benchmarks.bench --quick       # smoke run: tiny model, lightning_ppo and the floor
+
+Variants: ``lightning_ppo`` (the real Trainer and PPOLightningModule, ``run_lightning.py``), ``trl``
+(TRL 1.12.0's PPO trainer, ``run_trl.py``; skipped when TRL is not importable) and ``floor`` (bare
+PyTorch, ``floor.py``). For every (config, precision) the variants run one after another in a
+rotating order (``--rounds`` times), so that drift in the machine's speed hits all of them alike.
+With CUDA (``--device auto`` finds it) the default is a ~0.5B Llama-style model in bf16-mixed, with
+peak GPU memory and model FLOPs utilisation; ``--device cuda`` without CUDA skips cleanly.
+Checkpoints are built from configs in a temporary folder: nothing is downloaded. The report
+(``report.py``) is printed and written with the raw results and every run's log to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from subprocess import TimeoutExpired, run
+
+from benchmarks import common, report
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNERS = {
+    "lightning_ppo": "benchmarks.run_lightning",
+    "trl": "benchmarks.run_trl",
+    "floor": "benchmarks.floor",
+}
+
+
+@dataclass
+class Settings:
+    """What to run; ``--quick``, CPU and CUDA each have their defaults, any flag overrides them."""
+
+    configs: str = "small,medium"
+    precisions: str = "32,bf16-mixed"
+    variants: str = "lightning_ppo,trl,floor"
+    iterations: int = 6
+    batch_size: int = 64
+    minibatches: int = 4
+    ppo_epochs: int = 4
+    response_length: int = 32
+    threads: int = 0  # 0: torch's default
+    scaling: bool = True
+    scaling_config: str = "medium"
+    scaling_precision: str = "32"
+
+
+DEFAULTS = {
+    "cpu": Settings(),
+    "cuda": Settings(
+        configs="llama-0.5b",
+        precisions="bf16-mixed",
+        iterations=8,
+        scaling_config="llama-0.5b",
+        scaling_precision="bf16-mixed",
+    ),
+    "quick": Settings(
+        configs="tiny",
+        precisions="32",
+        variants="lightning_ppo,floor",
+        iterations=2,
+        batch_size=8,
+        minibatches=2,
+        ppo_epochs=2,
+        response_length=8,
+        threads=1,
+        scaling=False,
+    ),
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2 iterations, no scaling")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--configs", help=f"comma-separated model presets of {sorted(common.PRESETS)}")
+    p.add_argument("--precisions", help="comma-separated: 32, bf16-mixed")
+    p.add_argument("--variants", help=f"comma-separated of {report.VARIANTS}")
+    p.add_argument("--iterations", type=int, help="PPO iterations per run; the first is not counted")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each variant per (config, precision)")
+    p.add_argument("--batch-size", type=int, help="rollout batch (64)")
+    p.add_argument("--minibatches", type=int, help="minibatches per PPO epoch (4)")
+    p.add_argument("--ppo-epochs", type=int, help="PPO epochs per iteration (4)")
+    p.add_argument("--response-length", type=int, help="new tokens per response (32)")
+    p.add_argument("--threads", type=int, help="torch threads per run (default: torch's; --quick: 1)")
+    p.add_argument("--scaling", action=argparse.BooleanOptionalAction, help="lightning_ppo scaling table")
+    p.add_argument("--scaling-config", help="model preset of the scaling table")
+    p.add_argument("--scaling-iterations", type=int, default=4, help="PPO iterations per scaling run")
+    p.add_argument("--scaling-lengths", default="32,64,128,256", help="response lengths of the scaling table")
+    p.add_argument("--scaling-batches", default="16,64,128", help="rollout batches of the scaling table")
+    p.add_argument("--no-phases", action="store_true", help="no per-phase timers (they synchronise on CUDA)")
+    p.add_argument("--peak-tflops", type=float, help="device peak for MFU where the device is not known")
+    p.add_argument(
+        "--wait-idle", type=float, default=0, help="wait up to this many s for a quiet CPU per run"
+    )
+    p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="folder for the report, results, logs")
+    return p.parse_args(argv)
+
+
+def settings_for(args: argparse.Namespace, device: str) -> Settings:
+    base = DEFAULTS["quick" if args.quick else device]
+    given = {k: v for k, v in vars(args).items() if k in base.__dataclass_fields__ and v is not None}
+    return replace(base, **given)
+
+
+def trl_available() -> bool:
+    try:
+        return importlib.util.find_spec("trl.experimental.ppo") is not None
+    except ImportError:
+        return False
+
+
+# ----------------------------------------------------------------------------- planning
+def plan(args: argparse.Namespace, s: Settings, device: str, checkpoints: dict) -> list[report.Job]:
+    """The main table's runs in rotating variant order, then the scaling runs (lightning_ppo only)."""
+
+    def spec(variant: str, preset: str, precision: str) -> common.RunSpec:
+        policy, reward = checkpoints[preset]
+        return common.RunSpec(
+            variant=variant,
+            preset=preset,
+            policy=str(policy),
+            reward=str(reward),
+            device=device,
+            precision=precision,
+            batch_size=s.batch_size,
+            num_minibatches=s.minibatches,
+            ppo_epochs=s.ppo_epochs,
+            response_length=s.response_length,
+            iterations=s.iterations,
+            phases=not args.no_phases,
+            threads=s.threads,
+        )
+
+    variants = s.variants.split(",")
+    jobs, rotation = [], 0
+    for preset in s.configs.split(","):
+        for precision in s.precisions.split(","):
+            for _ in range(args.rounds):
+                k = rotation % len(variants)
+                rotation += 1
+                jobs += [report.Job("main", spec(v, preset, precision)) for v in variants[k:] + variants[:k]]
+    if s.scaling:
+        base = replace(
+            spec("lightning_ppo", s.scaling_config, s.scaling_precision), iterations=args.scaling_iterations
+        )
+        points = [replace(base, response_length=int(n)) for n in args.scaling_lengths.split(",")]
+        points += [replace(base, batch_size=int(b)) for b in args.scaling_batches.split(",")]
+        planned = {report.point_key(job.spec) for job in jobs}
+        for point in points:
+            # A point the main table runs anyway (its batch and length) is not run again.
+            if report.point_key(point) not in planned:
+                planned.add(report.point_key(point))
+                jobs.append(report.Job("scaling", point))
+    return jobs
+
+
+# ----------------------------------------------------------------------------- running
+class CpuMeter:
+    """Busy CPU core-seconds of the whole machine (Linux ``/proc/stat``), to tell how many cores other
+    processes used while a run was going: busy time minus the run's own CPU time, over its wall time."""
+
+    def __init__(self) -> None:
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def busy_seconds(self) -> float | None:
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        return (user + nice + system + irq + softirq + steal) / self.tick
+
+    @staticmethod
+    def children_seconds() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    def wait_for_idle(self, limit: float, threshold: float = 0.3) -> float:
+        """Wait up to ``limit`` seconds for other processes to use less than ``threshold`` cores."""
+        start = time.perf_counter()
+        while time.perf_counter() - start < limit:
+            before = self.busy_seconds()
+            if before is None:
+                break
+            time.sleep(1.0)
+            if self.busy_seconds() - before < threshold:
+                break
+        return time.perf_counter() - start
+
+
+def run_job(
+    job: report.Job, index: int, work: Path, logs: Path, meter: CpuMeter, timeout: float
+) -> report.Done:
+    """Run one variant in a subprocess; a failure is recorded, not raised."""
+    spec = job.spec
+    name = (
+        f"{index:02d}-{spec.variant}-{spec.preset}-{report.PRECISION_LABEL[spec.precision]}"
+        f"-b{spec.batch_size}-r{spec.response_length}"
+    )
+    spec_path, result_path, log_path = (
+        work / f"{name}.json",
+        work / f"{name}.result.json",
+        logs / f"{name}.log",
+    )
+    spec_path.write_text(json.dumps(asdict(spec)))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    command = [sys.executable, "-m", RUNNERS[spec.variant], str(spec_path), str(result_path)]
+    busy, own, start = meter.busy_seconds(), meter.children_seconds(), time.perf_counter()
+    with log_path.open("w") as log:
+        try:
+            proc = run(command, cwd=ROOT, env=env, stdout=log, stderr=log, timeout=timeout, check=False)
+            failure = None if proc.returncode == 0 else f"exit code {proc.returncode}"
+        except TimeoutExpired:
+            failure = f"timed out after {timeout:.0f} s"
+    wall = time.perf_counter() - start
+    foreign = None
+    if busy is not None:
+        foreign = max(0.0, (meter.busy_seconds() - busy - (meter.children_seconds() - own)) / wall)
+    if failure is None and result_path.exists():
+        result = common.RunResult(**json.loads(result_path.read_text()))
+    else:
+        last = (log_path.read_text().strip().splitlines() or [""])[-1]
+        result = common.RunResult(
+            spec=asdict(spec), error=f"{failure or 'no result'}: {last[:200]} ({log_path})"
+        )
+    return report.Done(job, result, wall, foreign)
+
+
+def resolve_device(choice: str) -> str | None:
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        return None
+    return choice
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    if device is None:
+        print("CUDA is not available on this machine: skipping the GPU benchmark.")
+        return 0
+    s = settings_for(args, device)
+    unknown = (set(s.variants.split(",")) - set(report.VARIANTS)) | (
+        set(s.configs.split(",")) - set(common.PRESETS)
+    )
+    if unknown:
+        raise SystemExit(f"unknown variant or model preset: {sorted(unknown)}")
+    notes = []
+    if "trl" in s.variants.split(",") and not trl_available():
+        s.variants = ",".join(v for v in s.variants.split(",") if v != "trl")
+        notes.append(
+            "TRL is not importable (`make bench` installs the `bench` extra): its variant is skipped."
+        )
+        print(notes[-1])
+        if not s.variants:
+            return 0
+    out, started, load_start = Path(args.out), time.strftime("%Y-%m-%d %H:%M %Z"), os.getloadavg()
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="lightning-ppo-bench-") as tmp:
+        work = Path(tmp)
+        presets = set(s.configs.split(",")) | ({s.scaling_config} if s.scaling else set())
+        checkpoints = {p: common.build_checkpoints(common.PRESETS[p], work / p) for p in sorted(presets)}
+        flops = report.Flops(checkpoints, args.peak_tflops)
+        jobs = plan(args, s, device, checkpoints)
+        print(f"{len(jobs)} runs on {device}; their logs go to {logs}", flush=True)
+        dones, meter = [], CpuMeter()
+        for i, job in enumerate(jobs, 1):
+            if args.wait_idle and meter.wait_for_idle(args.wait_idle) >= 2:
+                print("waited for other processes to go quiet", flush=True)
+            dones.append(run_job(job, i, work, logs, meter, args.timeout))
+            print(f"[{i}/{len(jobs)}] {report.describe(dones[-1])}", flush=True)
+    load_end = os.getloadavg()
+    facts = [
+        f"started {started}; command: `{' '.join(['python -m benchmarks.bench', *argv])}`",
+        f"load average (1, 5, 15 min) before: {report.triple(load_start)}; after: {report.triple(load_end)}",
+        report.machine_line(dones, s.threads, device),
+        f"per iteration: batch {s.batch_size}, {s.response_length} new tokens, {s.ppo_epochs} PPO epochs x "
+        f"{s.minibatches} minibatches; {s.iterations} iterations per run ({args.scaling_iterations} per "
+        f"scaling run) x {args.rounds} round(s); the first iteration of each run is not counted",
+        *notes,
+    ]
+    text = report.render(dones, s, flops, facts)
+    print("\n" + text)
+    (out / "report.md").write_text(text)
+    records = [
+        {"group": d.job.group, "wall_s": d.wall_s, "foreign_cores": d.foreign_cores, **asdict(d.result)}
+        for d in dones
+    ]
+    (out / "results.json").write_text(json.dumps(records, indent=1))
+    print(f"report written to {out / 'report.md'}")
+    return 1 if any(d.result.error for d in dones if d.job.spec.variant != "trl") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

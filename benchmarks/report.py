@@ -1,0 +1,356 @@
+"""Turning the runs' results into the report: medians, ratios, the phase breakdown, scaling and MFU.
+
+Every figure is a median over the iterations of a point's runs, the first iteration of each run
+left out (it pays for lazy initialisation and, on a GPU, kernel selection).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+
+VARIANTS = ("lightning_ppo", "trl", "floor")
+PRECISION_LABEL = {"32": "fp32", "bf16-mixed": "bf16-mixed"}
+# Phases in the order of an iteration; the floor has the first five, lightning_ppo all of them.
+PHASES = (
+    "generate",
+    "rollout_forwards",
+    "reward",
+    "experience",
+    "train",
+    "decode",
+    "shape_scores",
+    "stats",
+    "log",
+    "step_other",
+    "lightning_loop",
+)
+
+
+@dataclass
+class Job:
+    """One subprocess run; ``group`` is the table it belongs to: ``main`` or ``scaling``."""
+
+    group: str
+    spec: common.RunSpec
+
+
+@dataclass
+class Done:
+    job: Job
+    result: common.RunResult
+    wall_s: float
+    foreign_cores: float | None  # mean CPU cores other processes kept busy during the run
+
+
+def point_key(spec: common.RunSpec) -> tuple:
+    """Runs with the same key are rounds of the same measurement."""
+    return (spec.variant, spec.preset, spec.precision, spec.batch_size, spec.response_length)
+
+
+@dataclass
+class Row:
+    """One point of a table: a variant at a model size, precision, batch and response length."""
+
+    spec: common.RunSpec
+    steady_s: list[float]  # seconds of every counted iteration
+    gc_s: list[float]
+    phases: list[dict[str, float]]
+    peak_rss_mib: float
+    peak_gpu_mib: float | None
+    width: int  # generated tokens per sequence
+    device_name: str
+    error: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.steady_s) if self.steady_s else float("nan")
+
+    def phase(self, name: str) -> float | None:
+        values = [p[name] for p in self.phases if name in p]
+        return statistics.median(values) if values else None
+
+
+def merge(dones: list[Done]) -> Row:
+    """A point's runs (rounds) merged: all counted iterations, the highest peak memory."""
+    spec = dones[0].job.spec
+    ok = [d.result for d in dones if not d.result.error]
+    if not ok:
+        return Row(spec, [], [], [], 0.0, None, 0, "", error=dones[0].result.error)
+    gpu = [r.peak_gpu_mib for r in ok if r.peak_gpu_mib is not None]
+    return Row(
+        spec=spec,
+        steady_s=[s for r in ok for s in r.iteration_s[1:]],
+        gc_s=[s for r in ok for s in r.gc_s[1:]],
+        phases=[p for r in ok for p in r.phases[1:]],
+        peak_rss_mib=max(r.peak_rss_mib for r in ok),
+        peak_gpu_mib=max(gpu) if gpu else None,
+        width=ok[-1].response_width or spec.response_length,
+        device_name=ok[-1].device_name,
+    )
+
+
+def rows_by_point(dones: list[Done]) -> dict[tuple, Row]:
+    groups: dict[tuple, list[Done]] = {}
+    for done in dones:
+        groups.setdefault(point_key(done.job.spec), []).append(done)
+    return {key: merge(group) for key, group in groups.items()}
+
+
+# ----------------------------------------------------------------------------- FLOPs and MFU
+class Flops:
+    """Model FLOPs of a point's iteration, and its MFU where the device's peak is known."""
+
+    def __init__(self, checkpoints: dict[str, tuple[Path, Path]], peak_override: float | None) -> None:
+        from transformers import AutoTokenizer
+
+        self.shapes = {preset: common.model_shape(policy) for preset, (policy, _) in checkpoints.items()}
+        prompt = common.prompts(1)[0]
+        self.prompt_len = {
+            preset: len(AutoTokenizer.from_pretrained(policy)(prompt)["input_ids"])
+            for preset, (policy, _) in checkpoints.items()
+        }
+        self.peak_override = peak_override
+
+    def parts(self, row: Row) -> dict[str, float]:
+        spec = row.spec
+        return common.iteration_flops(
+            self.shapes[spec.preset],
+            spec.batch_size,
+            self.prompt_len[spec.preset],
+            row.width,
+            spec.ppo_epochs,
+        )
+
+    def total(self, row: Row) -> float:
+        return sum(self.parts(row).values())
+
+    def mfu(self, row: Row) -> tuple[float | None, float | None]:
+        """(training passes, whole iteration) model FLOPs utilisation; None where unknown."""
+        peak = self.peak_override or common.peak_tflops(row.device_name, row.spec.precision)
+        if peak is None or row.error:
+            return None, None
+        train_s = row.phase("train")
+        train = self.parts(row)["train"] / (train_s * peak * 1e12) if train_s else None
+        return train, self.total(row) / (row.seconds * peak * 1e12)
+
+
+# ----------------------------------------------------------------------------- formatting
+def fmt(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None or value != value else f"{value:.{digits}f}"
+
+
+def pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f} %"
+
+
+def triple(values: tuple[float, ...]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def model_label(preset: str) -> str:
+    p = common.PRESETS[preset]
+    return f"{preset} ({p.n_layer} x {p.n_embd})"
+
+
+def describe(done: Done) -> str:
+    """One progress line per run."""
+    spec, result = done.job.spec, done.result
+    what = (
+        f"{spec.variant:13s} {spec.preset} {PRECISION_LABEL[spec.precision]:10s} "
+        f"batch {spec.batch_size} x {spec.response_length} tokens"
+    )
+    if result.error:
+        return f"{what}: FAILED {result.error}"
+    return (
+        f"{what}: {result.median_s():.3f} s/it, peak RSS {result.peak_rss_mib:.0f} MiB "
+        f"({done.wall_s:.0f} s; other processes: {fmt(done.foreign_cores, 2)} cores)"
+    )
+
+
+def machine_line(dones: list[Done], threads: int, device: str) -> str:
+    import torch
+
+    threads = threads or torch.get_num_threads()
+    name = next((d.result.device_name for d in dones if d.result.device_name), device)
+    line = f"device: {name}" + (f" ({os.cpu_count()} CPU cores in the machine)" if device == "cpu" else "")
+    loads = [d.foreign_cores for d in dones if d.foreign_cores is not None]
+    if loads:
+        line += (
+            f"; other processes kept {statistics.mean(loads):.2f} cores busy on average during the runs "
+            f"(most: {max(loads):.2f})"
+        )
+        if device == "cpu" and threads > 1 and max(loads) > 0.3:
+            line += (
+                "\n- WARNING: other processes competed for the CPU while runs used several threads; "
+                "OpenMP threads then wait for each other and timings can be many times too slow. "
+                "Rerun on a quiet machine, or with --threads 1."
+            )
+    return line
+
+
+# ----------------------------------------------------------------------------- tables
+def main_table(rows: dict[tuple, Row], s: Any, flops: Flops, gpu: bool) -> str:
+    header = ["model", "precision", "variant", "s / iteration", "episodes / s", "gen. tokens / s"]
+    header += ["peak RSS MiB", "gc s / iteration"]
+    if gpu:
+        header += ["peak GPU MiB", "train MFU", "iteration MFU"]
+    body = []
+    for preset in s.configs.split(","):
+        for precision in s.precisions.split(","):
+            for variant in s.variants.split(","):
+                row = rows.get((variant, preset, precision, s.batch_size, s.response_length))
+                if row is None:
+                    continue
+                cells = [model_label(preset), PRECISION_LABEL[precision], variant]
+                if row.error:
+                    body.append(cells + ["failed"] + ["n/a"] * (len(header) - 4))
+                    continue
+                cells += [
+                    fmt(row.seconds),
+                    fmt(row.spec.batch_size / row.seconds, 1),
+                    fmt(row.spec.batch_size * row.width / row.seconds, 0),
+                    fmt(row.peak_rss_mib, 0),
+                    fmt(statistics.median(row.gc_s) if row.gc_s else None),
+                ]
+                if gpu:
+                    train_mfu, iteration_mfu = flops.mfu(row)
+                    cells += [fmt(row.peak_gpu_mib, 0), pct(train_mfu), pct(iteration_mfu)]
+                body.append(cells)
+    return table(header, body)
+
+
+def ratio(a: Row | None, b: Row | None) -> str:
+    if a is None or b is None or a.error or b.error:
+        return "n/a"
+    return f"{a.seconds / b.seconds:.2f}"
+
+
+def ratios_table(rows: dict[tuple, Row], s: Any) -> str:
+    body = []
+    for preset in s.configs.split(","):
+        trl_fp32 = rows.get(("trl", preset, "32", s.batch_size, s.response_length))
+        for precision in s.precisions.split(","):
+            lit, trl, floor = (
+                rows.get((v, preset, precision, s.batch_size, s.response_length)) for v in VARIANTS
+            )
+            body.append(
+                [
+                    model_label(preset),
+                    PRECISION_LABEL[precision],
+                    ratio(lit, floor),
+                    ratio(lit, trl),
+                    ratio(trl, floor),
+                    ratio(lit, trl_fp32),
+                ]
+            )
+    header = ["model", "precision", "lightning_ppo / floor", "lightning_ppo / TRL", "TRL / floor"]
+    header += ["lightning_ppo / TRL fp32"]
+    return table(header, body) + "\n\nRatios of median seconds per iteration: below 1 is faster."
+
+
+def phases_table(rows: dict[tuple, Row], s: Any) -> str:
+    columns = [
+        row
+        for preset in s.configs.split(",")
+        for precision in s.precisions.split(",")
+        for variant in ("lightning_ppo", "floor")
+        if (row := rows.get((variant, preset, precision, s.batch_size, s.response_length))) and row.phases
+    ]
+    if not columns:
+        return "(no phase timings)"
+    header = ["phase"] + [
+        f"{r.spec.preset} {PRECISION_LABEL[r.spec.precision]} {r.spec.variant}" for r in columns
+    ]
+    body = [[name] + [fmt(r.phase(name)).replace("n/a", "-") for r in columns] for name in PHASES]
+    body = [line for line in body if any(cell != "-" for cell in line[1:])]
+    body.append(["iteration (median)"] + [fmt(r.seconds) for r in columns])
+    return table(header, body) + (
+        "\n\nMedian seconds per iteration in each phase. `reward`: the reward-model forward (inside "
+        "`score` for lightning_ppo); `rollout_forwards`: policy, reference and value forwards; "
+        "`experience`: KL penalty, GAE, whitening; `train`: the PPO epochs (forward, backward, optimizer "
+        "step). lightning_ppo only: `decode` (responses to text), `shape_scores`, `stats` and `log` "
+        "(statistics and `self.log_dict`), `step_other` (the rest of `training_step`) and "
+        "`lightning_loop` (the iteration's time outside `training_step`: batch fetch, hooks, loop)."
+    )
+
+
+def scaling_table(rows: dict[tuple, Row], dones: list[Done], s: Any, flops: Flops) -> str:
+    """lightning_ppo along each axis (response length at the default batch, batch at the default
+    length), with time and work relative to the axis's first point."""
+    scaled = [d.job.spec for d in dones if d.job.group == "scaling"]
+    if not scaled:
+        return ""
+    preset, precision = scaled[0].preset, scaled[0].precision
+    mine = [
+        row
+        for (variant, p, pr, _, _), row in rows.items()
+        if (variant, p, pr) == ("lightning_ppo", preset, precision) and not row.error
+    ]
+    axes = {
+        "response length": sorted(
+            ((r.spec.response_length, r) for r in mine if r.spec.batch_size == s.batch_size),
+            key=lambda x: x[0],
+        ),
+        "rollout batch": sorted(
+            ((r.spec.batch_size, r) for r in mine if r.spec.response_length == s.response_length),
+            key=lambda x: x[0],
+        ),
+    }
+    body, verdicts = [], []
+    for axis, points in axes.items():
+        if len(points) < 2:
+            continue
+        first = points[0][1]
+        for value, row in points:
+            tokens = row.spec.batch_size * row.width / (first.spec.batch_size * first.width)
+            body.append(
+                [
+                    axis,
+                    str(value),
+                    fmt(row.seconds),
+                    f"{row.seconds / first.seconds:.2f}",
+                    f"{tokens:.2f}",
+                    f"{flops.total(row) / flops.total(first):.2f}",
+                    fmt(row.peak_rss_mib, 0),
+                    fmt(1000 * row.seconds / (row.spec.batch_size * row.width), 2),
+                ]
+            )
+        value, last = points[-1]
+        time_x, work_x = last.seconds / first.seconds, flops.total(last) / flops.total(first)
+        verdict = "no faster than the work" if time_x <= 1.1 * work_x else "faster than the work"
+        verdicts.append(
+            f"- {axis} {points[0][0]} -> {value}: time x{time_x:.2f} for x{work_x:.2f} model FLOPs "
+            f"(x{last.peak_rss_mib / first.peak_rss_mib:.2f} peak RSS): cost grows {verdict}."
+        )
+    header = ["axis", "value", "s / iteration", "time x", "gen. tokens x", "model FLOPs x", "peak RSS MiB"]
+    header += ["ms / generated token"]
+    title = f"lightning_ppo, {model_label(preset)}, {PRECISION_LABEL[precision]}"
+    return f"{title}\n\n" + table(header, body) + "\n\n" + "\n".join(verdicts)
+
+
+def render(dones: list[Done], s: Any, flops: Flops, facts: list[str]) -> str:
+    rows = rows_by_point(dones)
+    gpu = any(r.peak_gpu_mib is not None for r in rows.values()) or flops.peak_override is not None
+    parts = ["# lightning_ppo benchmark", "\n".join(f"- {fact}" for fact in facts)]
+    parts += ["## Seconds per PPO iteration", main_table(rows, s, flops, gpu)]
+    if len(s.variants.split(",")) > 1:
+        parts += ["## Ratios", ratios_table(rows, s)]
+    parts += ["## Where the time goes", phases_table(rows, s)]
+    scaling = scaling_table(rows, dones, s, flops)
+    if scaling:
+        parts += ["## Scaling", scaling]
+    failed = [f"- {describe(d)}" for d in dones if d.result.error]
+    if failed:
+        parts += ["## Failed runs", "\n".join(failed)]
+    return "\n\n".join(parts) + "\n"
