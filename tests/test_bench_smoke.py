@@ -1,0 +1,57 @@
+"""The benchmark runs end to end on a tiny model (lightning_ppo and the bare-PyTorch floor only).
+
+Nothing here asserts on speed: only that every run finished and the report holds positive numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from benchmarks import bench
+
+
+def _table_rows(report: str, first_cell: str) -> list[list[str]]:
+    rows = [line.strip("|").split("|") for line in report.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in row] for row in rows if row[0].strip().startswith(first_cell)]
+
+
+def test_quick_benchmark_reports_positive_numbers(tmp_path, capsys):
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    report = (tmp_path / "report.md").read_text()
+    assert report in printed
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(r["spec"]["variant"] for r in results) == ["floor", "lightning_ppo"]
+    for result in results:
+        assert result["error"] is None
+        assert len(result["iteration_s"]) == 2 and all(s > 0 for s in result["iteration_s"])
+        assert result["peak_rss_mib"] > 0 and result["response_width"] == 8
+
+    rows = _table_rows(report, "tiny")
+    variants = {row[2] for row in rows if len(row) == 8}
+    assert variants == {"lightning_ppo", "floor"}
+    for row in (r for r in rows if len(r) == 8):
+        seconds, episodes, tokens, rss = (float(cell) for cell in row[3:7])
+        assert min(seconds, episodes, tokens, rss) > 0
+    ratio = [row for row in rows if len(row) == 6][0][2]
+    assert float(ratio) > 0
+
+    train = [line for line in report.splitlines() if line.startswith("| train |")]
+    assert train and all(float(x) >= 0 for x in re.findall(r"\d+\.\d+", train[0]))
+
+
+def test_trl_is_skipped_cleanly_when_not_importable(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "trl_available", lambda: False)
+    assert bench.main(["--quick", "--variants", "trl", "--out", str(tmp_path)]) == 0
+    assert "TRL is not importable" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on machines without CUDA")
+def test_gpu_benchmark_skips_without_cuda(tmp_path, capsys):
+    assert bench.main(["--device", "cuda", "--out", str(tmp_path)]) == 0
+    assert "CUDA is not available" in capsys.readouterr().out
