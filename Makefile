@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install quickstart test lint tiny clean
+.PHONY: install quickstart test lint tiny clean bench
 
 # Install CPU torch 2.13.0 first when no torch is present: an unpinned torch would pull CUDA wheels.
 $(STAMP): pyproject.toml
@@ -27,6 +27,15 @@ quickstart: tiny
 
 test: $(STAMP)
 	WANDB_MODE=offline $(BIN)/python -m pytest -q --durations=10
+
+# PPO three ways (lightning_ppo, TRL 1.12.0, bare PyTorch), alternated: see benchmarks/bench.py.
+# BENCH_ARGS="--threads 1" on a machine shared with other jobs, "--quick" for a smoke run.
+$(VENV)/.bench-installed: $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q -e ".[bench]"
+	touch $@
+
+bench: $(VENV)/.bench-installed
+	$(BIN)/python -m benchmarks.bench $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check lightning_ppo tests
