@@ -22,6 +22,7 @@ from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
+from lightning_ppo.metrics import experience_metrics
 from lightning_ppo.models import load_tokenizer, resolve_stop_token
 from lightning_ppo.rewards import (
     AdapterReward,
@@ -239,7 +240,7 @@ class PPOLightningModule(LightningModule):
         stats = self.ppo_update(exp)
         self.iteration += 1
         self.episodes += len(batch) * self.trainer.world_size
-        stats.update(self.experience_stats(exp, forwards.entropy, rollout.ended))
+        stats.update(experience_metrics(exp, forwards.entropy, rollout.ended, kl_coef, self.roles.has_critic))
         stats["kl_coef"] = kl_coef
         stats["reward/dropped"] = dropped.float().sum()
         self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
@@ -476,26 +477,6 @@ class PPOLightningModule(LightningModule):
         return block() if block is not None else nullcontext()
 
     # ----------------------------------------------------------------- logging
-    def experience_stats(self, exp: Experience, entropy: Tensor, ended: Tensor) -> dict[str, Tensor]:
-        """Per-iteration statistics of the rollout; token statistics count real tokens only."""
-        mask = exp.response_mask
-        non_score = (-self.kl_ctl.value * exp.kl).sum(dim=1)
-        stats = {
-            "objective/kl": exp.kl.sum(dim=1).mean(),
-            "objective/entropy": entropy.sum(dim=1).mean(),
-            "objective/non_score_reward": non_score.mean(),
-            "objective/rlhf_reward": (exp.scores + non_score).mean(),
-            "objective/scores": exp.scores.mean(),
-            "returns/mean": F.masked_mean(exp.returns, mask),
-            "returns/std": F.masked_var(exp.returns, mask).sqrt(),
-            "advantages/mean": F.masked_mean(exp.advantages, mask),
-            "response/length_mean": mask.sum(dim=1).float().mean(),
-            "response/eos_fraction": ended.float().mean(),
-        }
-        if self.roles.has_critic:
-            stats["val/explained_variance"] = F.explained_variance(exp.values, exp.returns, mask)
-        return stats
-
     def log_stats(self, stats: dict[str, Tensor | float], batch_size: int) -> None:
         # Plain floats: Lightning puts them on the module's device, so sync_dist works on GPUs too.
         stats["lr"] = float(self.optimizers().param_groups[0]["lr"])

@@ -1,0 +1,46 @@
+"""What a PPO iteration reports about its rollout, as TRL names it (pure tensor math).
+
+Per-sequence quantities (``objective/*``) are sums over a response's real tokens, averaged over
+the batch; token statistics (``returns/*``, ``advantages/mean``) are masked means over real
+response tokens. Padding never counts. The update's own statistics (``policy/*``, ``loss/*``,
+``val/ratio``, ``val/clipfrac_avg``) come from ``functional.policy_loss``/``value_loss``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from lightning_ppo import functional as F
+from lightning_ppo.experience import Experience
+
+
+def experience_metrics(
+    exp: Experience, entropy: Tensor, ended: Tensor, kl_coef: float, with_critic: bool
+) -> dict[str, Tensor]:
+    """Statistics of one iteration's experience.
+
+    Args:
+        exp: The experience (its ``kl``, ``scores``, ``returns``, ``advantages``, ``values``).
+        entropy: (B, R) per-token entropy of the rollout policy, 0 on padding.
+        ended: (B,) whether each response emitted the stop token.
+        kl_coef: The KL coefficient the rewards were built with.
+        with_critic: Report ``val/explained_variance`` (only meaningful with a value model).
+    """
+    mask = exp.response_mask
+    kl_per_response = exp.kl.sum(dim=1)
+    non_score = -kl_coef * kl_per_response
+    metrics = {
+        "objective/kl": kl_per_response.mean(),
+        "objective/entropy": entropy.masked_fill(~mask, 0.0).sum(dim=1).mean(),
+        "objective/non_score_reward": non_score.mean(),
+        "objective/rlhf_reward": (exp.scores + non_score).mean(),
+        "objective/scores": exp.scores.mean(),
+        "returns/mean": F.masked_mean(exp.returns, mask),
+        "returns/std": F.masked_var(exp.returns, mask).sqrt(),
+        "advantages/mean": F.masked_mean(exp.advantages, mask),
+        "response/length_mean": mask.sum(dim=1).float().mean(),
+        "response/eos_fraction": ended.float().mean(),
+    }
+    if with_critic:
+        metrics["val/explained_variance"] = F.explained_variance(exp.values, exp.returns, mask)
+    return metrics
