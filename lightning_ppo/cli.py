@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import transformers
 from lightning.pytorch.cli import LightningCLI
@@ -15,13 +16,15 @@ from lightning_ppo.config import PPOConfig
 from lightning_ppo.data import PromptDataModule
 from lightning_ppo.export import export_main
 from lightning_ppo.module import PPOLightningModule
+from lightning_ppo.plot import DEFAULT_KEYS, plot_run
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
 
 DESCRIPTION = (
     "PPO for RLHF of Hugging Face causal LMs on PyTorch Lightning. "
     "Run `lightning-ppo fit --config CONFIG.yaml`. "
     "Other commands: `lightning-ppo make-tiny --out DIR` writes a tiny offline checkpoint; "
-    "`lightning-ppo export CHECKPOINT --out DIR` writes the trained policy in Hugging Face format."
+    "`lightning-ppo export CHECKPOINT --out DIR` writes the trained policy in Hugging Face format; "
+    "`lightning-ppo plot RUN_DIR` draws a run's curves to a PNG."
 )
 
 
@@ -60,6 +63,18 @@ def make_tiny_main(argv: list[str]) -> None:
     print(f"wrote a tiny {ns.arch} {ns.kind} ({ns.n_layer} x {ns.n_embd}) and its tokenizer to {out}")
 
 
+def plot_main(argv: list[str]) -> Path:
+    """``lightning-ppo plot RUN_DIR``: draw a run's curves from its CSV log to a PNG."""
+    parser = argparse.ArgumentParser(prog="lightning-ppo plot", description=plot_main.__doc__)
+    parser.add_argument("run_dir", help="a CSVLogger folder or any parent of one, e.g. runs/quickstart")
+    parser.add_argument("--out", default=None, help="PNG to write (default RUN_DIR/curves.png)")
+    parser.add_argument(
+        "--keys", nargs="+", default=None, help=f"metrics to draw (default {list(DEFAULT_KEYS)})"
+    )
+    ns = parser.parse_args(argv)
+    return plot_run(ns.run_dir, ns.out, ns.keys)
+
+
 def main(args: list[str] | None = None) -> PPOLightningCLI | None:
     """Entry point of the ``lightning-ppo`` console script; ``args`` defaults to ``sys.argv[1:]``.
 
@@ -70,6 +85,9 @@ def main(args: list[str] | None = None) -> PPOLightningCLI | None:
     transformers.utils.logging.disable_progress_bar()
     if argv and argv[0] == "make-tiny":
         make_tiny_main(argv[1:])
+        return None
+    if argv and argv[0] == "plot":
+        print(f"wrote {plot_main(argv[1:])}")
         return None
     if argv and argv[0] == "export":
         out = export_main(argv[1:])

@@ -1,0 +1,58 @@
+"""`lightning-ppo plot` draws a PNG from a real run's CSV log; bad folders get clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from lightning_ppo.cli import main
+from lightning_ppo.plot import plot_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_plot_command_draws_a_png_from_a_real_run(tiny_digits, tmp_path):
+    logger = {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": str(tmp_path / "run")},
+    }
+    main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "quickstart.yaml"),
+            "--model.init_args.policy",
+            str(tiny_digits),
+            "--trainer.limit_train_batches",
+            "3",
+            "--trainer.logger",
+            json.dumps([logger]),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.callbacks",
+            "[]",
+            "--data.init_args.batch_size",
+            "8",
+        ]
+    )
+    out = tmp_path / "curves.png"
+    main(["plot", str(tmp_path / "run"), "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(out)
+    assert image.shape[0] > 300 and image.shape[1] > 600
+    assert image.std() > 0.05  # not a blank canvas
+
+
+def test_plot_errors_name_the_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run folder not found"):
+        plot_run(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="no metrics.csv found under"):
+        plot_run(tmp_path)
+    (tmp_path / "metrics.csv").write_text("step,other\n0,1.0\n")
+    with pytest.raises(ValueError, match="available columns: \\['other'\\]"):
+        plot_run(tmp_path)
