@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Callback
 
@@ -97,3 +98,19 @@ class Throttle(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         time.sleep(self.seconds)
+
+
+def quiet_trainer(root, iterations: int, callbacks=()) -> pl.Trainer:
+    """A CPU Trainer for ``iterations`` PPO iterations: no logger, bar or summary; checkpoints only
+    when checkpoint callbacks are given."""
+    return pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=iterations,
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=list(callbacks),
+    )

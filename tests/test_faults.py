@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig
 from lightning_ppo.checkpoint import PPOCheckpoint
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
-from tests.helpers import NaNFromIteration, NaNLossModule
-
-
-def _trainer(root, iterations, callbacks=()):
-    return pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=iterations,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=list(callbacks),
-        enable_checkpointing=bool(callbacks),
-    )
+from tests.helpers import NaNFromIteration, NaNLossModule, quiet_trainer
 
 
 def _module(policy, reward=None, **ppo):
@@ -44,7 +29,7 @@ def _data():
 def test_a_nan_loss_skips_that_step_and_counts_it(tiny_digits, tmp_path):
     NaNLossModule.nan_steps = {1}
     module = _module(tiny_digits)
-    trainer = _trainer(tmp_path, iterations=1)
+    trainer = quiet_trainer(tmp_path, iterations=1)
     trainer.fit(module, datamodule=_data())
     assert trainer.global_step == 2 * 2 - 1  # 4 minibatches, the NaN one did not step
     assert float(trainer.callback_metrics["train/skipped_updates"]) == 1.0
@@ -56,7 +41,7 @@ def test_nan_every_step_stops_with_a_message(tiny_digits, tmp_path):
     NaNLossModule.nan_steps = set(range(100))
     module = _module(tiny_digits, max_consecutive_skips=3)
     with pytest.raises(FloatingPointError, match="3 optimizer steps in a row had NaN/inf gradients"):
-        _trainer(tmp_path, iterations=2).fit(module, datamodule=_data())
+        quiet_trainer(tmp_path, iterations=2).fit(module, datamodule=_data())
 
 
 def test_reward_nan_forever_stops_and_leaves_the_last_good_checkpoint(tiny_digits, tmp_path):
@@ -66,7 +51,7 @@ def test_reward_nan_forever_stops_and_leaves_the_last_good_checkpoint(tiny_digit
     )
     saver = PPOCheckpoint(every_n_iterations=1, dirpath=tmp_path / "ckpt")
     with pytest.raises(FloatingPointError, match="returned only NaN/inf for 2 iterations in a row"):
-        _trainer(tmp_path, iterations=6, callbacks=[saver]).fit(module, datamodule=_data())
+        quiet_trainer(tmp_path, iterations=6, callbacks=[saver]).fit(module, datamodule=_data())
     state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     assert state["ppo_state"]["iteration"] == 2  # the last iteration that trained; 3 and 4 were all NaN
     assert all(torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point())
@@ -79,7 +64,7 @@ def test_reward_nan_once_is_dropped_and_counted(tiny_digits, tmp_path):
         return [float("nan")] + [0.5] * (len(completions) - 1)
 
     module = _module(tiny_digits, reward=nan_first, on_bad_reward="drop")
-    trainer = _trainer(tmp_path, iterations=1)
+    trainer = quiet_trainer(tmp_path, iterations=1)
     trainer.fit(module, datamodule=_data())
     assert float(trainer.callback_metrics["reward/dropped"]) == 1.0
     assert trainer.global_step == 4

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
 from lightning_ppo.rewards import ScoreInputs, check_scores
-from tests.helpers import CountCharReward
+from tests.helpers import CountCharReward, quiet_trainer
 
 PROMPTS = [f"{i}{i + 1}{i + 2}=" for i in range(7)] * 4  # 28 prompts of 4 characters
 
@@ -26,19 +25,6 @@ def _module(path, **ppo) -> PPOLightningModule:
 
 def _data(batch_size=8, prompts=PROMPTS) -> PromptDataModule:
     return PromptDataModule(prompts=prompts, batch_size=batch_size, max_prompt_length=8)
-
-
-def _trainer(tmp_path, iterations: int) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=iterations,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
 
 
 def test_first_minibatch_of_first_epoch_has_ratio_exactly_one(tiny_gpt2):
@@ -74,7 +60,7 @@ def test_fit_counts_optimizer_steps_keeps_frozen_roles_and_trains_the_rest(tiny_
     ref_before = {k: v.clone() for k, v in module.ref_policy.state_dict().items()}
     policy_before = {k: v.clone() for k, v in module.policy.state_dict().items()}
     head_before = module.value_model.v_head.weight.clone()
-    trainer = _trainer(tmp_path, iterations=2)
+    trainer = quiet_trainer(tmp_path, iterations=2)
     trainer.fit(module, datamodule=_data())
     assert trainer.global_step == 2 * 3 * 2  # iterations x ppo_epochs x num_minibatches
     assert module.iteration == 2 and module.episodes == 16
@@ -89,7 +75,7 @@ def test_fit_counts_optimizer_steps_keeps_frozen_roles_and_trains_the_rest(tiny_
 def test_logged_metrics_are_finite_and_consistent(tiny_gpt2, tmp_path):
     torch.manual_seed(0)
     module = _module(tiny_gpt2)
-    trainer = _trainer(tmp_path, iterations=1)
+    trainer = quiet_trainer(tmp_path, iterations=1)
     trainer.fit(module, datamodule=_data())
     m = {k: float(v) for k, v in trainer.logged_metrics.items()}
     for key in (
@@ -117,7 +103,7 @@ def test_logged_metrics_are_finite_and_consistent(tiny_gpt2, tmp_path):
 def test_checkpoint_leaves_frozen_roles_out_and_restores_state(tiny_gpt2, tmp_path):
     torch.manual_seed(0)
     module = _module(tiny_gpt2, kl_target=1.0)
-    trainer = _trainer(tmp_path, iterations=1)
+    trainer = quiet_trainer(tmp_path, iterations=1)
     trainer.fit(module, datamodule=_data())
     path = tmp_path / "ppo.ckpt"
     trainer.save_checkpoint(path)

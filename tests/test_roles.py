@@ -11,7 +11,7 @@ from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, Promp
 from lightning_ppo.export import export_policy
 from lightning_ppo.models import ValueModel, load_causal_lm, response_logits
 from lightning_ppo.roles import LoraSettings
-from tests.helpers import CountCharReward
+from tests.helpers import CountCharReward, quiet_trainer
 
 PROMPTS = [f"{i}{i + 1}{i + 2}=" for i in range(7)] * 4
 
@@ -29,16 +29,7 @@ def _module(path, **kwargs) -> PPOLightningModule:
 
 def _fit(module, root, iterations=2) -> pl.Trainer:
     torch.manual_seed(0)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=iterations,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
+    trainer = quiet_trainer(root, iterations)
     trainer.fit(module, datamodule=PromptDataModule(prompts=PROMPTS, batch_size=8, max_prompt_length=8))
     return trainer
 
