@@ -31,7 +31,6 @@ PHASES = {
     "shape_scores": "shape_scores",
     "rollout_forwards": "rollout_forwards",
     "ppo_update": "train",
-    "experience_stats": "stats",
     "log_stats": "log",
 }
 
@@ -83,6 +82,8 @@ def instrument(module: PPOLightningModule, timer: common.PhaseTimer, result: com
     module.training_step = timer.wrap("training_step", module.training_step)
     experience = lightning_ppo.module.make_experience
     lightning_ppo.module.make_experience = timer.wrap("experience", experience)
+    metrics = lightning_ppo.module.experience_metrics
+    lightning_ppo.module.experience_metrics = timer.wrap("stats", metrics)
 
     generate = module.generate
 
