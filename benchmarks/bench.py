@@ -97,6 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scaling", action=argparse.BooleanOptionalAction, help="lightning_ppo scaling table")
     p.add_argument("--scaling-config", help="model preset of the scaling table")
     p.add_argument("--scaling-iterations", type=int, default=4, help="PPO iterations per scaling run")
+    p.add_argument("--scaling-variants", default="lightning_ppo", help="variants of the scaling table")
     p.add_argument("--scaling-lengths", default="32,64,128,256", help="response lengths of the scaling table")
     p.add_argument("--scaling-batches", default="16,64,128", help="rollout batches of the scaling table")
     p.add_argument("--no-phases", action="store_true", help="no per-phase timers (they synchronise on CUDA)")
@@ -153,17 +154,19 @@ def plan(args: argparse.Namespace, s: Settings, device: str, checkpoints: dict) 
                 rotation += 1
                 jobs += [report.Job("main", spec(v, preset, precision)) for v in variants[k:] + variants[:k]]
     if s.scaling:
-        base = replace(
-            spec("lightning_ppo", s.scaling_config, s.scaling_precision), iterations=args.scaling_iterations
-        )
-        points = [replace(base, response_length=int(n)) for n in args.scaling_lengths.split(",")]
-        points += [replace(base, batch_size=int(b)) for b in args.scaling_batches.split(",")]
+        points = [(s.batch_size, int(n)) for n in args.scaling_lengths.split(",")]
+        points += [(int(b), s.response_length) for b in args.scaling_batches.split(",")]
         planned = {report.point_key(job.spec) for job in jobs}
-        for point in points:
-            # A point the main table runs anyway (its batch and length) is not run again.
-            if report.point_key(point) not in planned:
-                planned.add(report.point_key(point))
-                jobs.append(report.Job("scaling", point))
+        for batch, length in points:
+            for variant in args.scaling_variants.split(","):
+                point = spec(variant, s.scaling_config, s.scaling_precision)
+                point = replace(
+                    point, batch_size=batch, response_length=length, iterations=args.scaling_iterations
+                )
+                # A point the main table runs anyway (its batch and length) is not run again.
+                if report.point_key(point) not in planned:
+                    planned.add(report.point_key(point))
+                    jobs.append(report.Job("scaling", point))
     return jobs
 
 
@@ -188,8 +191,9 @@ class CpuMeter:
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         return usage.ru_utime + usage.ru_stime
 
-    def wait_for_idle(self, limit: float, threshold: float = 0.3) -> float:
-        """Wait up to ``limit`` seconds for other processes to use less than ``threshold`` cores."""
+    def wait_for_idle(self, limit: float, threads: int) -> float:
+        """Wait up to ``limit`` seconds until other processes leave ``threads`` cores free."""
+        threshold = max(0.25, (os.cpu_count() or 1) - threads + 0.25)
         start = time.perf_counter()
         while time.perf_counter() - start < limit:
             before = self.busy_seconds()
@@ -242,6 +246,12 @@ def run_job(
     return report.Done(job, result, wall, foreign)
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def resolve_device(choice: str) -> str | None:
     import torch
 
@@ -286,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(jobs)} runs on {device}; their logs go to {logs}", flush=True)
         dones, meter = [], CpuMeter()
         for i, job in enumerate(jobs, 1):
-            if args.wait_idle and meter.wait_for_idle(args.wait_idle) >= 2:
+            threads = s.threads or torch_threads()
+            if args.wait_idle and meter.wait_for_idle(args.wait_idle, threads) >= 2:
                 print("waited for other processes to go quiet", flush=True)
             dones.append(run_job(job, i, work, logs, meter, args.timeout))
             print(f"[{i}/{len(jobs)}] {report.describe(dones[-1])}", flush=True)

@@ -124,40 +124,69 @@ class RunResult:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def preset_alphabet(preset: ModelPreset) -> str:
-    from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET
+def build_tokenizer(preset: ModelPreset):
+    """lightning_ppo's char tokenizer (digits, letters, punctuation; CJK characters as extra
+    vocabulary), except that EOS has the last id, one past the models' output vocabulary.
+
+    The models can then never sample EOS, so no response stops early: every variant generates and
+    trains on exactly ``response_length`` tokens per sequence, whatever the random policy does
+    (with EOS 1 of 51 tokens, a 256-token generation would otherwise end after ~180 tokens).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from lightning_ppo.tasks.tiny import BOS, DEFAULT_ALPHABET, EOS, PAD
 
     # CJK ideographs onwards: single code points, none of them a surrogate for 32k characters.
-    return DEFAULT_ALPHABET + "".join(chr(0x4E00 + i) for i in range(preset.extra_vocab))
+    alphabet = DEFAULT_ALPHABET + "".join(chr(0x4E00 + i) for i in range(preset.extra_vocab))
+    tokens = [PAD, BOS, *dict.fromkeys(alphabet), EOS]
+    tokenizer = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token=PAD))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS, bos_token=BOS)
+
+
+def model_config(preset: ModelPreset, tokenizer: Any, **extra: Any):
+    """A GPT-2 or Llama config of ``preset``'s size whose output vocabulary stops short of EOS."""
+    from transformers import GPT2Config, LlamaConfig
+
+    shared = dict(vocab_size=len(tokenizer) - 1, bos_token_id=tokenizer.bos_token_id, eos_token_id=None)
+    shared.update(pad_token_id=tokenizer.pad_token_id, **extra)
+    if preset.arch == "gpt2":
+        return GPT2Config(
+            n_layer=preset.n_layer,
+            n_embd=preset.n_embd,
+            n_head=preset.n_head,
+            n_positions=preset.n_positions,
+            **shared,
+        )
+    return LlamaConfig(
+        num_hidden_layers=preset.n_layer,
+        hidden_size=preset.n_embd,
+        intermediate_size=4 * preset.n_embd,
+        num_attention_heads=preset.n_head,
+        num_key_value_heads=preset.n_head,
+        max_position_embeddings=preset.n_positions,
+        **shared,
+    )
 
 
 def build_checkpoints(preset: ModelPreset, out_dir: Path, seed: int = 0) -> tuple[Path, Path]:
     """Write a random policy (causal LM) and a random reward model (one-output sequence classifier)
-    of ``preset``'s shape with the same char tokenizer, by ``save_pretrained``. Returns the folders."""
+    of ``preset``'s shape, with the tokenizer, by ``save_pretrained``. Returns the two folders."""
     import torch
-    from transformers import LlamaForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from lightning_ppo.tasks.tiny import (
-        TinyModelSpec,
-        build_char_tokenizer,
-        build_tiny_causal_lm,
-        build_tiny_reward_model,
-    )
-
-    tokenizer = build_char_tokenizer(preset_alphabet(preset))
-    spec = TinyModelSpec(preset.arch, preset.n_layer, preset.n_embd, preset.n_head, preset.n_positions)
-    policy_dir, reward_dir = out_dir / "policy", out_dir / "reward"
-    policy = build_tiny_causal_lm(tokenizer, spec, seed)
-    if preset.arch == "gpt2":
-        reward = build_tiny_reward_model(tokenizer, spec, seed + 1)
-    else:
-        torch.manual_seed(seed + 1)
-        config = policy.config.__class__.from_dict({**policy.config.to_dict(), "num_labels": 1})
-        reward = LlamaForSequenceClassification(config)
-    for model, folder in ((policy, policy_dir), (reward, reward_dir)):
+    tokenizer = build_tokenizer(preset)
+    torch.manual_seed(seed)
+    policy = AutoModelForCausalLM.from_config(model_config(preset, tokenizer))
+    torch.manual_seed(seed + 1)
+    reward = AutoModelForSequenceClassification.from_config(model_config(preset, tokenizer, num_labels=1))
+    folders = out_dir / "policy", out_dir / "reward"
+    for model, folder in zip((policy, reward), folders, strict=True):
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-    return policy_dir, reward_dir
+    return folders
 
 
 def prompts(num: int, seed: int = 0) -> list[str]:

@@ -287,55 +287,62 @@ def phases_table(rows: dict[tuple, Row], s: Any) -> str:
 
 def scaling_table(rows: dict[tuple, Row], dones: list[Done], s: Any, flops: Flops) -> str:
     """lightning_ppo along each axis (response length at the default batch, batch at the default
-    length), with time and work relative to the axis's first point."""
+    length), time and work relative to the axis's first point; the floor beside it where it ran."""
     scaled = [d.job.spec for d in dones if d.job.group == "scaling"]
     if not scaled:
         return ""
     preset, precision = scaled[0].preset, scaled[0].precision
-    mine = [
-        row
-        for (variant, p, pr, _, _), row in rows.items()
-        if (variant, p, pr) == ("lightning_ppo", preset, precision) and not row.error
-    ]
+
+    def row(variant: str, batch: int, length: int) -> Row | None:
+        found = rows.get((variant, preset, precision, batch, length))
+        return found if found is not None and not found.error else None
+
+    with_floor = any(spec.variant == "floor" for spec in scaled)
+    lengths = sorted(
+        {sp.response_length for sp in scaled if sp.batch_size == s.batch_size} | {s.response_length}
+    )
+    batches = sorted(
+        {sp.batch_size for sp in scaled if sp.response_length == s.response_length} | {s.batch_size}
+    )
     axes = {
-        "response length": sorted(
-            ((r.spec.response_length, r) for r in mine if r.spec.batch_size == s.batch_size),
-            key=lambda x: x[0],
-        ),
-        "rollout batch": sorted(
-            ((r.spec.batch_size, r) for r in mine if r.spec.response_length == s.response_length),
-            key=lambda x: x[0],
-        ),
+        "response length": [(n, (s.batch_size, n)) for n in lengths],
+        "rollout batch": [(b, (b, s.response_length)) for b in batches],
     }
+    header = ["axis", "value", "s / iteration", "generate s", "train s"]
+    header += ["floor s / iteration", "lightning_ppo / floor"] if with_floor else []
+    header += ["time x", "gen. tokens x", "model FLOPs x", "peak RSS MiB", "ms / generated token"]
     body, verdicts = [], []
-    for axis, points in axes.items():
+    for axis, values in axes.items():
+        points = [(v, r, row("floor", *key)) for v, key in values if (r := row("lightning_ppo", *key))]
         if len(points) < 2:
             continue
-        first = points[0][1]
-        for value, row in points:
-            tokens = row.spec.batch_size * row.width / (first.spec.batch_size * first.width)
-            body.append(
-                [
-                    axis,
-                    str(value),
-                    fmt(row.seconds),
-                    f"{row.seconds / first.seconds:.2f}",
-                    f"{tokens:.2f}",
-                    f"{flops.total(row) / flops.total(first):.2f}",
-                    fmt(row.peak_rss_mib, 0),
-                    fmt(1000 * row.seconds / (row.spec.batch_size * row.width), 2),
-                ]
-            )
-        value, last = points[-1]
+        first, first_floor = points[0][1], points[0][2]
+        for value, r, floor in points:
+            tokens = r.spec.batch_size * r.width / (first.spec.batch_size * first.width)
+            cells = [axis, str(value), fmt(r.seconds), fmt(r.phase("generate")), fmt(r.phase("train"))]
+            if with_floor:
+                cells += [fmt(floor.seconds) if floor else "n/a", ratio(r, floor)]
+            cells += [
+                f"{r.seconds / first.seconds:.2f}",
+                f"{tokens:.2f}",
+                f"{flops.total(r) / flops.total(first):.2f}",
+                fmt(r.peak_rss_mib, 0),
+                fmt(1000 * r.seconds / (r.spec.batch_size * r.width), 2),
+            ]
+            body.append(cells)
+        value, last, last_floor = points[-1]
         time_x, work_x = last.seconds / first.seconds, flops.total(last) / flops.total(first)
         verdict = "no faster than the work" if time_x <= 1.1 * work_x else "faster than the work"
-        verdicts.append(
+        line = (
             f"- {axis} {points[0][0]} -> {value}: time x{time_x:.2f} for x{work_x:.2f} model FLOPs "
-            f"(x{last.peak_rss_mib / first.peak_rss_mib:.2f} peak RSS): cost grows {verdict}."
+            f"(peak RSS x{last.peak_rss_mib / first.peak_rss_mib:.2f}): cost grows {verdict}"
         )
-    header = ["axis", "value", "s / iteration", "time x", "gen. tokens x", "model FLOPs x", "peak RSS MiB"]
-    header += ["ms / generated token"]
-    title = f"lightning_ppo, {model_label(preset)}, {PRECISION_LABEL[precision]}"
+        if first_floor and last_floor:
+            line += f"; the floor's time x{last_floor.seconds / first_floor.seconds:.2f}"
+        verdicts.append(line + ".")
+    title = (
+        f"{model_label(preset)}, {PRECISION_LABEL[precision]}; columns up to `train s` are lightning_ppo's"
+    )
     return f"{title}\n\n" + table(header, body) + "\n\n" + "\n".join(verdicts)
 
 

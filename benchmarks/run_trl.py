@@ -80,6 +80,7 @@ def run(spec: common.RunSpec) -> common.RunResult:
             optim="adamw_torch",
             lr_scheduler_type="constant",
             num_sample_generations=0,
+            gradient_checkpointing=False,  # TRL's config defaults to True; its PPO loop never enables it
             bf16=spec.precision == "bf16-mixed",
             use_cpu=on_cpu,
             report_to="none",
