@@ -72,7 +72,10 @@ def plot_main(argv: list[str]) -> Path:
         "--keys", nargs="+", default=None, help=f"metrics to draw (default {list(DEFAULT_KEYS)})"
     )
     ns = parser.parse_args(argv)
-    return plot_run(ns.run_dir, ns.out, ns.keys)
+    try:
+        return plot_run(ns.run_dir, ns.out, ns.keys)
+    except (FileNotFoundError, ValueError) as err:
+        parser.error(str(err))  # one line and exit status 2, not a traceback
 
 
 def main(args: list[str] | None = None) -> PPOLightningCLI | None:

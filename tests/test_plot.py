@@ -56,3 +56,10 @@ def test_plot_errors_name_the_folder(tmp_path):
     (tmp_path / "metrics.csv").write_text("step,other\n0,1.0\n")
     with pytest.raises(ValueError, match="available columns: \\['other'\\]"):
         plot_run(tmp_path)
+
+
+def test_plot_command_reports_a_bad_folder_without_a_traceback(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"no metrics.csv found under {tmp_path}" in capsys.readouterr().err
