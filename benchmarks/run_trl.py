@@ -5,8 +5,10 @@ one label: the reward model is the shared reward checkpoint, the value model the
 checkpoint's backbone with a fresh one-output head (as lightning_ppo builds its critic). The
 optimizer is ``torch.optim.AdamW`` (``optim="adamw_torch"``, TRL's default would be the fused
 variant) with a constant learning rate and no weight decay, as in the other variants.
-``stop_token="eos"`` truncates responses at EOS like the others; generation itself never stops
-early (``response_length`` tokens, unless every row has emitted EOS). The console printer is
+``stop_token="eos"`` truncates responses at EOS like the others (the benchmark's models never
+sample EOS, so every response has ``response_length`` tokens). ``bf16-mixed`` is ``bf16=True``
+plus ``ACCELERATE_MIXED_PRECISION=bf16`` (what ``accelerate launch --mixed_precision bf16`` sets):
+without the variable TRL's PPO silently trains in fp32. The console printer is
 removed, like the Lightning logger and progress bar; TRL still computes and ``.item()``s its metrics.
 
     python -m benchmarks.run_trl SPEC.json RESULT.json
@@ -14,6 +16,7 @@ removed, like the Lightning logger and progress bar; TRL still computes and ``.i
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import torch
@@ -50,6 +53,11 @@ def run(spec: common.RunSpec) -> common.RunResult:
     result = common.RunResult(spec=vars(spec))
     clock = common.IterationClock(spec.device)
     on_cpu = not spec.device.startswith("cuda")
+    bf16 = spec.precision == "bf16-mixed"
+    if bf16:
+        # PPOTrainer builds its own Accelerator without args.mixed_precision, so bf16=True alone
+        # trains in fp32; `accelerate launch --mixed_precision bf16` sets this variable instead.
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"
     tokenizer = AutoTokenizer.from_pretrained(spec.policy, padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(spec.policy)
     reference = AutoModelForCausalLM.from_pretrained(spec.policy)
@@ -81,7 +89,7 @@ def run(spec: common.RunSpec) -> common.RunResult:
             lr_scheduler_type="constant",
             num_sample_generations=0,
             gradient_checkpointing=False,  # TRL's config defaults to True; its PPO loop never enables it
-            bf16=spec.precision == "bf16-mixed",
+            bf16=bf16,
             use_cpu=on_cpu,
             report_to="none",
             save_strategy="no",
@@ -98,6 +106,10 @@ def run(spec: common.RunSpec) -> common.RunResult:
             value_model=value,
             callbacks=[Clock(clock)],
         )
+        if trainer.accelerator.mixed_precision != ("bf16" if bf16 else "no"):
+            raise RuntimeError(
+                f"TRL's accelerator runs in {trainer.accelerator.mixed_precision!r}, not {spec.precision}"
+            )
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
         trainer.train()
