@@ -63,7 +63,9 @@ def token_logprobs(model: nn.Module, ids: Tensor, mask: Tensor, pos: Tensor, tok
     """(B, R) log-probs of the last R tokens; the LM head runs on those positions only."""
     length = tokens.shape[1]
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=length + 1).logits
-    logits = logits[:, :-1].float() / TEMPERATURE
+    logits = logits[:, :-1].float()
+    if TEMPERATURE != 1.0:
+        logits = logits / TEMPERATURE
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
