@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
 from lightning_ppo.models import load_causal_lm, load_tokenizer
 from lightning_ppo.roles import LoraSettings, apply_lora
@@ -53,6 +53,11 @@ def export_policy(checkpoint_path: str | Path, out_dir: str | Path, keep_adapter
     model = load_trained_policy(checkpoint)
     if checkpoint["hyper_parameters"].get("lora") and not keep_adapter:
         model = model.merge_and_unload()
+    if isinstance(model, PreTrainedModel):
+        # Training loaded the config with dropout off and a fused activation: write the user's own.
+        original = AutoConfig.from_pretrained(checkpoint["hyper_parameters"]["policy"])
+        original.dtype = model.config.dtype
+        model.config = original
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

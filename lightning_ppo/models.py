@@ -24,13 +24,24 @@ from transformers import (
 FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _config_without_dropout(name_or_path: str, trust_remote_code: bool) -> PretrainedConfig:
+# Activations with a fused PyTorch kernel computing the same formula. GPT-2-family configs
+# ask for "gelu_new", which transformers runs as six separate tensor ops; PyTorch's tanh GELU is
+# the identical approximation in one kernel (outputs agree to float rounding, ~1e-7), about 10 %
+# off a GPT-2 training step on CPU.
+FUSED_ACTIVATIONS = {"gelu_new": "gelu_pytorch_tanh"}
+
+
+def load_config(name_or_path: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    """A checkpoint's config with dropout off and fused kernels for its activation."""
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     # Architectures name their dropout rates differently (attn_pdrop, attention_dropout, ...);
     # some apply them functionally, so zeroing the nn.Dropout modules alone is not enough.
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)
+    activation = getattr(config, "activation_function", None)
+    if activation in FUSED_ACTIVATIONS:
+        config.activation_function = FUSED_ACTIVATIONS[activation]
     return config
 
 
@@ -52,7 +63,7 @@ def load_causal_lm(
     name_or_path: str, trust_remote_code: bool = False, dtype: torch.dtype | None = None
 ) -> PreTrainedModel:
     """A causal LM (policy or reference) with dropout off."""
-    config = _config_without_dropout(name_or_path, trust_remote_code)
+    config = load_config(name_or_path, trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         name_or_path, config=config, trust_remote_code=trust_remote_code, dtype=dtype
     )
@@ -80,7 +91,7 @@ class ValueModel(nn.Module):
         From a one-output sequence classifier (a reward model, as InstructGPT and TRL initialise the
         critic) the head starts as the classifier's score head; otherwise at zero.
         """
-        config = _config_without_dropout(name_or_path, trust_remote_code)
+        config = load_config(name_or_path, trust_remote_code)
         archs = config.architectures or []
         if any(a.endswith("ForSequenceClassification") for a in archs) and config.num_labels == 1:
             classifier = AutoModelForSequenceClassification.from_pretrained(

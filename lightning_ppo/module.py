@@ -24,6 +24,7 @@ from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
 from lightning_ppo.metrics import experience_metrics
 from lightning_ppo.models import load_tokenizer, resolve_stop_token
+from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.rewards import (
     AdapterReward,
     RewardLike,
@@ -390,7 +391,7 @@ class PPOLightningModule(LightningModule):
         generator = torch.Generator().manual_seed(self.seed + self.iteration)
         accumulate = self.ppo.gradient_accumulation_steps
         history: list[dict[str, Tensor]] = []
-        skipped = 0
+        stepped: list[Tensor] = []
         for _ in range(self.ppo.ppo_epochs):
             for minibatch in exp.minibatches(self.ppo.num_minibatches, generator):
                 for i, micro in enumerate(minibatch.split(accumulate)):
@@ -400,38 +401,47 @@ class PPOLightningModule(LightningModule):
                         loss, stats = self.ppo_loss(micro)
                         self.manual_backward(loss / accumulate)
                     history.append(stats)
-                stepped = self._step_if_finite(optimizer)
+                stepped.append(self._step_if_finite(optimizer))
                 optimizer.zero_grad(set_to_none=True)
-                if stepped and scheduler is not None:
+                # The schedule counts attempted steps, so it does not depend on which were skipped.
+                if scheduler is not None:
                     scheduler.step()
-                skipped += not stepped
         stats = {key: torch.stack([h[key] for h in history]).mean() for key in history[0]}
-        stats["train/skipped_updates"] = float(skipped)
+        # The one read of the step flags per iteration (a host sync on GPUs).
+        flags = torch.stack(stepped).tolist()
+        self._count_skips(flags)
+        stats["train/skipped_updates"] = float(flags.count(False))
         return stats
 
-    def _step_if_finite(self, optimizer: Any) -> bool:
-        """Clip, then step unless a gradient is NaN/inf; stop after too many skips in a row.
+    def _step_if_finite(self, optimizer: Any) -> Tensor:
+        """Clip, then step unless a gradient is NaN/inf; returns whether it stepped (a device bool).
 
-        Gradients are already all-reduced here, so every rank takes the same decision.
+        Gradients are already all-reduced here, so every rank takes the same decision. Fused
+        Adam skips on the device; other optimizers need the host to read the norm first.
         """
         if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
             optimizer.step()  # 16-mixed: the grad scaler skips non-finite steps itself
-            return True
+            return torch.ones((), dtype=torch.bool, device=self.device)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.ppo.max_grad_norm or float("inf"))
-        if torch.isfinite(norm):
+        finite = torch.isfinite(grad_norm(params, self.ppo.max_grad_norm))
+        inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
+        if skips_on_device(inner):
+            step_unless_nonfinite(inner, optimizer.step, finite)
+        elif finite:
             optimizer.step()
-            self.consecutive_skips = 0
-            return True
-        self.consecutive_skips += 1
-        if self.consecutive_skips >= self.ppo.max_consecutive_skips:
-            raise FloatingPointError(
-                f"{self.consecutive_skips} optimizer steps in a row had NaN/inf gradients "
-                f"(ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): stopping. The last "
-                "checkpoint on disk predates them. Check the learning rate, the reward scale and the "
-                "precision."
-            )
-        return False
+        return finite
+
+    def _count_skips(self, stepped: list[bool]) -> None:
+        """Track skipped steps in a row across iterations; stop after ``max_consecutive_skips``."""
+        for ok in stepped:
+            self.consecutive_skips = 0 if ok else self.consecutive_skips + 1
+            if self.consecutive_skips >= self.ppo.max_consecutive_skips:
+                raise FloatingPointError(
+                    f"{self.consecutive_skips} optimizer steps in a row had NaN/inf gradients "
+                    f"(ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): stopping. The "
+                    "last checkpoint on disk predates them. Check the learning rate, the reward scale "
+                    "and the precision."
+                )
 
     def ppo_loss(self, mb: Experience) -> tuple[Tensor, dict[str, Tensor]]:
         """Clipped policy loss (+ vf_coef x value loss, + kl_coef x KL, - entropy_coef x entropy)."""
@@ -443,16 +453,19 @@ class PPOLightningModule(LightningModule):
         pg = F.policy_loss(
             logprobs, mb.logprobs, mb.advantages, mask, self.ppo.clip_range, self.ppo.dual_clip
         )
-        with torch.set_grad_enabled(self.ppo.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = F.masked_mean(F.entropy_from_logits(logits, temperature), mask)
-        loss = pg.loss - self.ppo.entropy_coef * entropy
+        loss = pg.loss
         stats = {
             "policy/approxkl_avg": pg.approx_kl,
             "policy/clipfrac_avg": pg.clipfrac,
-            "policy/entropy_avg": entropy.detach(),
             "loss/policy_avg": pg.loss.detach(),
             "val/ratio": pg.ratio,
         }
+        if self.ppo.entropy_coef > 0:
+            # A vocabulary-wide softmax per token: only paid for when it is a loss term
+            # (objective/entropy reports the rollout policy's entropy every iteration anyway).
+            entropy = F.masked_mean(F.entropy_from_logits(logits, temperature), mask)
+            loss = loss - self.ppo.entropy_coef * entropy
+            stats["policy/entropy_avg"] = entropy.detach()
         if self.ppo.kl_placement == "loss":
             kl = F.masked_mean(F.kl_penalty(logprobs, mb.ref_logprobs, self.ppo.kl_estimator), mask)
             loss = loss + self.kl_ctl.value * kl
@@ -494,6 +507,7 @@ class PPOLightningModule(LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
         optimizer = self.optimizer_factory(params)
+        prefer_fused(optimizer)
         if self.scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}

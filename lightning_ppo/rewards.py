@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_ppo.models import FROZEN_DTYPES, _config_without_dropout, freeze, load_tokenizer
+from lightning_ppo.models import FROZEN_DTYPES, freeze, load_config, load_tokenizer
 from lightning_ppo.rollout import Rollout
 
 
@@ -123,7 +123,7 @@ class RewardModel(nn.Module):
         dtype: str | None = None,
     ) -> RewardModel:
         """Load the classifier; its tokenizer from ``tokenizer``, the checkpoint, or else the policy's."""
-        config = _config_without_dropout(name_or_path, trust_remote_code)
+        config = load_config(name_or_path, trust_remote_code)
         config.num_labels = 1
         model = AutoModelForSequenceClassification.from_pretrained(
             name_or_path, config=config, trust_remote_code=trust_remote_code, dtype=FROZEN_DTYPES.get(dtype)

@@ -11,14 +11,14 @@ from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from tests.helpers import NaNFromIteration, NaNLossModule, quiet_trainer
 
 
-def _module(policy, reward=None, **ppo):
+def _module(policy, reward=None, optimizer_kwargs=None, **ppo):
     config = PPOConfig(**{"ppo_epochs": 2, "num_minibatches": 2, **ppo})
     return NaNLossModule(
         policy=str(policy),
         reward_fn=reward or DigitsReward(),
         ppo=config,
         generation=GenerationConfig(max_new_tokens=6),
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, **(optimizer_kwargs or {})),
     )
 
 
@@ -26,12 +26,17 @@ def _data():
     return DigitsDataModule(num_prompts=64, num_digits=3, batch_size=8, max_prompt_length=8)
 
 
-def test_a_nan_loss_skips_that_step_and_counts_it(tiny_digits, tmp_path):
+# Fused AdamW (the default) skips on the device; a loop AdamW after the host has read the norm.
+@pytest.mark.parametrize("optimizer_kwargs", [{}, {"foreach": False}], ids=["fused", "host-checked"])
+def test_a_nan_loss_skips_that_step_and_counts_it(tiny_digits, tmp_path, optimizer_kwargs):
     NaNLossModule.nan_steps = {1}
-    module = _module(tiny_digits)
+    module = _module(tiny_digits, optimizer_kwargs=optimizer_kwargs)
     trainer = quiet_trainer(tmp_path, iterations=1)
     trainer.fit(module, datamodule=_data())
-    assert trainer.global_step == 2 * 2 - 1  # 4 minibatches, the NaN one did not step
+    optimizer = module.optimizers().optimizer
+    assert bool(optimizer.param_groups[0]["fused"]) == (not optimizer_kwargs)
+    # 4 minibatches, the NaN one did not step: Adam counted 3 updates for every weight.
+    assert {float(state["step"]) for state in optimizer.state.values()} == {3.0}
     assert float(trainer.callback_metrics["train/skipped_updates"]) == 1.0
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert module.consecutive_skips == 0  # later good steps reset the streak

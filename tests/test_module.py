@@ -137,3 +137,27 @@ def test_bad_reward_output_names_the_reward():
         check_scores([1.0, float("nan")], 2, "r")
     with pytest.raises(TypeError, match="must return numbers"):
         check_scores(["a", "b"], 2, "r")
+
+
+def test_entropy_bonus_enters_the_loss_only_when_configured(tiny_gpt2):
+    torch.manual_seed(0)
+    plain, bonus = _module(tiny_gpt2), _module(tiny_gpt2, entropy_coef=0.1)
+    data = _data()
+    data.set_tokenizer(plain.tokenizer)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    rollout = plain.generate(batch)
+    forwards = plain.rollout_forwards(rollout)
+    from lightning_ppo.experience import make_experience
+
+    exp = make_experience(
+        rollout, forwards.logprobs, forwards.ref_logprobs, forwards.values, torch.ones(8), 0.05, plain.ppo
+    )
+    loss, stats = plain.ppo_loss(exp)
+    bonus_loss, bonus_stats = bonus.ppo_loss(exp)
+    assert "policy/entropy_avg" not in stats  # no vocabulary-wide softmax when it is unused
+    # the same rollout policy: its entropy over the response tokens, as the rollout measured it
+    expected = (forwards.entropy * rollout.response_mask).sum() / rollout.response_mask.sum()
+    assert bonus_stats["policy/entropy_avg"].item() == pytest.approx(expected.item(), rel=1e-5)
+    assert (loss - bonus_loss).item() == pytest.approx(0.1 * expected.item(), rel=1e-4)
+    assert bonus_loss.requires_grad

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
 from lightning_ppo.export import export_policy
@@ -126,6 +126,11 @@ def test_export_round_trip_gives_the_trained_policys_logits(lora, tiny_gpt2, tmp
         expected = module.policy(input_ids=ids).logits
         got = exported(input_ids=ids).logits
     assert torch.allclose(got, expected, atol=1e-5)
+    # The user's config comes back, not the one training ran with (dropout off, fused GELU).
+    original = AutoConfig.from_pretrained(tiny_gpt2).to_dict()
+    written = exported.config.to_dict()
+    for key in ("activation_function", "resid_pdrop", "attn_pdrop", "embd_pdrop"):
+        assert written[key] == original[key], key
     assert "roles.value_head.weight" in torch.load(out / "value_head.pt", weights_only=True)
     assert (out / "tokenizer.json").exists()
 

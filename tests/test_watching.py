@@ -18,7 +18,6 @@ EXPECTED_KEYS = (
     "objective/scores",
     "policy/approxkl_avg",
     "policy/clipfrac_avg",
-    "policy/entropy_avg",
     "loss/policy_avg",
     "loss/value_avg",
     "val/clipfrac_avg",
