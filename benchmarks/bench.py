@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench               # CPU: small and medium GPT-2, fp32 and bf16-mixed, + scaling
     python -m benchmarks.bench --threads 1   # the same on a machine shared with other jobs
-    python -m benchmarks.bench --quick       # smoke run: tiny model, lightning_ppo and the floor
+    python -m benchmarks.bench --quick       # smoke run: tiny model, lightning_ppo (both critics), floor
 
 Variants: ``lightning_ppo`` (the real Trainer and PPOLightningModule, ``run_lightning.py``), ``trl``
 (TRL 1.12.0's PPO trainer, ``run_trl.py``; skipped when TRL is not importable) and ``floor`` (bare
@@ -35,6 +35,7 @@ RUNNERS = {
     "lightning_ppo": "benchmarks.run_lightning",
     "trl": "benchmarks.run_trl",
     "floor": "benchmarks.floor",
+    "lightning_ppo_shared": "benchmarks.run_lightning",
 }
 
 
@@ -44,7 +45,7 @@ class Settings:
 
     configs: str = "small,medium"
     precisions: str = "32,bf16-mixed"
-    variants: str = "lightning_ppo,trl,floor"
+    variants: str = "lightning_ppo,trl,floor,lightning_ppo_shared"
     iterations: int = 6
     batch_size: int = 64
     minibatches: int = 4
@@ -68,7 +69,7 @@ DEFAULTS = {
     "quick": Settings(
         configs="tiny",
         precisions="32",
-        variants="lightning_ppo,floor",
+        variants="lightning_ppo,floor,lightning_ppo_shared",
         iterations=2,
         batch_size=8,
         minibatches=2,

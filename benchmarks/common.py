@@ -347,23 +347,29 @@ def forward_flops(shape: ModelShape, seq_len: int, head_positions: int) -> float
 
 
 def iteration_flops(
-    shape: ModelShape, batch: int, prompt_len: int, response_len: int, ppo_epochs: int
+    shape: ModelShape,
+    batch: int,
+    prompt_len: int,
+    response_len: int,
+    ppo_epochs: int,
+    separate_critic: bool = True,
 ) -> dict[str, float]:
     """Model FLOPs of one PPO iteration by part: ``generation``, ``rollout`` forwards and ``train``.
 
     Value and reward models are the policy's shape without the LM head; the backward pass costs
-    twice the forward.
+    twice the forward. A shared critic is a head on the policy's forward (its FLOPs are negligible).
     """
     length = prompt_len + response_len
     policy = forward_flops(shape, length, response_len)
-    critic = forward_flops(shape, length, 0)
+    critic = forward_flops(shape, length, 0) if separate_critic else 0.0
+    reward = forward_flops(shape, length, 0)
     # Generation: a prefill, then one token at a time against a KV cache of growing length.
     generation = forward_flops(shape, prompt_len, 1)
     for t in range(1, response_len):
         context = prompt_len + t
         generation += 2 * shape.params + 4 * shape.n_layer * context * shape.d_model
         generation += 2 * shape.d_model * shape.vocab
-    rollout = 2 * policy + 2 * critic  # policy, reference, value, reward
+    rollout = 2 * policy + critic + reward  # policy, reference, value, reward
     train = ppo_epochs * 3 * (policy + critic)
     return {"generation": batch * generation, "rollout": batch * rollout, "train": batch * train}
 

@@ -2,9 +2,11 @@
 
 One iteration: HF ``generate`` (KV cache) -> policy, reference, value and reward forwards ->
 KL-penalised per-token rewards, GAE, whitened advantages -> ``ppo_epochs`` x ``num_minibatches``
-of policy + value forward, backward and one AdamW step. No logging, no statistics, no host syncs
-beyond what ``generate`` does itself. Mixed precision is ``torch.autocast(dtype=torch.bfloat16)``
-around the forwards, as Lightning's ``bf16-mixed`` does.
+of policy + value forward, backward and one AdamW step. No logging, no statistics, no NaN guard,
+no host syncs beyond what ``generate`` does itself. It uses the same kernels lightning_ppo picks
+(fused AdamW, and PyTorch's fused tanh GELU where a GPT-2 config asks for ``gelu_new``), so the
+ratio to it measures the framework around the passes, not a choice of kernels. Mixed precision is
+``torch.autocast(dtype=torch.bfloat16)`` around the forwards, as Lightning's ``bf16-mixed`` does.
 
     python -m benchmarks.floor SPEC.json RESULT.json
 """
@@ -16,6 +18,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 from transformers import (
+    AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -41,6 +44,15 @@ class Critic(nn.Module):
     def forward(self, ids: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
         hidden = self.backbone(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
+
+
+def fused_config(path: str) -> AutoConfig:
+    """The checkpoint's config with PyTorch's one-kernel tanh GELU in place of GPT-2's ``gelu_new``
+    (the same formula; lightning_ppo makes this swap when it loads a model)."""
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "activation_function", None) == "gelu_new":
+        config.activation_function = "gelu_pytorch_tanh"
+    return config
 
 
 def without_dropout(model: nn.Module) -> nn.Module:
@@ -108,14 +120,18 @@ def run(spec: common.RunSpec) -> common.RunResult:
     torch.manual_seed(spec.seed)
     device = torch.device(spec.device)
     tokenizer = AutoTokenizer.from_pretrained(spec.policy, padding_side="left")
-    policy = without_dropout(AutoModelForCausalLM.from_pretrained(spec.policy)).to(device).train()
-    reference = without_dropout(AutoModelForCausalLM.from_pretrained(spec.policy))
+    config, reward_config = fused_config(spec.policy), fused_config(spec.reward)
+    policy = AutoModelForCausalLM.from_pretrained(spec.policy, config=config)
+    policy = without_dropout(policy).to(device).train()
+    reference = without_dropout(AutoModelForCausalLM.from_pretrained(spec.policy, config=config))
     reference = reference.to(device).eval().requires_grad_(False)
-    critic = Critic(without_dropout(AutoModel.from_pretrained(spec.policy))).to(device).train()
-    reward_model = AutoModelForSequenceClassification.from_pretrained(spec.reward, num_labels=1)
+    critic = Critic(without_dropout(AutoModel.from_pretrained(spec.policy, config=config)))
+    critic = critic.to(device).train()
+    reward_config.num_labels = 1
+    reward_model = AutoModelForSequenceClassification.from_pretrained(spec.reward, config=reward_config)
     reward_model = without_dropout(reward_model).to(device).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(
-        [*policy.parameters(), *critic.parameters()], lr=common.LEARNING_RATE, weight_decay=0.0
+        [*policy.parameters(), *critic.parameters()], lr=common.LEARNING_RATE, weight_decay=0.0, fused=True
     )
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     generation = GenerationConfig(

@@ -14,7 +14,10 @@ from typing import Any
 
 from benchmarks import common
 
-VARIANTS = ("lightning_ppo", "trl", "floor")
+VARIANTS = ("lightning_ppo", "trl", "floor", "lightning_ppo_shared")
+# lightning_ppo with ``value_model: shared`` (one backbone for policy and critic): not the same
+# work as the others, so it is compared with TRL's fp32 time only.
+SHARED = "lightning_ppo_shared"
 PRECISION_LABEL = {"32": "fp32", "bf16-mixed": "bf16-mixed"}
 # Phases in the order of an iteration; the floor has the first five, lightning_ppo all of them.
 PHASES = (
@@ -125,6 +128,7 @@ class Flops:
             self.prompt_len[spec.preset],
             row.width,
             spec.ppo_epochs,
+            separate_critic=spec.variant != SHARED,
         )
 
     def total(self, row: Row) -> float:
@@ -167,7 +171,7 @@ def describe(done: Done) -> str:
     """One progress line per run."""
     spec, result = done.job.spec, done.result
     what = (
-        f"{spec.variant:13s} {spec.preset} {PRECISION_LABEL[spec.precision]:10s} "
+        f"{spec.variant:20s} {spec.preset} {PRECISION_LABEL[spec.precision]:10s} "
         f"batch {spec.batch_size} x {spec.response_length} tokens"
     )
     if result.error:
@@ -241,7 +245,7 @@ def ratios_table(rows: dict[tuple, Row], s: Any) -> str:
     for preset in s.configs.split(","):
         trl_fp32 = rows.get(("trl", preset, "32", s.batch_size, s.response_length))
         for precision in s.precisions.split(","):
-            lit, trl, floor = (
+            lit, trl, floor, shared = (
                 rows.get((v, preset, precision, s.batch_size, s.response_length)) for v in VARIANTS
             )
             body.append(
@@ -252,11 +256,15 @@ def ratios_table(rows: dict[tuple, Row], s: Any) -> str:
                     ratio(lit, trl),
                     ratio(trl, floor),
                     ratio(lit, trl_fp32),
+                    ratio(shared, trl_fp32),
                 ]
             )
     header = ["model", "precision", "lightning_ppo / floor", "lightning_ppo / TRL", "TRL / floor"]
-    header += ["lightning_ppo / TRL fp32"]
-    return table(header, body) + "\n\nRatios of median seconds per iteration: below 1 is faster."
+    header += ["lightning_ppo / TRL fp32", "shared / TRL fp32"]
+    return table(header, body) + (
+        "\n\nRatios of median seconds per iteration: below 1 is faster. `shared` is lightning_ppo "
+        "with `value_model: shared` (one backbone for policy and critic: less work than the others)."
+    )
 
 
 def phases_table(rows: dict[tuple, Row], s: Any) -> str:
@@ -264,7 +272,7 @@ def phases_table(rows: dict[tuple, Row], s: Any) -> str:
         row
         for preset in s.configs.split(",")
         for precision in s.precisions.split(",")
-        for variant in ("lightning_ppo", "floor")
+        for variant in ("lightning_ppo", "floor", SHARED)
         if (row := rows.get((variant, preset, precision, s.batch_size, s.response_length))) and row.phases
     ]
     if not columns:

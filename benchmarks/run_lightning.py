@@ -1,7 +1,8 @@
 """lightning_ppo through the real Lightning ``Trainer`` and ``PPOLightningModule``.
 
 Logger, checkpointing, progress bar and model summary are off; ``ppo.advantage_estimator`` is
-``gae`` with the default separate value model (built from the policy checkpoint); the reward is
+``gae`` with the default separate value model (built from the policy checkpoint), or a value head
+on the policy's backbone for the ``lightning_ppo_shared`` variant; the reward is
 the same reward-model checkpoint TRL and the floor use; gradient clipping is off because TRL's
 PPO does not clip either. Phase timers wrap the module's own methods on the instance (the class
 is not changed), so the breakdown shows where an iteration's time goes.
@@ -75,6 +76,7 @@ def build_module(spec: common.RunSpec) -> PPOLightningModule:
         ppo=ppo,
         generation=generation,
         optimizer=optimizer,
+        value_model="shared" if spec.variant == "lightning_ppo_shared" else "separate",
         seed=spec.seed,
     )
 

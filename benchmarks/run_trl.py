@@ -3,8 +3,8 @@
 TRL needs a reward model and a value model that are ``AutoModelForSequenceClassification`` with
 one label: the reward model is the shared reward checkpoint, the value model the policy
 checkpoint's backbone with a fresh one-output head (as lightning_ppo builds its critic). The
-optimizer is ``torch.optim.AdamW`` (``optim="adamw_torch"``, TRL's default would be the fused
-variant) with a constant learning rate and no weight decay, as in the other variants.
+optimizer is TRL's default, fused ``torch.optim.AdamW`` (``optim="adamw_torch_fused"`` with torch
+>= 2.8), as in the other variants, with a constant learning rate and no weight decay.
 ``stop_token="eos"`` truncates responses at EOS like the others (the benchmark's models never
 sample EOS, so every response has ``response_length`` tokens). ``bf16-mixed`` is ``bf16=True``
 plus ``ACCELERATE_MIXED_PRECISION=bf16`` (what ``accelerate launch --mixed_precision bf16`` sets):
@@ -85,7 +85,6 @@ def run(spec: common.RunSpec) -> common.RunResult:
             lam=common.GAE_LAMBDA,
             learning_rate=common.LEARNING_RATE,
             weight_decay=0.0,
-            optim="adamw_torch",
             lr_scheduler_type="constant",
             num_sample_generations=0,
             gradient_checkpointing=False,  # TRL's config defaults to True; its PPO loop never enables it

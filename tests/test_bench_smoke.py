@@ -1,4 +1,4 @@
-"""The benchmark runs end to end on a tiny model (lightning_ppo and the bare-PyTorch floor only).
+"""The benchmark runs end to end on a tiny model (lightning_ppo, shared-critic too, and the floor).
 
 Nothing here asserts on speed: only that every run finished and the report holds positive numbers.
 """
@@ -26,7 +26,7 @@ def test_quick_benchmark_reports_positive_numbers(tmp_path, capsys):
     assert report in printed
 
     results = json.loads((tmp_path / "results.json").read_text())
-    assert sorted(r["spec"]["variant"] for r in results) == ["floor", "lightning_ppo"]
+    assert sorted(r["spec"]["variant"] for r in results) == ["floor", "lightning_ppo", "lightning_ppo_shared"]
     for result in results:
         assert result["error"] is None
         assert len(result["iteration_s"]) == 2 and all(s > 0 for s in result["iteration_s"])
@@ -34,12 +34,13 @@ def test_quick_benchmark_reports_positive_numbers(tmp_path, capsys):
 
     rows = _table_rows(report, "tiny")
     variants = {row[2] for row in rows if len(row) == 8}
-    assert variants == {"lightning_ppo", "floor"}
+    assert variants == {"lightning_ppo", "floor", "lightning_ppo_shared"}
     for row in (r for r in rows if len(r) == 8):
         seconds, episodes, tokens, rss = (float(cell) for cell in row[3:7])
         assert min(seconds, episodes, tokens, rss) > 0
-    ratio = [row for row in rows if len(row) == 6][0][2]
-    assert float(ratio) > 0
+    ratios = [row for row in rows if len(row) == 7][0]
+    assert float(ratios[2]) > 0  # lightning_ppo / floor
+    assert ratios[6] == "n/a"  # shared / TRL fp32: the quick run has no TRL
 
     train = [line for line in report.splitlines() if line.startswith("| train |")]
     assert train and all(float(x) >= 0 for x in re.findall(r"\d+\.\d+", train[0]))
