@@ -51,6 +51,9 @@ class Experience:
 
     def split(self, num: int) -> Iterator[Experience]:
         """``num`` consecutive micro-batches (for gradient accumulation)."""
+        if num == 1:
+            yield self  # no accumulation: no copy
+            return
         for index in torch.arange(len(self), device=self.input_ids.device).chunk(num):
             yield self.select(index)
 
