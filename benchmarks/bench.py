@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precisions", help="comma-separated: 32, bf16-mixed")
     p.add_argument("--variants", help=f"comma-separated of {report.VARIANTS}")
     p.add_argument("--iterations", type=int, help="PPO iterations per run; the first is not counted")
-    p.add_argument("--rounds", type=int, default=1, help="runs of each variant per (config, precision)")
+    p.add_argument("--rounds", type=int, help="runs of each variant per (config, precision) (2; --quick: 1)")
     p.add_argument("--batch-size", type=int, help="rollout batch (64)")
     p.add_argument("--minibatches", type=int, help="minibatches per PPO epoch (4)")
     p.add_argument("--ppo-epochs", type=int, help="PPO epochs per iteration (4)")
@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scaling", action=argparse.BooleanOptionalAction, help="lightning_ppo scaling table")
     p.add_argument("--scaling-config", help="model preset of the scaling table")
     p.add_argument("--scaling-iterations", type=int, default=4, help="PPO iterations per scaling run")
-    p.add_argument("--scaling-variants", default="lightning_ppo", help="variants of the scaling table")
+    p.add_argument("--scaling-variants", default="lightning_ppo,floor", help="variants of the scaling table")
     p.add_argument("--scaling-lengths", default="32,64,128,256", help="response lengths of the scaling table")
     p.add_argument("--scaling-batches", default="16,64,128", help="rollout batches of the scaling table")
     p.add_argument("--no-phases", action="store_true", help="no per-phase timers (they synchronise on CUDA)")
@@ -111,7 +111,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="folder for the report, results, logs")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
+    return args
 
 
 def settings_for(args: argparse.Namespace, device: str) -> Settings:
