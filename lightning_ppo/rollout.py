@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +99,26 @@ def hf_generation_config(
     )
 
 
+@contextmanager
+def weights_cast_once(device_type: str) -> Iterator[None]:
+    """Under mixed precision, cast each weight to the low dtype once for a whole generation.
+
+    Lightning's autocast keeps no cast cache, because weights change between optimizer steps
+    inside one ``training_step``; without one, every decoding step casts every weight again
+    (measured: 7 % of a small model's generation on CPU). The weights are fixed while
+    generating, so a cache is safe there; it is dropped right after, before any update.
+    """
+    if not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    dtype = torch.get_autocast_dtype(device_type)
+    try:
+        with torch.autocast(device_type, dtype=dtype, cache_enabled=True):
+            yield
+    finally:
+        torch.clear_autocast_cache()
+
+
 @torch.no_grad()
 def generate(
     model: transformers.PreTrainedModel,
@@ -108,9 +130,10 @@ def generate(
     was_training = model.training
     # Generation runs in eval mode: with gradient checkpointing in train mode HF drops the KV cache.
     model.eval()
-    sequences = model.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=generation_config
-    )
+    with weights_cast_once(prompt_ids.device.type):
+        sequences = model.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=generation_config
+        )
     model.train(was_training)
     response_ids, response_mask, ended = truncate_at_stop(
         sequences[:, prompt_ids.shape[1] :], generation_config.eos_token_id, generation_config.pad_token_id

@@ -70,3 +70,30 @@ def test_forward_logprobs_equal_sampling_distribution(tiny_gpt2):
     logprobs = F.logprobs_from_logits(logits, rollout.response_ids, 0.7)
     expected = torch.log_softmax(scores, -1).gather(-1, rollout.response_ids[..., None]).squeeze(-1)
     assert torch.allclose(logprobs, expected, atol=1e-4)
+
+
+def test_mixed_precision_generation_casts_once_and_leaves_no_stale_weights(tiny_gpt2):
+    model = load_causal_lm(str(tiny_gpt2))
+    gen = hf_generation_config(GenerationConfig(max_new_tokens=6), stop_token_id=1, pad_token_id=0)
+    prompt_ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    prompt_mask = prompt_ids != 0
+    # Lightning's bf16-mixed: one autocast without a cast cache around the whole training_step.
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        torch.manual_seed(0)
+        cached = generate(model, prompt_ids, prompt_mask, gen)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            plain = model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=gen
+            )
+            before = model(input_ids=prompt_ids).logits
+            for p in model.parameters():
+                p.mul_(1.5)  # an optimizer step, in place, inside the same training_step
+            after = model(input_ids=prompt_ids).logits
+    # the same bf16 casts, once per generation instead of once per token: the same samples
+    assert torch.equal(cached.response_ids[cached.response_mask], plain[:, 4:][cached.response_mask])
+    # the forward after the update used the new weights, not casts cached during generation
+    assert (after - before).abs().max() > 0.1
+    with torch.no_grad():
+        expected = model(input_ids=prompt_ids).logits  # fp32, new weights
+    assert (after.float() - expected).abs().max() < 0.1 * expected.abs().max()
