@@ -70,6 +70,11 @@ def load_causal_lm(
     return disable_dropout(model)
 
 
+def classifier_head(model: PreTrainedModel) -> nn.Module:
+    """The output layer of a ``*ForSequenceClassification`` model (``score`` or ``classifier``)."""
+    return model.score if hasattr(model, "score") else model.classifier
+
+
 class ValueModel(nn.Module):
     """A transformer backbone with a scalar head: one value per position.
 
@@ -98,7 +103,7 @@ class ValueModel(nn.Module):
                 name_or_path, config=config, trust_remote_code=trust_remote_code
             )
             value_model = cls(disable_dropout(getattr(classifier, classifier.base_model_prefix)))
-            head = classifier.score if hasattr(classifier, "score") else classifier.classifier
+            head = classifier_head(classifier)
             with torch.no_grad():
                 value_model.v_head.weight.copy_(head.weight)
                 if head.bias is not None:

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_ppo.models import FROZEN_DTYPES, freeze, load_config, load_tokenizer
-from lightning_ppo.rollout import Rollout
+from lightning_ppo.models import FROZEN_DTYPES, classifier_head, freeze, load_config, load_tokenizer
+from lightning_ppo.rollout import Rollout, position_ids_from_mask
 
 
 @dataclass
@@ -158,10 +158,7 @@ class RewardModel(nn.Module):
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state
-        head = self.model.score if hasattr(self.model, "score") else self.model.classifier
-        last = attention_mask.shape[1] - 1 - attention_mask.long().flip(1).argmax(1)
-        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        return head(hidden[rows, last]).squeeze(-1).float()
+        return classifier_head(self.model)(at_last_real_token(hidden, attention_mask)).squeeze(-1).float()
 
 
 class RunningMoments:
@@ -201,8 +198,13 @@ def retokenize(
     texts = [p + c for p, c in zip(prompts, completions, strict=True)]
     encoded = tokenizer(texts, padding=True, return_tensors="pt", padding_side="right")
     mask = encoded["attention_mask"].to(device).bool()
-    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    return encoded["input_ids"].to(device), mask, position_ids
+    return encoded["input_ids"].to(device), mask, position_ids_from_mask(mask)
+
+
+def at_last_real_token(hidden: Tensor, attention_mask: Tensor) -> Tensor:
+    """(B, H) hidden state at each sequence's last real token, whichever side it is padded on."""
+    last = attention_mask.shape[1] - 1 - attention_mask.long().flip(1).argmax(1)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
 
 
 def as_chat(prompts: list[str], completions: list[str], tokenizer: PreTrainedTokenizerBase) -> list[str]:
@@ -256,7 +258,5 @@ class AdapterReward(nn.Module):
             output_hidden_states=True,
             logits_to_keep=1,
         )
-        last = attention_mask.shape[1] - 1 - attention_mask.long().flip(1).argmax(1)
-        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        hidden = out.hidden_states[-1][rows, last]
+        hidden = at_last_real_token(out.hidden_states[-1], attention_mask)
         return self.score_head(hidden.to(self.score_head.weight.dtype)).squeeze(-1).float()
