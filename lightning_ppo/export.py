@@ -13,9 +13,9 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from lightning_ppo.models import load_causal_lm, load_tokenizer
+from lightning_ppo.models import load_tokenizer
 from lightning_ppo.roles import LoraSettings, apply_lora
 
 POLICY_PREFIX = "roles.policy."
@@ -25,7 +25,9 @@ CRITIC_PREFIXES = ("roles.value_head.", "roles.value_model.")
 def load_trained_policy(checkpoint: dict) -> PreTrainedModel:
     """Rebuild the policy a checkpoint trained: its base from the saved path, its weights from the file."""
     hparams = checkpoint["hyper_parameters"]
-    model = load_causal_lm(hparams["policy"])
+    # The user's own config (dropout, activation), not the training-time one load_causal_lm makes:
+    # it is the config the exported folder will carry.
+    model = AutoModelForCausalLM.from_pretrained(hparams["policy"])
     if hparams.get("lora"):
         model = apply_lora(model, LoraSettings(**hparams["lora"]))
     trained = {
@@ -53,11 +55,6 @@ def export_policy(checkpoint_path: str | Path, out_dir: str | Path, keep_adapter
     model = load_trained_policy(checkpoint)
     if checkpoint["hyper_parameters"].get("lora") and not keep_adapter:
         model = model.merge_and_unload()
-    if isinstance(model, PreTrainedModel):
-        # Training loaded the config with dropout off and a fused activation: write the user's own.
-        original = AutoConfig.from_pretrained(checkpoint["hyper_parameters"]["policy"])
-        original.dtype = model.config.dtype
-        model.config = original
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
