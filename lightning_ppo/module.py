@@ -419,7 +419,7 @@ class PPOLightningModule(LightningModule):
         Gradients are already all-reduced here, so every rank takes the same decision. Fused
         Adam skips on the device; other optimizers need the host to read the norm first.
         """
-        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+        if self._grad_scaler is not None:
             optimizer.step()  # 16-mixed: the grad scaler skips non-finite steps itself
             return torch.ones((), dtype=torch.bool, device=self.device)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -480,10 +480,14 @@ class PPOLightningModule(LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Under 16-mixed the precision plugin calls this after unscaling, so the clipped norm is real;
         # without a grad scaler _step_if_finite has clipped already.
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        if scaler is not None and self.ppo.max_grad_norm is not None:
+        if self._grad_scaler is not None and self.ppo.max_grad_norm is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_norm_(params, self.ppo.max_grad_norm)
+
+    @property
+    def _grad_scaler(self) -> Any:
+        """The precision plugin's grad scaler (``16-mixed``), else ``None``."""
+        return getattr(self.trainer.precision_plugin, "scaler", None)
 
     def _no_backward_sync(self) -> Any:
         block = getattr(self.trainer.strategy, "block_backward_sync", None)
