@@ -43,11 +43,15 @@ class Experience:
         """The rows ``index`` of every tensor."""
         return Experience(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
-    def minibatches(self, num: int, generator: torch.Generator | None = None) -> Iterator[Experience]:
-        """``num`` equal, disjoint minibatches covering the batch in a random order."""
-        order = torch.randperm(len(self), generator=generator).to(self.input_ids.device)
-        for index in order.chunk(num):
-            yield self.select(index)
+    def minibatches(
+        self, num: int, generator: torch.Generator | None = None, epochs: int = 1
+    ) -> Iterator[Experience]:
+        """``epochs`` passes of ``num`` equal, disjoint minibatches, each pass in a new random order."""
+        orders = [torch.randperm(len(self), generator=generator) for _ in range(epochs)]
+        # One host-to-device copy for all passes: on a GPU each copy would wait for queued work.
+        for order in torch.stack(orders).to(self.input_ids.device):
+            for index in order.chunk(num):
+                yield self.select(index)
 
     def split(self, num: int) -> Iterator[Experience]:
         """``num`` consecutive micro-batches (for gradient accumulation)."""

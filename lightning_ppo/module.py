@@ -392,20 +392,19 @@ class PPOLightningModule(LightningModule):
         accumulate = self.ppo.gradient_accumulation_steps
         history: list[dict[str, Tensor]] = []
         stepped: list[Tensor] = []
-        for _ in range(self.ppo.ppo_epochs):
-            for minibatch in exp.minibatches(self.ppo.num_minibatches, generator):
-                for i, micro in enumerate(minibatch.split(accumulate)):
-                    # Under DDP only the last micro-batch of a minibatch all-reduces gradients.
-                    sync = i == accumulate - 1
-                    with nullcontext() if sync else self._no_backward_sync():
-                        loss, stats = self.ppo_loss(micro)
-                        self.manual_backward(loss / accumulate)
-                    history.append(stats)
-                stepped.append(self._step_if_finite(optimizer))
-                optimizer.zero_grad(set_to_none=True)
-                # The schedule counts attempted steps, so it does not depend on which were skipped.
-                if scheduler is not None:
-                    scheduler.step()
+        for minibatch in exp.minibatches(self.ppo.num_minibatches, generator, epochs=self.ppo.ppo_epochs):
+            for i, micro in enumerate(minibatch.split(accumulate)):
+                # Under DDP only the last micro-batch of a minibatch all-reduces gradients.
+                sync = i == accumulate - 1
+                with nullcontext() if sync else self._no_backward_sync():
+                    loss, stats = self.ppo_loss(micro)
+                    self.manual_backward(loss / accumulate)
+                history.append(stats)
+            stepped.append(self._step_if_finite(optimizer))
+            optimizer.zero_grad(set_to_none=True)
+            # The schedule counts attempted steps, so it does not depend on which were skipped.
+            if scheduler is not None:
+                scheduler.step()
         stats = {key: torch.stack([h[key] for h in history]).mean() for key in history[0]}
         # The one read of the step flags per iteration (a host sync on GPUs).
         flags = torch.stack(stepped).tolist()
