@@ -38,7 +38,7 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python -m benchmarks.bench $(BENCH_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check lightning_ppo tests
+	$(BIN)/ruff check lightning_ppo tests benchmarks
 
 clean:
 	rm -rf runs checkpoints .pytest_cache

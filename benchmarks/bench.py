@@ -45,7 +45,7 @@ class Settings:
 
     configs: str = "small,medium"
     precisions: str = "32,bf16-mixed"
-    variants: str = "lightning_ppo,trl,floor,lightning_ppo_shared"
+    variants: str = ",".join(report.VARIANTS)
     iterations: int = 6
     batch_size: int = 64
     minibatches: int = 4
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = [
         f"started {started}; command: `{' '.join(['python -m benchmarks.bench', *argv])}`",
         f"load average (1, 5, 15 min) before: {report.triple(load_start)}; after: {report.triple(load_end)}",
-        report.machine_line(dones, s.threads, device),
+        report.machine_line(dones, threads, device),
         f"per iteration: batch {s.batch_size}, {s.response_length} new tokens, {s.ppo_epochs} PPO epochs x "
         f"{s.minibatches} minibatches; {s.iterations} iterations per run ({args.scaling_iterations} per "
         f"scaling run) x {args.rounds} round(s); the first iteration of each run is not counted",

@@ -113,15 +113,6 @@ class RunResult:
         steady = self.iteration_s[1:] or self.iteration_s
         return statistics.median(steady) if steady else float("nan")
 
-    def median_gc_s(self) -> float:
-        steady = self.gc_s[1:] or self.gc_s
-        return statistics.median(steady) if steady else float("nan")
-
-    def median_phases(self) -> dict[str, float]:
-        steady = self.phases[1:] or self.phases
-        names = sorted({name for phases in steady for name in phases})
-        return {name: statistics.median(p.get(name, 0.0) for p in steady) for name in names}
-
 
 # ----------------------------------------------------------------------------- checkpoints
 def build_tokenizer(preset: ModelPreset):

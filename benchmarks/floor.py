@@ -18,7 +18,6 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 from transformers import (
-    AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -27,6 +26,7 @@ from transformers import (
 )
 
 from benchmarks import common
+from lightning_ppo.models import load_config
 
 TEMPERATURE = common.TEMPERATURE
 
@@ -44,27 +44,6 @@ class Critic(nn.Module):
     def forward(self, ids: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
         hidden = self.backbone(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
-
-
-def fused_config(path: str) -> AutoConfig:
-    """The checkpoint's config with PyTorch's one-kernel tanh GELU in place of GPT-2's ``gelu_new``
-    (the same formula; lightning_ppo makes this swap when it loads a model)."""
-    config = AutoConfig.from_pretrained(path)
-    if getattr(config, "activation_function", None) == "gelu_new":
-        config.activation_function = "gelu_pytorch_tanh"
-    return config
-
-
-def without_dropout(model: nn.Module) -> nn.Module:
-    """Dropout off, as lightning_ppo and TRL have it: the first PPO minibatch must reproduce the
-    rollout's log-probs, and dropout also sends attention down another (slower) kernel."""
-    for key, value in model.config.to_dict().items():
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(model.config, key, 0.0)
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-    return model
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -120,16 +99,16 @@ def run(spec: common.RunSpec) -> common.RunResult:
     torch.manual_seed(spec.seed)
     device = torch.device(spec.device)
     tokenizer = AutoTokenizer.from_pretrained(spec.policy, padding_side="left")
-    config, reward_config = fused_config(spec.policy), fused_config(spec.reward)
-    policy = AutoModelForCausalLM.from_pretrained(spec.policy, config=config)
-    policy = without_dropout(policy).to(device).train()
-    reference = without_dropout(AutoModelForCausalLM.from_pretrained(spec.policy, config=config))
+    # lightning_ppo's loader config: dropout off (as in lightning_ppo and TRL: the first minibatch
+    # must reproduce the rollout's log-probs) and the one-kernel GELU. Setup only, not timed.
+    config, reward_config = load_config(spec.policy), load_config(spec.reward)
+    policy = AutoModelForCausalLM.from_pretrained(spec.policy, config=config).to(device).train()
+    reference = AutoModelForCausalLM.from_pretrained(spec.policy, config=config)
     reference = reference.to(device).eval().requires_grad_(False)
-    critic = Critic(without_dropout(AutoModel.from_pretrained(spec.policy, config=config)))
-    critic = critic.to(device).train()
+    critic = Critic(AutoModel.from_pretrained(spec.policy, config=config)).to(device).train()
     reward_config.num_labels = 1
     reward_model = AutoModelForSequenceClassification.from_pretrained(spec.reward, config=reward_config)
-    reward_model = without_dropout(reward_model).to(device).eval().requires_grad_(False)
+    reward_model = reward_model.to(device).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(
         [*policy.parameters(), *critic.parameters()], lr=common.LEARNING_RATE, weight_decay=0.0, fused=True
     )

@@ -183,9 +183,7 @@ def describe(done: Done) -> str:
 
 
 def machine_line(dones: list[Done], threads: int, device: str) -> str:
-    import torch
-
-    threads = threads or torch.get_num_threads()
+    """``threads``: the torch threads each run used."""
     name = next((d.result.device_name for d in dones if d.result.device_name), device)
     line = f"device: {name}" + (f" ({os.cpu_count()} CPU cores in the machine)" if device == "cpu" else "")
     loads = [d.foreign_cores for d in dones if d.foreign_cores is not None]

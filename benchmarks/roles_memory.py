@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks import common
 
 LAYOUTS = {
     "separate": {"value_model": "separate"},
@@ -38,7 +39,12 @@ def write_checkpoints(root: Path, small: bool) -> tuple[Path, Path]:
 
     tokenizer = build_char_tokenizer("0123456789=")
     size = dict(n_layer=2, n_embd=64, n_head=4) if small else dict(n_layer=12, n_embd=768, n_head=12)
-    config = dict(vocab_size=50257, n_positions=1024, pad_token_id=0, eos_token_id=1, bos_token_id=2, **size)
+    special = dict(
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    config = dict(vocab_size=50257, n_positions=1024, **special, **size)
     policy, reward = root / "policy", root / "reward"
     GPT2LMHeadModel(GPT2Config(**config)).save_pretrained(policy)
     GPT2ForSequenceClassification(GPT2Config(num_labels=1, **config)).save_pretrained(reward)
@@ -90,7 +96,7 @@ def measure(layout: str, policy: str, reward: str) -> dict[str, float]:
         "params_mb": (trainable + frozen) / 2**20,
         "trainable_mb": trainable / 2**20,
         "optimizer_mb": state / 2**20,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": common.peak_rss_mib(),
     }
 
 

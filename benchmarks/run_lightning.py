@@ -34,7 +34,6 @@ METHOD_PHASES = {
     "shape_scores": "shape_scores",
     "rollout_forwards": "rollout_forwards",
     "ppo_update": "train",
-    "experience_stats": "stats",
     "log_stats": "log",
 }
 FUNCTION_PHASES = {"make_experience": "experience", "experience_metrics": "stats"}
@@ -77,6 +76,7 @@ def build_module(spec: common.RunSpec) -> PPOLightningModule:
         generation=generation,
         optimizer=optimizer,
         value_model="shared" if spec.variant == "lightning_ppo_shared" else "separate",
+        value=spec.policy,  # the critic starts from the policy, as in TRL and the floor
         seed=spec.seed,
     )
 
