@@ -10,8 +10,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Callback
 
-from lightning_ppo import PPOLightningModule
+from lightning_ppo import PPOLightningModule, PromptDataModule
 from lightning_ppo.rewards import RewardFunction
+
+# 28 prompts of 4 characters ("012=", ...), for module tests on the char-tokenizer checkpoints.
+PROMPTS = [f"{i}{i + 1}{i + 2}=" for i in range(7)] * 4
+
+
+def prompt_data(batch_size: int = 8, prompts: list[str] = PROMPTS) -> PromptDataModule:
+    return PromptDataModule(prompts=prompts, batch_size=batch_size, max_prompt_length=8)
 
 
 class CountCharReward(RewardFunction):
@@ -37,15 +44,12 @@ class ShortAnswerModule(PPOLightningModule):
         return torch.tensor([1.0 if len(c) <= 2 else 0.0 for c in completions])
 
 
-def count_sevens(prompts, completions, batch):
-    """A plain function reward: the number of '7' characters in each completion."""
-    return [float(c.count("7")) for c in completions]
-
-
 class NaNLossModule(PPOLightningModule):
     """Returns a NaN loss on the optimizer steps listed in ``nan_steps`` (counted from 0)."""
 
-    nan_steps: set[int] = {0}
+    def __init__(self, *args, nan_steps=(), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.nan_steps = set(nan_steps)
 
     def ppo_loss(self, mb):
         loss, stats = super().ppo_loss(mb)

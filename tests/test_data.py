@@ -16,7 +16,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from lightning_ppo.data import PromptBatch, PromptDataModule, collate_prompts
+from lightning_ppo.data import PromptBatch, PromptDataModule, ResumableSampler, collate_prompts
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 :=?.,")
 VOCAB = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + CHARS)}
@@ -282,8 +282,6 @@ def test_sampler_resumes_mid_epoch_and_shards_by_rank(tok_path):
     loader.sampler.start_batch = 3
     assert [batch.prompts for batch in loader] == full[3:]
     assert [batch.prompts for batch in loader] == full  # only the resumed epoch starts late
-    from lightning_ppo.data import ResumableSampler
-
     shards = [list(ResumableSampler(dm.train_dataset, 2, 2, rank, shuffle=True, seed=3)) for rank in (0, 1)]
     assert len(shards[0]) == len(shards[1]) == 8 and not set(shards[0]) & set(shards[1])
 

@@ -11,7 +11,7 @@ from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from tests.helpers import NaNFromIteration, NaNLossModule, quiet_trainer
 
 
-def _module(policy, reward=None, optimizer_kwargs=None, **ppo):
+def _module(policy, reward=None, optimizer_kwargs=None, nan_steps=(), **ppo):
     config = PPOConfig(**{"ppo_epochs": 2, "num_minibatches": 2, **ppo})
     return NaNLossModule(
         policy=str(policy),
@@ -19,6 +19,7 @@ def _module(policy, reward=None, optimizer_kwargs=None, **ppo):
         ppo=config,
         generation=GenerationConfig(max_new_tokens=6),
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, **(optimizer_kwargs or {})),
+        nan_steps=nan_steps,
     )
 
 
@@ -29,8 +30,7 @@ def _data():
 # Fused AdamW (the default) skips on the device; a loop AdamW after the host has read the norm.
 @pytest.mark.parametrize("optimizer_kwargs", [{}, {"foreach": False}], ids=["fused", "host-checked"])
 def test_a_nan_loss_skips_that_step_and_counts_it(tiny_digits, tmp_path, optimizer_kwargs):
-    NaNLossModule.nan_steps = {1}
-    module = _module(tiny_digits, optimizer_kwargs=optimizer_kwargs)
+    module = _module(tiny_digits, optimizer_kwargs=optimizer_kwargs, nan_steps={1})
     trainer = quiet_trainer(tmp_path, iterations=1)
     trainer.fit(module, datamodule=_data())
     optimizer = module.optimizers().optimizer
@@ -43,14 +43,12 @@ def test_a_nan_loss_skips_that_step_and_counts_it(tiny_digits, tmp_path, optimiz
 
 
 def test_nan_every_step_stops_with_a_message(tiny_digits, tmp_path):
-    NaNLossModule.nan_steps = set(range(100))
-    module = _module(tiny_digits, max_consecutive_skips=3)
+    module = _module(tiny_digits, nan_steps=range(100), max_consecutive_skips=3)
     with pytest.raises(FloatingPointError, match="3 optimizer steps in a row had NaN/inf gradients"):
         quiet_trainer(tmp_path, iterations=2).fit(module, datamodule=_data())
 
 
 def test_reward_nan_forever_stops_and_leaves_the_last_good_checkpoint(tiny_digits, tmp_path):
-    NaNLossModule.nan_steps = set()
     module = _module(
         tiny_digits, reward=NaNFromIteration(start=2), on_bad_reward="drop", max_consecutive_skips=2
     )
@@ -63,7 +61,6 @@ def test_reward_nan_forever_stops_and_leaves_the_last_good_checkpoint(tiny_digit
 
 
 def test_reward_nan_once_is_dropped_and_counted(tiny_digits, tmp_path):
-    NaNLossModule.nan_steps = set()
 
     def nan_first(prompts, completions, batch):
         return [float("nan")] + [0.5] * (len(completions) - 1)

@@ -61,9 +61,14 @@ def _saved_iteration(path: Path) -> int:
         return 0
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_digits, tmp_path_factory):
+    """The uninterrupted run, once for both kinds of interruption (seeded: the same every time)."""
+    return main(_args(tiny_digits, tmp_path_factory.mktemp("reference"))).model
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "Ctrl-C"])
-def test_killed_run_resumes_to_the_uninterrupted_result(sig, tiny_digits, tmp_path):
-    reference = main(_args(tiny_digits, tmp_path / "reference")).model
+def test_killed_run_resumes_to_the_uninterrupted_result(sig, reference, tiny_digits, tmp_path):
 
     root = tmp_path / "killed"
     throttle = {"class_path": "tests.helpers.Throttle", "init_args": {"seconds": 0.3}}

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+from lightning_ppo.data import PromptBatch
+from lightning_ppo.experience import make_experience
+from lightning_ppo.module import RolloutForwards
 from lightning_ppo.rewards import ScoreInputs, check_scores
-from tests.helpers import CountCharReward, quiet_trainer
-
-PROMPTS = [f"{i}{i + 1}{i + 2}=" for i in range(7)] * 4  # 28 prompts of 4 characters
+from lightning_ppo.rollout import Rollout
+from tests.helpers import CountCharReward, prompt_data, quiet_trainer
 
 
 def _module(path, **ppo) -> PPOLightningModule:
@@ -23,26 +25,25 @@ def _module(path, **ppo) -> PPOLightningModule:
     )
 
 
-def _data(batch_size=8, prompts=PROMPTS) -> PromptDataModule:
-    return PromptDataModule(prompts=prompts, batch_size=batch_size, max_prompt_length=8)
+def _first_rollout(module: PPOLightningModule) -> tuple[PromptBatch, Rollout, RolloutForwards]:
+    """The first training batch, its rollout and the rollout's forwards, outside any Trainer."""
+    data = prompt_data()
+    data.set_tokenizer(module.tokenizer)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    rollout = module.generate(batch)
+    return batch, rollout, module.rollout_forwards(rollout)
 
 
 def test_first_minibatch_of_first_epoch_has_ratio_exactly_one(tiny_gpt2):
     torch.manual_seed(0)
     module = _module(tiny_gpt2)
-    data = _data()
-    data.set_tokenizer(module.tokenizer)
-    data.setup("fit")
-    batch = next(iter(data.train_dataloader()))
-    rollout = module.generate(batch)
-    forwards = module.rollout_forwards(rollout)
+    batch, rollout, forwards = _first_rollout(module)
     scores = check_scores(
         module.score(batch.prompts, module.decode_responses(rollout), ScoreInputs(batch.extras, rollout)),
         len(batch),
         "r",
     )
-    from lightning_ppo.experience import make_experience
-
     exp = make_experience(
         rollout, forwards.logprobs, forwards.ref_logprobs, forwards.values, scores, 0.05, module.ppo
     )
@@ -61,7 +62,7 @@ def test_fit_counts_optimizer_steps_keeps_frozen_roles_and_trains_the_rest(tiny_
     policy_before = {k: v.clone() for k, v in module.policy.state_dict().items()}
     head_before = module.value_model.v_head.weight.clone()
     trainer = quiet_trainer(tmp_path, iterations=2)
-    trainer.fit(module, datamodule=_data())
+    trainer.fit(module, datamodule=prompt_data())
     assert trainer.global_step == 2 * 3 * 2  # iterations x ppo_epochs x num_minibatches
     assert module.iteration == 2 and module.episodes == 16
     for key, value in module.ref_policy.state_dict().items():
@@ -76,7 +77,7 @@ def test_logged_metrics_are_finite_and_consistent(tiny_gpt2, tmp_path):
     torch.manual_seed(0)
     module = _module(tiny_gpt2)
     trainer = quiet_trainer(tmp_path, iterations=1)
-    trainer.fit(module, datamodule=_data())
+    trainer.fit(module, datamodule=prompt_data())
     m = {k: float(v) for k, v in trainer.logged_metrics.items()}
     for key in (
         "objective/kl",
@@ -104,7 +105,7 @@ def test_checkpoint_leaves_frozen_roles_out_and_restores_state(tiny_gpt2, tmp_pa
     torch.manual_seed(0)
     module = _module(tiny_gpt2, kl_target=1.0)
     trainer = quiet_trainer(tmp_path, iterations=1)
-    trainer.fit(module, datamodule=_data())
+    trainer.fit(module, datamodule=prompt_data())
     path = tmp_path / "ppo.ckpt"
     trainer.save_checkpoint(path)
     ckpt = torch.load(path, weights_only=True)
@@ -142,14 +143,7 @@ def test_bad_reward_output_names_the_reward():
 def test_entropy_bonus_enters_the_loss_only_when_configured(tiny_gpt2):
     torch.manual_seed(0)
     plain, bonus = _module(tiny_gpt2), _module(tiny_gpt2, entropy_coef=0.1)
-    data = _data()
-    data.set_tokenizer(plain.tokenizer)
-    data.setup("fit")
-    batch = next(iter(data.train_dataloader()))
-    rollout = plain.generate(batch)
-    forwards = plain.rollout_forwards(rollout)
-    from lightning_ppo.experience import make_experience
-
+    _, rollout, forwards = _first_rollout(plain)
     exp = make_experience(
         rollout, forwards.logprobs, forwards.ref_logprobs, forwards.values, torch.ones(8), 0.05, plain.ppo
     )

@@ -7,13 +7,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.export import export_policy
 from lightning_ppo.models import ValueModel, load_causal_lm, response_logits
 from lightning_ppo.roles import LoraSettings
-from tests.helpers import CountCharReward, quiet_trainer
-
-PROMPTS = [f"{i}{i + 1}{i + 2}=" for i in range(7)] * 4
+from lightning_ppo.rollout import position_ids_from_mask
+from tests.helpers import CountCharReward, prompt_data, quiet_trainer
 
 
 def _module(path, **kwargs) -> PPOLightningModule:
@@ -30,7 +29,7 @@ def _module(path, **kwargs) -> PPOLightningModule:
 def _fit(module, root, iterations=2) -> pl.Trainer:
     torch.manual_seed(0)
     trainer = quiet_trainer(root, iterations)
-    trainer.fit(module, datamodule=PromptDataModule(prompts=PROMPTS, batch_size=8, max_prompt_length=8))
+    trainer.fit(module, datamodule=prompt_data())
     return trainer
 
 
@@ -79,7 +78,7 @@ def test_lora_keeps_the_base_and_disables_the_adapter_for_the_reference(tiny_gpt
     initial = load_causal_lm(str(tiny_gpt2))
     ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 11, 12, 13, 14, 15]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]]).bool()
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    pos = position_ids_from_mask(mask)
     with torch.no_grad():
         expected = response_logits(initial, ids, mask, pos, 3)
         trained = response_logits(module.policy, ids, mask, pos, 3)
@@ -164,7 +163,7 @@ def test_reward_adapter_scores_on_the_policys_own_base(tiny_digits, tmp_path):
     assert sum(p.numel() for p in module.reward_adapter.parameters()) == 64  # only its score head
     ids = torch.tensor([[5, 6, 7, 8, 1, 1], [9, 10, 11, 12, 13, 4]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]).bool()
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    pos = position_ids_from_mask(mask)
     scores = module.reward_adapter(ids, mask, pos)
     with torch.no_grad():
         expected = [reference(input_ids=ids[i : i + 1, : int(mask[i].sum())]).logits.item() for i in range(2)]

@@ -55,7 +55,7 @@ def test_group_estimators_need_groups():
         PPOConfig(advantage_estimator="grpo")
 
 
-def test_gpu_configs_parse(capsys):
+def test_gpu_configs_parse():
     for config in sorted((ROOT / "configs" / "gpu").glob("*.yaml")):
         with pytest.raises(SystemExit) as exit_info:
             main(["fit", "--config", str(config), "--print_config"])
