@@ -10,7 +10,7 @@ import functools
 import glob
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,8 +73,9 @@ class ResumableSampler(DistributedSampler):
 
     It is a ``DistributedSampler`` even on one process: Lightning leaves such a sampler in place
     under DDP (each rank reads its own shard) and calls ``set_epoch`` every epoch, so the order is
-    a pure function of ``seed``, epoch and rank. After a resume it skips the batches the
-    interrupted run already trained on, so the resumed run sees exactly the prompts it would have.
+    a pure function of ``seed``, epoch and rank. Each epoch starts after ``batches_done()`` batches
+    (0 outside a Trainer): the Trainer's count of the current epoch's batches already trained on,
+    so a resumed run sees exactly the prompts it would have.
     """
 
     def __init__(
@@ -82,12 +83,11 @@ class ResumableSampler(DistributedSampler):
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, **kwargs)
         self.batch_size = batch_size
-        self.start_batch = 0
+        self.batches_done: Callable[[], int] = lambda: 0
 
     def __iter__(self):
         indices = list(super().__iter__())
-        start, self.start_batch = self.start_batch * self.batch_size, 0  # only the resumed epoch starts late
-        return iter(indices[start:])
+        return iter(indices[self.batches_done() * self.batch_size :])
 
 
 class PromptRows(Dataset):
@@ -566,9 +566,14 @@ class PromptDataModule(pl.LightningDataModule):
         """Training prompts, shuffled by ``seed`` and epoch, resuming mid-epoch where a run stopped."""
         loader = self._loader(self._require_setup(), self.shuffle, self.drop_last)
         trainer = self.trainer
-        if trainer is not None and trainer.fit_loop.restarting:
-            # Checkpoints are written at the end of a batch: "processed" counts the batches trained on.
-            loader.sampler.start_batch = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if trainer is not None:
+            # Read when the epoch's first batch is drawn (the sampler is iterated lazily), after the
+            # loop has restored its progress: a checkpoint mid-epoch resumes after the batches it
+            # trained on, and one written at the last batch of an epoch (full or cut short by
+            # limit_train_batches) starts the next epoch at its beginning. With num_workers > 0 the
+            # DataLoader draws indices eagerly, before the loop restores; see the README's resume notes.
+            progress = trainer.fit_loop.epoch_loop.batch_progress
+            loader.sampler.batches_done = lambda: progress.current.processed
         return loader
 
     def val_dataloader(self) -> DataLoader | list:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
@@ -23,7 +24,7 @@ class Recorder(pl.Callback):
         self.rows.append({k: float(trainer.callback_metrics[k]) for k in KEYS})
 
 
-def _fit(policy, root, iterations: int, ckpt_path=None, callbacks=()):
+def _fit(policy, root, iterations: int, ckpt_path=None, callbacks=(), limit=None, max_epochs=-1):
     pl.seed_everything(0)
     module = PPOLightningModule(
         policy=str(policy),
@@ -40,8 +41,9 @@ def _fit(policy, root, iterations: int, ckpt_path=None, callbacks=()):
     recorder = Recorder()
     trainer = pl.Trainer(
         accelerator="cpu",
-        max_epochs=-1,
+        max_epochs=max_epochs,
         max_steps=iterations * EPOCHS * MINIBATCHES,
+        limit_train_batches=limit,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -53,21 +55,44 @@ def _fit(policy, root, iterations: int, ckpt_path=None, callbacks=()):
     return module, trainer, recorder.rows
 
 
-def test_resumed_run_equals_uninterrupted_run_bitwise(tiny_digits, tmp_path):
-    full, _, full_rows = _fit(tiny_digits, tmp_path / "full", iterations=8)
-    # the interrupted run writes last.ckpt after every iteration and stops after iteration 4,
-    # in the middle of its second epoch (3 iterations per epoch)
-    saver = PPOCheckpoint(every_n_iterations=1, dirpath=tmp_path / "ckpt")
-    _, _, half_rows = _fit(tiny_digits, tmp_path / "half", iterations=4, callbacks=[saver])
-    ckpt = tmp_path / "ckpt" / "last.ckpt"
-    resumed, _, resumed_rows = _fit(tiny_digits, tmp_path / "resumed", iterations=8, ckpt_path=ckpt)
+# (iterations before the interruption, limit_train_batches): the checkpoint is written mid-epoch,
+# at the last batch of an epoch cut short by limit_train_batches (2 of 3), and at the last batch of
+# a full epoch (3 of 3). The interrupted run stops by max_steps, as a killed one would.
+BOUNDARIES = {"mid-epoch": (4, None), "end-of-limited-epoch": (4, 2), "end-of-full-epoch": (3, None)}
 
-    assert resumed.iteration == full.iteration == 8
-    assert half_rows + resumed_rows == full_rows
+
+@pytest.mark.parametrize("boundary", list(BOUNDARIES))
+def test_resumed_run_equals_uninterrupted_run_bitwise(boundary, tiny_digits, tmp_path):
+    stop, limit = BOUNDARIES[boundary]
+    total = 2 * stop
+    full, _, full_rows = _fit(tiny_digits, tmp_path / "full", iterations=total, limit=limit)
+    saver = PPOCheckpoint(every_n_iterations=1, dirpath=tmp_path / "ckpt")
+    _, _, half_rows = _fit(tiny_digits, tmp_path / "half", iterations=stop, callbacks=[saver], limit=limit)
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    resumed, _, resumed_rows = _fit(
+        tiny_digits, tmp_path / "resumed", iterations=total, ckpt_path=ckpt, limit=limit
+    )
+
+    assert resumed.iteration == full.iteration == total
+    assert len(half_rows) == stop and half_rows + resumed_rows == full_rows
     for name, value in full.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[name]), name
     assert resumed.kl_ctl.value == full.kl_ctl.value
     assert resumed.score_moments.state_dict() == full.score_moments.state_dict()
+
+
+def test_resume_into_a_further_epoch_sees_every_batch(tiny_digits, tmp_path):
+    """A run that ended with max_epochs, continued with a larger max_epochs: N epochs + N == 2N."""
+    full, _, full_rows = _fit(tiny_digits, tmp_path / "full", iterations=100, limit=2, max_epochs=2)
+    saver = PPOCheckpoint(every_n_iterations=1, dirpath=tmp_path / "ckpt")
+    _, _, half_rows = _fit(tiny_digits, tmp_path / "half", 100, callbacks=[saver], limit=2, max_epochs=1)
+    resumed, _, resumed_rows = _fit(
+        tiny_digits, tmp_path / "resumed", 100, tmp_path / "ckpt" / "last.ckpt", limit=2, max_epochs=2
+    )
+    assert len(half_rows) == len(resumed_rows) == 2
+    assert half_rows + resumed_rows == full_rows
+    for name, value in full.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
 
 
 def test_checkpoint_every_n_iterations_writes_last_and_best(tiny_digits, tmp_path):
