@@ -31,6 +31,15 @@ DESCRIPTION = (
 class PPOLightningCLI(LightningCLI):
     """LightningCLI whose model and data can be any subclass, selected by ``class_path``."""
 
+    def _parse_ckpt_path(self) -> None:
+        """Keep the config as given when resuming from a checkpoint file.
+
+        LightningCLI would parse the checkpoint's hyper-parameters over the config (only for a file
+        path, not for ``last``), failing on the module's derived entries and silently replacing
+        options changed on the command line. The config runs; the module compares it with the
+        checkpoint's settings field by field when it loads (``PPOLightningModule._check_resumable``).
+        """
+
     def before_instantiate_classes(self) -> None:
         """Check what involves both model and data before any model is loaded (minutes, for big ones)."""
         config = self.config[self.subcommand] if self.subcommand else self.config

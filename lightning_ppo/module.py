@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_ppo import functional as F
@@ -25,6 +26,7 @@ from lightning_ppo.kl import make_kl_controller
 from lightning_ppo.metrics import experience_metrics
 from lightning_ppo.models import load_tokenizer, resolve_stop_token
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
+from lightning_ppo.resume import setting_changes, weight_mismatch
 from lightning_ppo.rewards import (
     AdapterReward,
     RewardLike,
@@ -515,10 +517,13 @@ class PPOLightningModule(LightningModule):
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}
 
+    def _frozen_names(self) -> set[str]:
+        return {n for n, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Frozen weights (reference, reward model, a LoRA base) are reloaded from their own
         # checkpoints when the run resumes: saving them would only copy what is on disk already.
-        frozen = {n for n, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        frozen = self._frozen_names()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
         checkpoint["ppo_state"] = {
             "kl_coef": float(self.kl_ctl.value),
@@ -530,6 +535,7 @@ class PPOLightningModule(LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._check_resumable(checkpoint)
         state = checkpoint.get("ppo_state", {})
         self.kl_ctl.value = state.get("kl_coef", self.kl_ctl.value)
         self.iteration = state.get("iteration", 0)
@@ -539,3 +545,27 @@ class PPOLightningModule(LightningModule):
             self.score_moments.load_state_dict(state["score_moments"])
         if "rng_states" in state and self._trainer is not None:
             restore_rng_states(self, state["rng_states"])
+
+    def _check_resumable(self, checkpoint: dict[str, Any]) -> None:
+        """Error if the saved trained weights cannot load into this model; warn about other changes.
+
+        Runs before Lightning loads weights and optimizer state (whose own errors name no setting;
+        frozen roles are left out of checkpoints, so the weights load non-strictly).
+        """
+        changes = setting_changes(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
+        frozen = self._frozen_names()
+        trained = {k: v for k, v in self.state_dict().items() if k not in frozen}
+        mismatch = weight_mismatch(checkpoint.get("state_dict", {}), trained)
+        if mismatch:
+            raise ValueError(
+                "the checkpoint's trained weights do not fit this model"
+                + (f" ({'; '.join(map(str, changes))})" if changes else "")
+                + ": "
+                + "; ".join(mismatch)
+                + ". Resume with the checkpoint's settings, or start a new run from its exported policy."
+            )
+        if changes:
+            rank_zero_warn(
+                "resuming with settings that differ from the checkpoint's; the run goes on with the "
+                "config's values: " + "; ".join(map(str, changes))
+            )

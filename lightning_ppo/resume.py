@@ -1,0 +1,73 @@
+"""Resuming with a config that is not the checkpoint's: what differs, and whether it can work.
+
+A checkpoint records the module's settings (its hyper-parameters). The config given to the resumed
+run is the one that runs (LightningCLI would otherwise overwrite it with the checkpoint's, and only
+for checkpoints passed by path), so a changed value is either a deliberate change, said once as a
+warning, or one that cannot work with the saved weights: a different set of trained tensors
+(LoRA on or off, another critic layout, an estimator with or without a critic, another model),
+which is an error naming the settings that differ, before any optimizer state is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SettingChange:
+    """One setting whose value in the checkpoint differs from the resumed run's config."""
+
+    name: str  # dotted, as in the config: "model.ppo.num_minibatches"
+    saved: Any
+    now: Any
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.saved!r} in the checkpoint, {self.now!r} now"
+
+
+def _flatten(settings: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        name = f"{prefix}.{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name))
+        else:
+            flat[name] = value
+    return flat
+
+
+def setting_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[SettingChange]:
+    """Settings that differ between two hyper-parameter dicts, nested dicts compared field by field.
+
+    A setting absent on one side (an older checkpoint, a new option) counts as ``None`` there.
+    """
+    saved_flat, now_flat = _flatten(saved, "model"), _flatten(now, "model")
+    names = sorted(set(saved_flat) | set(now_flat))
+    return [
+        SettingChange(name, saved_flat.get(name), now_flat.get(name))
+        for name in names
+        if saved_flat.get(name) != now_flat.get(name)
+    ]
+
+
+def weight_mismatch(saved: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> list[str]:
+    """Why the saved trained tensors cannot load into a model that trains ``expected``: a few lines."""
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    reshaped = sorted(
+        f"{name} {tuple(saved[name].shape)} -> {tuple(expected[name].shape)}"
+        for name in set(saved) & set(expected)
+        if saved[name].shape != expected[name].shape
+    )
+    lines = []
+    for label, names in (("not in the checkpoint", missing), ("not in this model", unexpected)):
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            lines.append(f"{len(names)} trained tensors {label}: {', '.join(names[:3])}{more}")
+    if reshaped:
+        lines.append(f"{len(reshaped)} with another shape: {', '.join(reshaped[:3])}")
+    return lines
