@@ -23,6 +23,9 @@ tiny: $(STAMP)
 	$(BIN)/lightning-ppo make-tiny --out checkpoints/tiny-reward --kind reward --alphabet "0123456789=" --seed 1
 
 quickstart: tiny
+	@# A new run each time (its checkpoints would otherwise refuse to mix with the last one);
+	@# continue a stopped one with `lightning-ppo fit --config configs/quickstart.yaml --ckpt_path last`.
+	rm -rf runs/quickstart
 	WANDB_MODE=offline $(BIN)/lightning-ppo fit --config configs/quickstart.yaml
 
 test: $(STAMP)

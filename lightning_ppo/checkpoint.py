@@ -8,12 +8,15 @@ tensors, so checkpoints still load with ``weights_only=True``.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 
@@ -56,19 +59,24 @@ def restore_rng_states(module: LightningModule, states: Tensor) -> None:
 
 
 class PPOCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` that saves every ``every_n_iterations`` PPO iterations.
+    """``ModelCheckpoint`` that saves every ``every_n_iterations`` PPO iterations, and on Ctrl-C.
 
     Under manual optimization Lightning counts optimizer steps (``ppo_epochs x minibatches`` per
     iteration), which makes ``every_n_train_steps`` awkward; this counts iterations. Everything
     else is ``ModelCheckpoint``: ``save_last=True`` keeps ``last.ckpt`` for ``fit --ckpt_path
     last``, ``monitor="objective/scores", mode="max", save_top_k=1`` keeps the best by score.
-    Lightning writes each file through an fsspec transaction (a temporary file, then a rename),
-    so an interrupted save never leaves a half-written checkpoint in place.
+
+    The folder defaults to ``<trainer.default_root_dir>/checkpoints``, the same for every run in
+    that root, so ``--ckpt_path last`` finds it. A new run (no ``ckpt_path``) refuses to start
+    in a folder that holds another run's ``last.ckpt``, instead of mixing the two runs' files.
+
+    Ctrl-C during training finishes the current iteration, saves (top-k and last), and stops;
+    ``fit --ckpt_path last`` then resumes exactly. A second Ctrl-C interrupts at once.
 
     Args:
         every_n_iterations: Save after every this many PPO iterations (>= 1).
         save_last: Keep ``last.ckpt``, the checkpoint ``fit --ckpt_path last`` resumes from.
-        **kwargs: Any ``ModelCheckpoint`` argument (``dirpath``, ``save_last``, ``monitor``, ...).
+        **kwargs: Any ``ModelCheckpoint`` argument (``dirpath``, ``monitor``, ``save_top_k``, ...).
     """
 
     def __init__(self, every_n_iterations: int = 50, save_last: bool | None = True, **kwargs: Any) -> None:
@@ -76,17 +84,84 @@ class PPOCheckpoint(ModelCheckpoint):
             raise ValueError(f"every_n_iterations must be >= 1, got {every_n_iterations}")
         super().__init__(save_last=save_last, **kwargs)
         self.every_n_iterations = every_n_iterations
+        self.interrupt = InterruptRequest()
+
+    def _default_dirpath(self, trainer: Trainer) -> None:
+        # Not Lightning's default (the first logger's versioned folder): a new version per run
+        # would hide the previous run's last.ckpt from `--ckpt_path last`.
+        if self.dirpath is None:
+            self.dirpath = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
+
+    def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
+        self._default_dirpath(trainer)  # "last" is looked up before setup() runs
+        return super()._find_last_checkpoints(trainer)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._default_dirpath(trainer)
+        super().setup(trainer, pl_module, stage)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        last = os.path.join(str(self.dirpath), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+        if trainer.ckpt_path is None and os.path.exists(last):
+            raise FileExistsError(
+                f"{last} belongs to an earlier run: resume it with `--ckpt_path last`, start this run "
+                "elsewhere with `--trainer.default_root_dir DIR` (or the checkpoint callback's dirpath), "
+                "or delete that folder"
+            )
+        self.interrupt.listen()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx
     ) -> None:
         iteration = getattr(pl_module, "iteration", 0)
-        if (
-            iteration == 0
-            or iteration % self.every_n_iterations
-            or self._should_skip_saving_checkpoint(trainer)
-        ):
-            return
-        candidates = self._monitor_candidates(trainer)
-        self._save_topk_checkpoint(trainer, candidates)
-        self._save_last_checkpoint(trainer, candidates)
+        # Every rank stops at the same iteration, whichever of them saw the signal.
+        interrupted = trainer.strategy.reduce_boolean_decision(self.interrupt.requested, all=False)
+        due = iteration > 0 and iteration % self.every_n_iterations == 0
+        if interrupted:
+            trainer.should_stop = True
+            rank_zero_info(
+                f"lightning_ppo: Ctrl-C: saving iteration {iteration} to {self.dirpath} and stopping; "
+                "resume with `--ckpt_path last`"
+            )
+        if (due or interrupted) and not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.interrupt.release()
+        super().on_train_end(trainer, pl_module)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.interrupt.release()
+
+
+class InterruptRequest:
+    """Turns the first SIGINT (Ctrl-C) into a request read at the end of an iteration.
+
+    A KeyboardInterrupt raised mid-iteration would leave the weights updated by some of the
+    iteration's optimizer steps and not others: no consistent point to save. The second SIGINT
+    restores the previous handler's behaviour and interrupts at once.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def listen(self) -> None:
+        self.requested = False
+        # Signal handlers can only be set from the main thread (not, e.g., in a notebook's worker).
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            self.release()
+            raise KeyboardInterrupt
+        self.requested = True
+        rank_zero_info("lightning_ppo: Ctrl-C: finishing this iteration, then saving; Ctrl-C again to abort")
+
+    def release(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None

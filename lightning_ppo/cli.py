@@ -6,12 +6,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import transformers
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_ppo.checkpoint import PPOCheckpoint
 from lightning_ppo.config import PPOConfig
 from lightning_ppo.data import PromptDataModule
 from lightning_ppo.export import export_main
@@ -47,6 +50,17 @@ class PPOLightningCLI(LightningCLI):
         batch_size = config.get("data.init_args.batch_size")
         if ppo is not None and batch_size is not None:
             PPOConfig(**ppo.as_dict()).check_batch_size(batch_size)
+        _loggers_follow_root(config)
+
+
+def _loggers_follow_root(config: Namespace) -> None:
+    """Loggers configured with ``save_dir: null`` write under ``trainer.default_root_dir``."""
+    loggers = config.get("trainer.logger")
+    root = config.get("trainer.default_root_dir") or os.getcwd()
+    for spec in loggers if isinstance(loggers, list) else [loggers]:
+        init_args = spec.get("init_args") if isinstance(spec, Namespace) else None
+        if init_args is not None and "save_dir" in init_args and init_args.save_dir is None:
+            init_args.save_dir = str(root)
 
 
 def make_tiny_main(argv: list[str]) -> None:
@@ -87,7 +101,7 @@ def plot_main(argv: list[str]) -> Path:
         parser.error(str(err))  # one line and exit status 2, not a traceback
 
 
-def main(args: list[str] | None = None) -> PPOLightningCLI | None:
+def main(args: list[str] | None = None) -> PPOLightningCLI | int | None:
     """Entry point of the ``lightning-ppo`` console script; ``args`` defaults to ``sys.argv[1:]``.
 
     Called in-process with ``args``, it returns the CLI (``cli.trainer``, ``cli.model``) for inspection.
@@ -114,9 +128,13 @@ def main(args: list[str] | None = None) -> PPOLightningCLI | None:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": DESCRIPTION},
     )
-    # The console script passes our return value to sys.exit: only in-process callers get the CLI.
-    return cli if args is not None else None
+    if args is not None:
+        return cli
+    # The console script passes our return value to sys.exit: Ctrl-C (saved and stopped) exits 130.
+    savers = [cb for cb in cli.trainer.callbacks if isinstance(cb, PPOCheckpoint)]
+    interrupted = any(saver.interrupt.requested for saver in savers)
+    return 130 if interrupted else None
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

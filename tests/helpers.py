@@ -95,12 +95,18 @@ class RankRecorder(Callback):
 
 
 class Throttle(Callback):
-    """Sleeps after every iteration so that a test can interrupt a run mid-way; changes no result."""
+    """Sleeps after every iteration so that a test can interrupt a run mid-way; changes no result.
 
-    def __init__(self, seconds: float = 0.2) -> None:
-        self.seconds = seconds
+    With ``progress_file``, it writes there how many iterations this process has finished.
+    """
+
+    def __init__(self, seconds: float = 0.2, progress_file: str | None = None) -> None:
+        self.seconds, self.progress_file, self.done = seconds, progress_file, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.done += 1
+        if self.progress_file is not None:
+            Path(self.progress_file).write_text(str(self.done))
         time.sleep(self.seconds)
 
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_ppo.cli import main
 from tests.helpers import ShortAnswerModule
@@ -96,3 +97,32 @@ def test_make_tiny_writes_a_loadable_checkpoint(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert len(tokenizer) == 14 and model.config.vocab_size == 14
     assert tokenizer.decode(tokenizer("12=")["input_ids"]) == "12="
+
+
+def test_default_root_dir_holds_the_whole_run(tiny_digits, tmp_path, monkeypatch):
+    """Logs and checkpoints follow --trainer.default_root_dir; a second new run there is refused."""
+    monkeypatch.chdir(tmp_path)  # anything written outside the root would land here
+    root = tmp_path / "elsewhere"
+    args = [
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        "--model.init_args.policy",
+        str(tiny_digits),
+        *("--trainer.limit_train_batches", "2", "--trainer.default_root_dir", str(root)),
+        *("--trainer.enable_progress_bar", "false", "--trainer.val_check_interval", "null"),
+        *("--trainer.limit_val_batches", "0", "--data.init_args.batch_size", "8"),
+        *("--data.init_args.num_prompts", "64"),
+    ]
+    main(args)
+    assert (root / "checkpoints" / "last.ckpt").exists()
+    assert (root / "csv" / "version_0" / "metrics.csv").exists()
+    assert any((root / "wandb").glob("offline-run-*"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere"]
+    saved = sorted(p.name for p in (root / "checkpoints").iterdir())
+
+    with pytest.raises(FileExistsError, match="last.ckpt belongs to an earlier run"):
+        main(args)
+    # refused before any training: the first run's checkpoint is untouched and nothing was added
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == saved
+    assert torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)["ppo_state"]["iteration"] == 2

@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = 30
 
 
-def _args(policy: Path, root: Path, *callbacks: dict) -> list[str]:
+def _args(policy: Path, root: Path, *callbacks: dict, every: int = 1) -> list[str]:
     saver = {
         "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
-        "init_args": {"every_n_iterations": 1, "dirpath": str(root / "ckpt")},
+        "init_args": {"every_n_iterations": every, "dirpath": str(root / "ckpt")},
     }
     return [
         "fit",
@@ -67,27 +67,45 @@ def reference(tiny_digits, tmp_path_factory):
     return main(_args(tiny_digits, tmp_path_factory.mktemp("reference"))).model
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "Ctrl-C"])
-def test_killed_run_resumes_to_the_uninterrupted_result(sig, reference, tiny_digits, tmp_path):
-
+# SIGKILL: the run saves every iteration and is killed at any moment. Ctrl-C: the run would save only
+# every 1000 iterations, so the checkpoint it leaves is the one Ctrl-C itself writes.
+@pytest.mark.parametrize(
+    ("sig", "every"), [(signal.SIGKILL, 1), (signal.SIGINT, 1000)], ids=["SIGKILL", "Ctrl-C"]
+)
+def test_killed_run_resumes_to_the_uninterrupted_result(sig, every, reference, tiny_digits, tmp_path):
     root = tmp_path / "killed"
-    throttle = {"class_path": "tests.helpers.Throttle", "init_args": {"seconds": 0.3}}
+    progress = tmp_path / "progress"
+    throttle = {
+        "class_path": "tests.helpers.Throttle",
+        "init_args": {"seconds": 0.3, "progress_file": str(progress)},
+    }
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "lightning_ppo.cli", *_args(tiny_digits, root, throttle)]
+    cmd = [sys.executable, "-m", "lightning_ppo.cli", *_args(tiny_digits, root, throttle, every=every)]
     process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     last = root / "ckpt" / "last.ckpt"
     deadline = time.monotonic() + 240
-    while _saved_iteration(last) < 5 and process.poll() is None and time.monotonic() < deadline:
+    while _done(progress) < 6 and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     process.send_signal(sig)
-    process.wait(timeout=60)
+    code = process.wait(timeout=60)
     killed_at = _saved_iteration(last)
     assert 5 <= killed_at < ITERATIONS  # stopped mid-run, with a usable last checkpoint
+    if sig == signal.SIGINT:
+        assert code == 130  # saved and stopped, but not a finished run
+        assert killed_at >= _done(progress) - 1  # the iteration under way when Ctrl-C came is saved
     # whatever the moment of the kill, every checkpoint file left behind is complete
     for path in (root / "ckpt").glob("*.ckpt"):
         assert torch.load(path, weights_only=True)["state_dict"]
 
-    resumed = main([*_args(tiny_digits, root), "--ckpt_path", "last"]).model
+    resumed = main([*_args(tiny_digits, root, every=every), "--ckpt_path", "last"]).model
     assert resumed.iteration == reference.iteration == ITERATIONS
     for name, value in reference.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[name]), name
+
+
+def _done(progress: Path) -> int:
+    """Iterations the running process has finished (its Throttle writes the count)."""
+    try:
+        return int(progress.read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
