@@ -16,6 +16,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lightning_ppo.checkpoint_io import install_atomic_checkpoint_io, remove_stale_temp_files
+from lightning_ppo.writable import ensure_writable
+
 
 def rng_state(device: torch.device) -> Tensor:
     """This process's torch RNG state (CPU, and the current CUDA device's when on one) as one uint8 tensor."""
@@ -62,8 +65,10 @@ class PPOCheckpoint(ModelCheckpoint):
     iteration), which makes ``every_n_train_steps`` awkward; this counts iterations. Everything
     else is ``ModelCheckpoint``: ``save_last=True`` keeps ``last.ckpt`` for ``fit --ckpt_path
     last``, ``monitor="objective/scores", mode="max", save_top_k=1`` keeps the best by score.
-    Lightning writes each file through an fsspec transaction (a temporary file, then a rename),
-    so an interrupted save never leaves a half-written checkpoint in place.
+    At setup it checks that the folder can be written (before any training), removes temporary
+    files that killed runs left there, and makes the trainer save through
+    :class:`~lightning_ppo.checkpoint_io.AtomicCheckpointIO`, so an interrupted or failed save never
+    leaves a half-written checkpoint in place.
 
     Args:
         every_n_iterations: Save after every this many PPO iterations (>= 1).
@@ -76,6 +81,13 @@ class PPOCheckpoint(ModelCheckpoint):
             raise ValueError(f"every_n_iterations must be >= 1, got {every_n_iterations}")
         super().__init__(save_last=save_last, **kwargs)
         self.every_n_iterations = every_n_iterations
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        install_atomic_checkpoint_io(trainer.strategy)
+        if trainer.is_global_zero and stage == "fit":
+            ensure_writable(self.dirpath, f"{type(self).__name__}.dirpath")
+            remove_stale_temp_files(self.dirpath)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx
