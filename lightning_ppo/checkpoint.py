@@ -19,6 +19,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lightning_ppo.checkpoint_io import install_atomic_checkpoint_io, remove_stale_temp_files
+from lightning_ppo.writable import ensure_writable
+
 
 def rng_state(device: torch.device) -> Tensor:
     """This process's torch RNG state (CPU, and the current CUDA device's when on one) as one uint8 tensor."""
@@ -73,6 +76,11 @@ class PPOCheckpoint(ModelCheckpoint):
     Ctrl-C during training finishes the current iteration, saves (top-k and last), and stops;
     ``fit --ckpt_path last`` then resumes exactly. A second Ctrl-C interrupts at once.
 
+    At setup it checks that the folder can be written (before any training), removes temporary
+    files that killed runs left there, and makes the trainer save through
+    :class:`~lightning_ppo.checkpoint_io.AtomicCheckpointIO`, so an interrupted or failed save never
+    leaves a half-written checkpoint in place.
+
     Args:
         every_n_iterations: Save after every this many PPO iterations (>= 1).
         save_last: Keep ``last.ckpt``, the checkpoint ``fit --ckpt_path last`` resumes from.
@@ -96,10 +104,6 @@ class PPOCheckpoint(ModelCheckpoint):
         self._default_dirpath(trainer)  # "last" is looked up before setup() runs
         return super()._find_last_checkpoints(trainer)
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._default_dirpath(trainer)
-        super().setup(trainer, pl_module, stage)
-
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         last = os.path.join(str(self.dirpath), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
         if trainer.ckpt_path is None and os.path.exists(last):
@@ -109,6 +113,14 @@ class PPOCheckpoint(ModelCheckpoint):
                 "or delete that folder"
             )
         self.interrupt.listen()
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._default_dirpath(trainer)
+        super().setup(trainer, pl_module, stage)
+        install_atomic_checkpoint_io(trainer.strategy)
+        if trainer.is_global_zero and stage == "fit":
+            ensure_writable(self.dirpath, f"{type(self).__name__}.dirpath")
+            remove_stale_temp_files(self.dirpath)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx

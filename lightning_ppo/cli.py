@@ -21,6 +21,7 @@ from lightning_ppo.export import export_main
 from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.plot import DEFAULT_KEYS, plot_run
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
+from lightning_ppo.writable import check_configured_folders
 
 DESCRIPTION = (
     "PPO for RLHF of Hugging Face causal LMs on PyTorch Lightning. "
@@ -44,13 +45,15 @@ class PPOLightningCLI(LightningCLI):
         """
 
     def before_instantiate_classes(self) -> None:
-        """Check what involves both model and data before any model is loaded (minutes, for big ones)."""
+        """Check the output folders, and what involves both model and data, before any model is loaded
+        (minutes, for big ones)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
+        _loggers_follow_root(config)
+        check_configured_folders(config)
         ppo = config.get("model.init_args.ppo")
         batch_size = config.get("data.init_args.batch_size")
         if ppo is not None and batch_size is not None:
             PPOConfig(**ppo.as_dict()).check_batch_size(batch_size)
-        _loggers_follow_root(config)
 
 
 def _loggers_follow_root(config: Namespace) -> None:

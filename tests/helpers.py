@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
+import os
 import time
 from pathlib import Path
+from typing import IO, Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Callback
 
 from lightning_ppo import PPOLightningModule, PromptDataModule
+from lightning_ppo.checkpoint_io import AtomicCheckpointIO
 from lightning_ppo.rewards import RewardFunction
 
 # 28 prompts of 4 characters ("012=", ...), for module tests on the char-tokenizer checkpoints.
@@ -110,10 +115,11 @@ class Throttle(Callback):
         time.sleep(self.seconds)
 
 
-def quiet_trainer(root, iterations: int, callbacks=()) -> pl.Trainer:
+def quiet_trainer(root, iterations: int, callbacks=(), plugins=()) -> pl.Trainer:
     """A CPU Trainer for ``iterations`` PPO iterations: no logger, bar or summary; checkpoints only
     when checkpoint callbacks are given."""
     return pl.Trainer(
+        plugins=list(plugins),
         accelerator="cpu",
         max_epochs=1,
         limit_train_batches=iterations,
@@ -124,3 +130,63 @@ def quiet_trainer(root, iterations: int, callbacks=()) -> pl.Trainer:
         default_root_dir=root,
         callbacks=list(callbacks),
     )
+
+
+class _FaultyCheckpointIO(AtomicCheckpointIO):
+    """The real atomic saver, except that its ``fault_at``-th save of a file named ``name`` (counted
+    from 1) writes half of the checkpoint's bytes and then calls :meth:`fault`."""
+
+    def __init__(self, name: str = "last.ckpt", fault_at: int = 2) -> None:
+        super().__init__()
+        self.name, self.fault_at, self.saves = name, fault_at, 0
+
+    def write(self, checkpoint: dict[str, Any], file: IO[bytes]) -> None:
+        if not Path(file.name).name.startswith(f".{self.name}.tmp-"):
+            return super().write(checkpoint, file)
+        self.saves += 1
+        if self.saves != self.fault_at:
+            return super().write(checkpoint, file)
+        data = io.BytesIO()
+        torch.save(checkpoint, data)
+        half = len(data.getvalue()) // 2
+        file.write(data.getvalue()[:half])
+        file.flush()
+        self.fault()
+        file.write(data.getvalue()[half:])
+
+    def fault(self) -> None:
+        raise NotImplementedError
+
+
+class StallingCheckpointIO(_FaultyCheckpointIO):
+    """Stalls ``seconds`` half-way through one save, so that a test can kill the process mid-write."""
+
+    def __init__(self, name: str = "last.ckpt", fault_at: int = 2, seconds: float = 60.0) -> None:
+        super().__init__(name, fault_at)
+        self.seconds = seconds
+
+    def fault(self) -> None:
+        time.sleep(self.seconds)
+
+
+class DiskFullCheckpointIO(_FaultyCheckpointIO):
+    """Runs out of disk space half-way through one save, as ``write(2)`` does: ENOSPC."""
+
+    def fault(self) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class FillDisk(Callback):
+    """After iteration ``at``, fills the filesystem of ``folder`` up to its last ``keep_bytes``
+    (before the checkpoint callbacks, which Lightning runs last, save that iteration)."""
+
+    def __init__(self, folder: str, at: int = 2, keep_bytes: int = 64 * 1024) -> None:
+        self.folder, self.at, self.keep_bytes = Path(folder), at, keep_bytes
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.iteration != self.at:
+            return
+        stats = os.statvfs(self.folder)
+        free = stats.f_bavail * stats.f_frsize
+        with open(self.folder / "filler", "wb") as file:
+            os.posix_fallocate(file.fileno(), 0, free - self.keep_bytes)

@@ -1,0 +1,210 @@
+"""Checkpoint files survive kills and full disks, and an unwritable output folder stops a run at its start."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+from lightning_ppo.checkpoint import PPOCheckpoint
+from lightning_ppo.checkpoint_io import AtomicCheckpointIO, remove_stale_temp_files
+from lightning_ppo.cli import main
+from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
+from lightning_ppo.writable import UnwritableFolderError
+from tests.helpers import DiskFullCheckpointIO, FillDisk, quiet_trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+ITERATIONS = 4
+
+
+def _cli_args(policy: Path, root: Path, *extra: str, ckpt: Path | None = None) -> list[str]:
+    folder = root / "ckpt" if ckpt is None else ckpt
+    saver = {
+        "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
+        "init_args": {"every_n_iterations": 1, "dirpath": str(folder), "save_top_k": 0},
+    }
+    return [
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        "--model.init_args.policy",
+        str(policy),
+        "--trainer.limit_train_batches",
+        str(ITERATIONS),
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.default_root_dir",
+        str(root),
+        "--trainer.callbacks",
+        json.dumps([saver]),
+        "--trainer.val_check_interval",
+        "null",
+        "--trainer.limit_val_batches",
+        "0",
+        "--data.init_args.batch_size",
+        "8",
+        "--data.init_args.num_prompts",
+        "64",
+        *extra,
+    ]
+
+
+def _iteration(path: Path) -> int:
+    return torch.load(path, weights_only=True)["ppo_state"]["iteration"]
+
+
+def _temp_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name)
+
+
+def test_kill_during_a_save_keeps_the_previous_last_ckpt_and_resumes(tiny_digits, tmp_path):
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    stall = {"class_path": "tests.helpers.StallingCheckpointIO", "init_args": {"fault_at": 3}}
+    args = _cli_args(tiny_digits, tmp_path, "--trainer.plugins", json.dumps([stall]))
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT), "TMPDIR": str(system_tmp)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lightning_ppo.cli", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    last, temp = tmp_path / "ckpt" / "last.ckpt", tmp_path / "ckpt" / f".last.ckpt.tmp-{process.pid}"
+    deadline = time.monotonic() + 60
+    # the third save is under way (and stalls half-written) once the second one is complete
+    while not (temp.exists() and last.exists() and _iteration(last) == 2) and process.poll() is None:
+        assert time.monotonic() < deadline, "the third save never started"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+
+    assert _iteration(last) == 2  # the previous one, complete
+    assert _temp_files(tmp_path / "ckpt") == [temp.name]  # the killed write, hidden beside it
+    # nothing went to the temp dir (where wandb's import leaves empty folders)
+    assert [p for p in system_tmp.rglob("*") if not p.is_dir()] == []
+
+    resumed = main([*_cli_args(tiny_digits, tmp_path), "--ckpt_path", "last"])
+    assert resumed.model.iteration == ITERATIONS
+    assert _iteration(last) == ITERATIONS
+    assert _temp_files(tmp_path / "ckpt") == []  # the dead run's temp file was removed at start
+
+
+def _module(policy: Path) -> PPOLightningModule:
+    return PPOLightningModule(
+        policy=str(policy),
+        reward_fn=DigitsReward(),
+        ppo=PPOConfig(ppo_epochs=1, num_minibatches=1),
+        generation=GenerationConfig(max_new_tokens=4),
+    )
+
+
+def _data() -> DigitsDataModule:
+    return DigitsDataModule(num_prompts=64, num_digits=3, batch_size=8, max_prompt_length=8)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 32 MiB tmpfs (needs root and mount rights; skipped without them)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)], capture_output=True, check=False
+    )
+    if mount.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("disk", ["writer-raises-ENOSPC", "full-tmpfs"])
+def test_full_disk_keeps_the_previous_last_ckpt_and_says_so(disk, tiny_digits, tmp_path, request):
+    if disk == "full-tmpfs":
+        folder = request.getfixturevalue("small_disk") / "ckpt"
+        callbacks, plugins = [FillDisk(str(folder.parent), at=2)], []
+    else:
+        folder = tmp_path / "ckpt"
+        callbacks, plugins = [], [DiskFullCheckpointIO(fault_at=2)]
+    saver = PPOCheckpoint(every_n_iterations=1, dirpath=folder, save_top_k=0)
+    trainer = quiet_trainer(tmp_path, ITERATIONS, [*callbacks, saver], plugins)
+    message = f"could not write checkpoint {folder / 'last.ckpt'}: No space left on device; "
+    with pytest.raises(OSError, match=re.escape(message + "the previous last.ckpt is intact")) as failure:
+        trainer.fit(_module(tiny_digits), datamodule=_data())
+    assert failure.value.errno == errno.ENOSPC
+    assert _iteration(folder / "last.ckpt") == 1
+    assert _temp_files(folder) == []
+
+
+def test_interrupted_save_removes_its_temp_file_and_keeps_the_old_file(tmp_path):
+
+    class Interrupted(AtomicCheckpointIO):
+        def write(self, checkpoint, file):
+            file.write(b"half a checkpoint")
+            raise KeyboardInterrupt
+
+    target = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"iteration": 1}, target)
+    with pytest.raises(KeyboardInterrupt):
+        Interrupted().save_checkpoint({"iteration": 2}, target)
+    assert torch.load(target, weights_only=True) == {"iteration": 1}
+    assert _temp_files(tmp_path) == []
+
+
+def test_only_dead_writers_temp_files_are_removed(tmp_path):
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    dead, live = f".last.ckpt.tmp-{finished.pid}", f".last.ckpt.tmp-{os.getppid()}"
+    others = ["last.ckpt", "notes.tmp-1", f".last.ckpt.tmp-{finished.pid}.bak"]
+    for name in [dead, live, *others]:
+        (tmp_path / name).write_bytes(b"x")
+    assert remove_stale_temp_files(tmp_path) == [tmp_path / dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live, *others])
+
+
+FIELDS = [
+    "trainer.callbacks[0].init_args.dirpath",
+    "trainer.logger[0].init_args.save_dir",
+    "trainer.default_root_dir",
+]
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_unwritable_output_folder_fails_before_any_model_loads(field, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("a regular file: nothing can be created under it, not even by root")
+    folder = blocker / "out"
+    missing = tmp_path / "no-such-model"  # loading it would fail, differently
+    args = _cli_args(missing, tmp_path)
+    if field.startswith("trainer.callbacks"):
+        args = _cli_args(missing, tmp_path, ckpt=folder)
+    elif field.startswith("trainer.logger"):
+        csv = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(folder)}}
+        args += ["--trainer.logger", json.dumps([csv])]
+    else:
+        args += ["--trainer.default_root_dir", str(folder)]
+    with pytest.raises(UnwritableFolderError) as failure:
+        main(args)
+    assert str(failure.value).startswith(f"{field}: cannot write to {folder}")
+
+
+def test_unwritable_dirpath_fails_at_setup_before_training(tiny_digits, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    module = _module(tiny_digits)
+    saver = PPOCheckpoint(every_n_iterations=1, dirpath=blocker / "ckpt")
+    message = f"PPOCheckpoint.dirpath: cannot write to {blocker / 'ckpt'}: Not a directory"
+    with pytest.raises(UnwritableFolderError, match=re.escape(message)):
+        quiet_trainer(tmp_path, ITERATIONS, [saver]).fit(module, datamodule=_data())
+    assert module.iteration == 0
