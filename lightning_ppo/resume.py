@@ -29,29 +29,22 @@ class SettingChange:
         return f"{self.name}: {self.saved!r} in the checkpoint, {self.now!r} now"
 
 
-def _flatten(settings: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in settings.items():
-        name = f"{prefix}.{key}"
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, name))
-        else:
-            flat[name] = value
-    return flat
-
-
-def setting_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[SettingChange]:
+def setting_changes(
+    saved: Mapping[str, Any], now: Mapping[str, Any], prefix: str = "model"
+) -> list[SettingChange]:
     """Settings that differ between two hyper-parameter dicts, nested dicts compared field by field.
 
-    A setting absent on one side (an older checkpoint, a new option) counts as ``None`` there.
+    A setting absent on one side (an older checkpoint, a new option) counts as ``None`` there; a
+    section set on one side only (``lora``) is one change, not one per field.
     """
-    saved_flat, now_flat = _flatten(saved, "model"), _flatten(now, "model")
-    names = sorted(set(saved_flat) | set(now_flat))
-    return [
-        SettingChange(name, saved_flat.get(name), now_flat.get(name))
-        for name in names
-        if saved_flat.get(name) != now_flat.get(name)
-    ]
+    changes = []
+    for key in sorted(set(saved) | set(now)):
+        old, new, name = saved.get(key), now.get(key), f"{prefix}.{key}"
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            changes += setting_changes(old, new, name)
+        elif old != new:
+            changes.append(SettingChange(name, old, new))
+    return changes
 
 
 def weight_mismatch(saved: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> list[str]:
