@@ -8,15 +8,19 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import transformers
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_ppo.config import PPOConfig
+from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptDataModule
+from lightning_ppo.errors import TRACEBACK_ENV, usage_errors_exit
 from lightning_ppo.export import export_main
 from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.plot import DEFAULT_KEYS, plot_run
+from lightning_ppo.roles import LoraSettings
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
 
 DESCRIPTION = (
@@ -24,7 +28,9 @@ DESCRIPTION = (
     "Run `lightning-ppo fit --config CONFIG.yaml`. "
     "Other commands: `lightning-ppo make-tiny --out DIR` writes a tiny offline checkpoint; "
     "`lightning-ppo export CHECKPOINT --out DIR` writes the trained policy in Hugging Face format; "
-    "`lightning-ppo plot RUN_DIR` draws a run's curves to a PNG."
+    "`lightning-ppo plot RUN_DIR` draws a run's curves to a PNG. "
+    f"A mistake in the configuration or inputs is reported in one line (exit status 2); "
+    f"{TRACEBACK_ENV}=1 shows its traceback."
 )
 
 
@@ -34,10 +40,21 @@ class PPOLightningCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Check what involves both model and data before any model is loaded (minutes, for big ones)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
-        ppo = config.get("model.init_args.ppo")
-        batch_size = config.get("data.init_args.batch_size")
-        if ppo is not None and batch_size is not None:
-            PPOConfig(**ppo.as_dict()).check_batch_size(batch_size)
+        model, data = config.get("model.init_args"), config.get("data.init_args")
+        if model is None or data is None:
+            return
+        model, data = _as_dict(model), _as_dict(data)
+        # Values first (the dataclasses check themselves when built).
+        if model.get("generation") is not None:
+            GenerationConfig(**model["generation"])
+        if model.get("lora") is not None:
+            LoraSettings(**model["lora"])
+        if model.get("ppo") is not None and data.get("batch_size") is not None:
+            PPOConfig(**model["ppo"]).check_batch_size(data["batch_size"])
+
+
+def _as_dict(value: Namespace | dict[str, Any]) -> dict[str, Any]:
+    return value.as_dict() if isinstance(value, Namespace) else dict(value)
 
 
 def make_tiny_main(argv: list[str]) -> None:
@@ -83,9 +100,17 @@ def main(args: list[str] | None = None) -> PPOLightningCLI | None:
 
     Called in-process with ``args``, it returns the CLI (``cli.trainer``, ``cli.model``) for inspection.
     """
-    argv = sys.argv[1:] if args is None else list(args)
     # Tiny and cached checkpoints load in milliseconds; HF's per-load progress bars are only noise.
     transformers.utils.logging.disable_progress_bar()
+    with usage_errors_exit():
+        cli = _run(args)
+    # The console script passes our return value to sys.exit: only in-process callers get the CLI.
+    return cli if args is not None else None
+
+
+def _run(args: list[str] | None) -> PPOLightningCLI | None:
+    """Dispatch to a subcommand; ``fit`` (and LightningCLI's others) run through LightningCLI."""
+    argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] == "make-tiny":
         make_tiny_main(argv[1:])
         return None
@@ -96,17 +121,16 @@ def main(args: list[str] | None = None) -> PPOLightningCLI | None:
         out = export_main(argv[1:])
         print(f"wrote the trained policy, its tokenizer and value head to {out}")
         return None
-    cli = PPOLightningCLI(
+    return PPOLightningCLI(
         PPOLightningModule,
         PromptDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": DESCRIPTION},
+        # Parse errors are raised, not printed with the usage text and the config dump: main reports them.
+        parser_kwargs={"description": DESCRIPTION, "exit_on_error": False},
     )
-    # The console script passes our return value to sys.exit: only in-process callers get the CLI.
-    return cli if args is not None else None
 
 
 if __name__ == "__main__":
