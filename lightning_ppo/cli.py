@@ -12,7 +12,7 @@ from typing import Any
 
 import transformers
 from jsonargparse import Namespace
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptDataModule
@@ -20,6 +20,7 @@ from lightning_ppo.errors import TRACEBACK_ENV, usage_errors_exit
 from lightning_ppo.export import export_main
 from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.plot import DEFAULT_KEYS, plot_run
+from lightning_ppo.preflight import check_checkpoint_file, check_run_inputs
 from lightning_ppo.roles import LoraSettings
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
 
@@ -37,6 +38,14 @@ DESCRIPTION = (
 class PPOLightningCLI(LightningCLI):
     """LightningCLI whose model and data can be any subclass, selected by ``class_path``."""
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Parse, then check ``ckpt_path``: LightningCLI reads the checkpoint right after parsing."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path:
+            check_checkpoint_file(str(ckpt_path))
+
     def before_instantiate_classes(self) -> None:
         """Check what involves both model and data before any model is loaded (minutes, for big ones)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -44,13 +53,14 @@ class PPOLightningCLI(LightningCLI):
         if model is None or data is None:
             return
         model, data = _as_dict(model), _as_dict(data)
-        # Values first (the dataclasses check themselves when built).
+        # Values first (no I/O: the dataclasses check themselves when built), then paths and models.
         if model.get("generation") is not None:
             GenerationConfig(**model["generation"])
         if model.get("lora") is not None:
             LoraSettings(**model["lora"])
         if model.get("ppo") is not None and data.get("batch_size") is not None:
             PPOConfig(**model["ppo"]).check_batch_size(data["batch_size"])
+        check_run_inputs(model, data)
 
 
 def _as_dict(value: Namespace | dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from lightning_ppo.kl import make_kl_controller
 from lightning_ppo.metrics import experience_metrics
 from lightning_ppo.models import load_tokenizer, resolve_stop_token
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
+from lightning_ppo.preflight import check_sequence_fits
 from lightning_ppo.rewards import (
     AdapterReward,
     RewardLike,
@@ -217,6 +218,11 @@ class PPOLightningModule(LightningModule):
             )
 
     def setup(self, stage: str) -> None:
+        # Before the first rollout: past the model's positions generation fails with an IndexError.
+        max_prompt_length = getattr(self.trainer.datamodule, "max_prompt_length", None)
+        check_sequence_fits(
+            self.policy.config, "model.policy", max_prompt_length, self.generation_config.max_new_tokens
+        )
         # seed_everything gives every rank the same generator: offset it so ranks sample differently.
         # A resumed run then overwrites this with each rank's saved state (on_load_checkpoint).
         if self.trainer.world_size > 1:

@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from lightning_ppo import GenerationConfig, PPOLightningModule
 from lightning_ppo.cli import main
 from lightning_ppo.errors import TRACEBACK_ENV, UsageError
+from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+from tests.helpers import CountCharReward, prompt_data, quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -94,3 +98,70 @@ def test_error_raised_while_building_the_datamodule_is_unwrapped(tiny_digits, tm
     # jsonargparse wraps errors of __init__ in a report that dumps the whole model section.
     line = _usage_error(capsys, *_fit_args(tmp_path, tiny_digits, "--data.init_args.batch_size", "0"))
     assert line.endswith("error: batch_size must be at least 1, got 0")
+
+
+# ----------------------------------------------------------------- paths, positions, checkpoints
+
+
+@pytest.mark.parametrize("field", ["policy", "reward_model", "tokenizer"])
+def test_missing_model_or_tokenizer_folder_is_named(field, tiny_digits, tmp_path, capsys):
+    missing = str(tmp_path / "not-there")
+    line = _usage_error(
+        capsys, "--model.init_args.policy", str(tiny_digits), f"--model.init_args.{field}", missing
+    )
+    assert line.endswith(
+        f"model.{field}: {'tokenizer' if field == 'tokenizer' else 'model'} folder {missing!r} does not exist"
+    )
+
+
+def test_folder_without_config_json_holds_no_model(tiny_digits, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = _usage_error(
+        capsys, "--model.init_args.policy", str(tiny_digits), "--model.init_args.reward_model", str(empty)
+    )
+    assert line.endswith(f"model.reward_model: folder {str(empty)!r} holds no model (no config.json in it)")
+    line = _usage_error(
+        capsys, "--model.init_args.policy", str(tiny_digits), "--model.init_args.tokenizer", str(empty)
+    )
+    assert f"model.tokenizer: folder {str(empty)!r} holds no tokenizer" in line
+
+
+def test_prompt_plus_response_past_the_positions_fails_before_loading(tiny_digits, capsys):
+    # tiny_digits has 128 positions (GPT-2's n_positions)
+    args = ["--model.init_args.policy", str(tiny_digits), "--data.init_args.max_prompt_length", "100"]
+    line = _usage_error(capsys, *args, "--model.init_args.generation.max_new_tokens", "40")
+    assert "data.max_prompt_length (100) + model.generation.max_new_tokens (40) = 140 tokens" in line
+    assert "more than the 128 positions of model.policy" in line and "(n_positions in its config)" in line
+
+
+@pytest.fixture(scope="module")
+def short_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama (rotary positions) declaring only 16 positions (max_position_embeddings)."""
+    spec = TinyModelSpec(arch="llama", n_layer=1, n_embd=32, n_positions=16)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("short_llama"), spec)
+
+
+def test_python_api_checks_positions_in_setup(short_llama, tmp_path):
+    module = PPOLightningModule(
+        policy=str(short_llama), reward_fn=CountCharReward(), generation=GenerationConfig(max_new_tokens=12)
+    )
+    trainer = quiet_trainer(tmp_path, iterations=1)
+    with pytest.raises(
+        UsageError, match=r"max_prompt_length \(8\) .* = 20 tokens, more than the 16 positions"
+    ):
+        trainer.fit(module, datamodule=prompt_data())  # prompts of at most 8 tokens
+
+
+@pytest.mark.parametrize("damage", ["random bytes", "truncated"])
+def test_unreadable_checkpoint_is_named(damage, tmp_path, capsys):
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.randn(256, 256)}, "epoch": 3}, ckpt)
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(os.urandom(4096) if damage == "random bytes" else data[: len(data) // 2])
+    line = _usage_error(capsys, "--model.init_args.policy", NO_MODEL, "--ckpt_path", str(ckpt))
+    assert f"ckpt_path: {str(ckpt)!r} is not a readable checkpoint" in line
+    line = _usage_error(
+        capsys, "--model.init_args.policy", NO_MODEL, "--ckpt_path", str(tmp_path / "gone.ckpt")
+    )
+    assert line.endswith(f"ckpt_path: checkpoint {str(tmp_path / 'gone.ckpt')!r} does not exist")
