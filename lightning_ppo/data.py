@@ -21,7 +21,9 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from lightning_ppo.data_files import find_problem
 from lightning_ppo.errors import MissingPathError, UsageError
+from lightning_ppo.vocab import check_representable
 
 log = logging.getLogger(__name__)
 
@@ -369,8 +371,7 @@ class PromptDataModule(pl.LightningDataModule):
         if self.prompts is not None:
             return datasets.Dataset.from_dict({self.prompt_column: list(self.prompts)})
         if self.data_files is not None:
-            builder = infer_builder(self.data_files)
-            return datasets.load_dataset(builder, data_files=self.data_files)
+            return self._load_files(self.data_files)
         if self.dataset_name is None:
             raise UsageError("no prompt source: set one of data_files, dataset_name, prompts")
         if os.path.isdir(self.dataset_name) and any(
@@ -381,6 +382,18 @@ class PromptDataModule(pl.LightningDataModule):
         # datasets>=4 ignores trust_remote_code but logs an error when it is passed as True.
         extra = {"trust_remote_code": True} if self.trust_remote_code else {}
         return datasets.load_dataset(self.dataset_name, self.dataset_config, **extra)
+
+    @staticmethod
+    def _load_files(data_files: str | list[str] | dict[str, str]) -> datasets.DatasetDict:
+        """Load local files; a malformed or empty one is reported by name, not as a `datasets` error."""
+        builder = infer_builder(data_files)
+        try:
+            return datasets.load_dataset(builder, data_files=data_files)
+        except Exception as err:  # datasets raises several types, StopIteration among them
+            problem = find_problem(_as_file_list(data_files), builder)
+            if problem is None:
+                raise
+            raise UsageError(problem) from err
 
     def prepare_data(self) -> None:
         """Download the tokenizer and a hub dataset on one process, so the other ranks read the cache."""
@@ -471,6 +484,7 @@ class PromptDataModule(pl.LightningDataModule):
             _warn(f"dropped {dropped} empty or whitespace-only prompts from the {split} split")
         texts = [self.format_prompt(raw_prompts[i]) for i in keep]
         input_ids = self._tokenize(texts, split)
+        check_representable(self.tokenizer, texts, input_ids, split, keep, not self.chat_template)
         extras = {name: [values[i] for i in keep] for name, values in columns.items()}
         return PromptRows(input_ids, texts, extras)
 
@@ -535,7 +549,11 @@ class PromptDataModule(pl.LightningDataModule):
             The padded batch, truncated like the training data.
         """
         texts = [self.format_prompt(prompt) for prompt in prompts]
-        rows = PromptRows(self._tokenize(texts, "given"), texts, dict(extras or {}))
+        input_ids = self._tokenize(texts, "given")
+        check_representable(
+            self.tokenizer, texts, input_ids, "given", range(len(texts)), not self.chat_template
+        )
+        rows = PromptRows(input_ids, texts, dict(extras or {}))
         return self.collate([rows[i] for i in range(len(rows))])
 
     def _require_setup(self) -> PromptRows:

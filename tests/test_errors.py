@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 
-from lightning_ppo import GenerationConfig, PPOLightningModule
+from lightning_ppo import GenerationConfig, PPOLightningModule, PromptDataModule
 from lightning_ppo.cli import main
 from lightning_ppo.errors import TRACEBACK_ENV, UsageError
-from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+from lightning_ppo.tasks.tiny import (
+    DEFAULT_ALPHABET,
+    TinyModelSpec,
+    build_char_tokenizer,
+    make_tiny_checkpoint,
+)
 from tests.helpers import CountCharReward, prompt_data, quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,3 +172,79 @@ def test_unreadable_checkpoint_is_named(damage, tmp_path, capsys):
         capsys, "--model.init_args.policy", NO_MODEL, "--ckpt_path", str(tmp_path / "gone.ckpt")
     )
     assert line.endswith(f"ckpt_path: checkpoint {str(tmp_path / 'gone.ckpt')!r} does not exist")
+
+
+# ----------------------------------------------------------------- data files and prompts
+
+
+@pytest.fixture
+def digits_tokenizer(tmp_path: Path) -> str:
+    path = tmp_path / "digits_tok"
+    build_char_tokenizer("0123456789=").save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _datasets_cache(tmp_path, monkeypatch):
+    """Keep the Arrow files `datasets` writes for local files out of the user's cache."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets")
+
+
+def _setup_data(tokenizer: str, data_file: Path) -> None:
+    PromptDataModule(tokenizer=tokenizer, data_files=str(data_file), batch_size=1).setup("fit")
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("p.jsonl", '{"prompt": "12="}\n{"prompt": "34=",}\n', "is not valid JSON Lines: line 2: Expecting"),
+        ("p.jsonl", '{"prompt": "12="}\n"34="\n', "is not valid JSON Lines: line 2: expected a JSON object"),
+        ("p.json", '[{"prompt": "12="}', "is not valid JSON: line 1: Expecting ',' delimiter"),
+        ("p.csv", "prompt,answer\n12=,3\n34=,7,9\n", "is not valid CSV: Error tokenizing data"),
+        ("p.parquet", "not a parquet file", "is not a readable Parquet file: Parquet magic bytes not found"),
+    ],
+    ids=["jsonl-syntax", "jsonl-not-an-object", "json-unclosed", "csv-extra-field", "parquet-garbage"],
+)
+def test_data_file_that_does_not_parse_is_named(name, content, expected, digits_tokenizer, tmp_path):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(UsageError, match=f"^data file {str(path)!r} {expected}"):
+        _setup_data(digits_tokenizer, path)
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("p.jsonl", ""), ("p.jsonl", "\n\n"), ("p.csv", "prompt\n"), ("p.json", "[]")],
+    ids=["empty-jsonl", "blank-lines-jsonl", "csv-header-only", "json-empty-array"],
+)
+def test_data_file_without_rows_is_named(name, content, digits_tokenizer, tmp_path):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(UsageError, match=f"^data file {str(path)!r} has no rows$"):
+        _setup_data(digits_tokenizer, path)
+
+
+def test_data_file_error_reaches_the_command_line(tiny_digits, tmp_path, capsys):
+    empty = tmp_path / "prompts.jsonl"
+    empty.write_text("")
+    data = json.dumps(
+        {"class_path": "lightning_ppo.PromptDataModule", "init_args": {"data_files": str(empty)}}
+    )
+    line = _usage_error(capsys, *_fit_args(tmp_path, tiny_digits), "--data", data)
+    assert line.endswith(f"error: data file {str(empty)!r} has no rows")
+
+
+@pytest.mark.parametrize(
+    ("alphabet", "prompt", "char"), [("0123456789=", "1x2=", "x"), (DEFAULT_ALPHABET, "café", "é")]
+)
+def test_prompt_the_tokenizer_cannot_represent_names_its_row(alphabet, prompt, char, tmp_path):
+    # The char-level tokenizers read an unknown character as EOS, silently; refused instead.
+    build_char_tokenizer(alphabet).save_pretrained(tmp_path / "tok")
+    data = PromptDataModule(
+        tokenizer=str(tmp_path / "tok"), prompts=["12=", "", prompt, prompt], batch_size=1
+    )
+    with pytest.raises(
+        UsageError,
+        match=rf"^train row 2: prompt '{prompt}' has characters .* \('{char}'\), .* \(2 of 3 train",
+    ):
+        data.setup("fit")
