@@ -20,6 +20,7 @@ from lightning_ppo import functional as F
 from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
+from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
 from lightning_ppo.metrics import experience_metrics
@@ -515,7 +516,10 @@ class PPOLightningModule(LightningModule):
     # ----------------------------------------------------------------- optimizers, checkpoints
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = self.optimizer_factory(params)
+        try:
+            optimizer = self.optimizer_factory(params)
+        except ValueError as err:  # torch checks lr, betas, eps, weight_decay... in the constructor
+            raise UsageError(f"model.optimizer: {err}") from err
         prefer_fused(optimizer)
         if self.scheduler_factory is None:
             return optimizer

@@ -248,3 +248,14 @@ def test_prompt_the_tokenizer_cannot_represent_names_its_row(alphabet, prompt, c
         match=rf"^train row 2: prompt '{prompt}' has characters .* \('{char}'\), .* \(2 of 3 train",
     ):
         data.setup("fit")
+
+
+# ----------------------------------------------------------------- optimizer
+
+
+def test_optimizer_value_out_of_range_names_model_optimizer(tiny_digits, tmp_path, capsys):
+    # torch checks the learning rate only when the optimizer is built, inside trainer.fit.
+    line = _usage_error(
+        capsys, *_fit_args(tmp_path, tiny_digits), "--model.init_args.optimizer.init_args.lr=-1"
+    )
+    assert line.endswith("error: model.optimizer: Invalid learning rate: -1.0")
