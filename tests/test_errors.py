@@ -12,9 +12,10 @@ import datasets
 import pytest
 import torch
 
-from lightning_ppo import GenerationConfig, PPOLightningModule, PromptDataModule
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
 from lightning_ppo.cli import main
 from lightning_ppo.errors import TRACEBACK_ENV, UsageError
+from lightning_ppo.preflight import check_checkpoint_file
 from lightning_ppo.tasks.tiny import (
     DEFAULT_ALPHABET,
     TinyModelSpec,
@@ -172,6 +173,19 @@ def test_unreadable_checkpoint_is_named(damage, tmp_path, capsys):
         capsys, "--model.init_args.policy", NO_MODEL, "--ckpt_path", str(tmp_path / "gone.ckpt")
     )
     assert line.endswith(f"ckpt_path: checkpoint {str(tmp_path / 'gone.ckpt')!r} does not exist")
+
+
+def test_checkpoint_written_by_the_trainer_passes_the_check(tiny_digits, tmp_path):
+    module = PPOLightningModule(
+        policy=str(tiny_digits),
+        reward_fn=CountCharReward(),
+        ppo=PPOConfig(ppo_epochs=1, num_minibatches=1),
+        generation=GenerationConfig(max_new_tokens=2),
+    )
+    trainer = quiet_trainer(tmp_path, iterations=1)
+    trainer.fit(module, datamodule=prompt_data())
+    trainer.save_checkpoint(tmp_path / "good.ckpt")
+    check_checkpoint_file(str(tmp_path / "good.ckpt"))
 
 
 # ----------------------------------------------------------------- data files and prompts
