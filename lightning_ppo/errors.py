@@ -69,11 +69,16 @@ def condense_parser_error(message: str) -> str:
             given = text.removeprefix("Given value:").strip()
         if detail is None and text and not text.startswith(_SEARCH_NOISE):
             detail = re.sub(r"<class '(?:\w+\.)*(\w+)'>", r"\1", text)
+            detail = re.sub(r"^Expected a (\w+)(?:\. Got value: (.*))?", _expected, detail)
     if detail is None or not keys:  # not the nested form (e.g. a YAML syntax error): keep every line
         return "; ".join(line.strip() for line in message.splitlines() if line.strip())
-    if given_type in _SCALAR_TYPES and "Got value" not in detail:  # not a dumped section
+    if given_type in _SCALAR_TYPES and ", got " not in detail:  # a scalar, not a dumped section
         detail = f"{detail}, got {given}"
     return f"{'.'.join(keys)}: {detail}"
+
+
+def _expected(match: re.Match[str]) -> str:
+    return f"expected {match[1]}" + (f", got {match[2]}" if match[2] else "")
 
 
 def usage_cause(err: BaseException) -> UsageError | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,8 @@ def check_model_source(field: str, source: str, trust_remote_code: bool = False)
     try:
         return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        where = "cannot be loaded" if path.exists() else "is neither a local folder nor a Hub model"
+        hub = "is not a local folder, and loading it from the Hugging Face Hub failed"
+        where = "cannot be loaded" if path.exists() else hub
         raise UsageError(f"{field}: {source!r} {where}: {_first_line(err)}") from err
 
 
@@ -65,7 +65,8 @@ def check_tokenizer_source(field: str, source: str) -> None:
     path = Path(source).expanduser()
     if path.is_dir():
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
-            raise UsageError(f"{field}: folder {source!r} holds no tokenizer (none of {TOKENIZER_FILES})")
+            files = ", ".join(TOKENIZER_FILES)
+            raise UsageError(f"{field}: folder {source!r} holds no tokenizer (none of {files})")
     elif path.is_file():
         raise UsageError(f"{field}: {source!r} is a file; expected a tokenizer folder or a hub name")
     elif _looks_local(source):
@@ -115,14 +116,21 @@ def check_checkpoint_file(ckpt_path: str) -> None:
         return  # sharded (DeepSpeed, distributed) checkpoints are folders the strategy reads itself
     if not path.exists():
         raise MissingPathError(f"ckpt_path: checkpoint {ckpt_path!r} does not exist")
+    with path.open("rb") as file:
+        is_zip = file.read(4) == b"PK\x03\x04"  # torch.save's format since torch 1.6
     try:
-        # Memory mapping needs the zip format of torch.save; older pickled files are read whole.
-        torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError) as err:
-        raise UsageError(
-            f"ckpt_path: {ckpt_path!r} is not a readable checkpoint (truncated or not written by "
-            f"torch.save?): {_first_line(err)}"
-        ) from err
+        # Memory mapping (zip format only) reads the structure without loading every tensor.
+        torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+    except pickle.UnpicklingError as err:
+        reason = (
+            "it holds objects that torch.load(weights_only=True), as Lightning reads it, refuses"
+            if is_zip
+            else "it is not a file written by torch.save"
+        )
+        raise UsageError(f"ckpt_path: {ckpt_path!r} is not a readable checkpoint: {reason}") from err
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        reason = "its archive is damaged (truncated?)" if is_zip else "it is not a file written by torch.save"
+        raise UsageError(f"ckpt_path: {ckpt_path!r} is not a readable checkpoint: {reason}") from err
 
 
 def check_run_inputs(model: Mapping[str, Any], data: Mapping[str, Any]) -> None:

@@ -84,9 +84,9 @@ def test_bad_value_from_the_console_is_one_line_and_status_2():
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--model.init_args.ppo.gamma", "abc"], "model.init_args.ppo.gamma: Expected a float"),
+        (["--model.init_args.ppo.gamma", "abc"], "model.init_args.ppo.gamma: expected float, got abc"),
         (["--model.init_args.ppo.gama", "0.5"], "model.init_args: unrecognized arguments: --ppo.gama"),
-        (["--trainer.max_epochs", "abc"], "trainer.max_epochs: Expected a int, got abc"),
+        (["--trainer.max_epochs", "abc"], "trainer.max_epochs: expected int, got abc"),
         (["--config", "/nonexistent/run.yaml"], "config: File does not exist: '/nonexistent/run.yaml'"),
     ],
 )
@@ -161,18 +161,23 @@ def test_python_api_checks_positions_in_setup(short_llama, tmp_path):
         trainer.fit(module, datamodule=prompt_data())  # prompts of at most 8 tokens
 
 
-@pytest.mark.parametrize("damage", ["random bytes", "truncated"])
-def test_unreadable_checkpoint_is_named(damage, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [("random bytes", "it is not a file written by torch.save"), ("truncated", "its archive is damaged")],
+)
+def test_unreadable_checkpoint_is_named(damage, reason, tmp_path, capsys):
     ckpt = tmp_path / "last.ckpt"
     torch.save({"state_dict": {"w": torch.randn(256, 256)}, "epoch": 3}, ckpt)
     data = ckpt.read_bytes()
     ckpt.write_bytes(os.urandom(4096) if damage == "random bytes" else data[: len(data) // 2])
     line = _usage_error(capsys, "--model.init_args.policy", NO_MODEL, "--ckpt_path", str(ckpt))
-    assert f"ckpt_path: {str(ckpt)!r} is not a readable checkpoint" in line
-    line = _usage_error(
-        capsys, "--model.init_args.policy", NO_MODEL, "--ckpt_path", str(tmp_path / "gone.ckpt")
-    )
-    assert line.endswith(f"ckpt_path: checkpoint {str(tmp_path / 'gone.ckpt')!r} does not exist")
+    assert f"ckpt_path: {str(ckpt)!r} is not a readable checkpoint: {reason}" in line
+
+
+def test_missing_checkpoint_is_named(tmp_path, capsys):
+    gone = str(tmp_path / "gone.ckpt")
+    line = _usage_error(capsys, "--model.init_args.policy", NO_MODEL, "--ckpt_path", gone)
+    assert line.endswith(f"ckpt_path: checkpoint {gone!r} does not exist")
 
 
 def test_checkpoint_written_by_the_trainer_passes_the_check(tiny_digits, tmp_path):
