@@ -104,8 +104,8 @@ def check_sequence_fits(
         )
 
 
-def check_checkpoint_file(ckpt_path: str) -> None:
-    """Fail, naming ``ckpt_path``, when it does not exist or is not a checkpoint torch can read.
+def check_checkpoint_file(ckpt_path: str, field: str = "ckpt_path") -> None:
+    """Fail, naming ``field``, when ``ckpt_path`` does not exist or is not a checkpoint torch can read.
 
     Only the file's structure is read (memory-mapped): the weights are loaded later by the Trainer.
     """
@@ -115,7 +115,7 @@ def check_checkpoint_file(ckpt_path: str) -> None:
     if path.is_dir():
         return  # sharded (DeepSpeed, distributed) checkpoints are folders the strategy reads itself
     if not path.exists():
-        raise MissingPathError(f"ckpt_path: checkpoint {ckpt_path!r} does not exist")
+        raise MissingPathError(f"{field}: {ckpt_path!r} does not exist")
     with path.open("rb") as file:
         is_zip = file.read(4) == b"PK\x03\x04"  # torch.save's format since torch 1.6
     try:
@@ -127,10 +127,10 @@ def check_checkpoint_file(ckpt_path: str) -> None:
             if is_zip
             else "it is not a file written by torch.save"
         )
-        raise UsageError(f"ckpt_path: {ckpt_path!r} is not a readable checkpoint: {reason}") from err
+        raise UsageError(f"{field}: {ckpt_path!r} is not a readable checkpoint: {reason}") from err
     except (RuntimeError, EOFError, ValueError, OSError) as err:
         reason = "its archive is damaged (truncated?)" if is_zip else "it is not a file written by torch.save"
-        raise UsageError(f"ckpt_path: {ckpt_path!r} is not a readable checkpoint: {reason}") from err
+        raise UsageError(f"{field}: {ckpt_path!r} is not a readable checkpoint: {reason}") from err
 
 
 def check_run_inputs(model: Mapping[str, Any], data: Mapping[str, Any]) -> None:

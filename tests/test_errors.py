@@ -177,7 +177,21 @@ def test_unreadable_checkpoint_is_named(damage, reason, tmp_path, capsys):
 def test_missing_checkpoint_is_named(tmp_path, capsys):
     gone = str(tmp_path / "gone.ckpt")
     line = _usage_error(capsys, "--model.init_args.policy", NO_MODEL, "--ckpt_path", gone)
-    assert line.endswith(f"ckpt_path: checkpoint {gone!r} does not exist")
+    assert line.endswith(f"ckpt_path: {gone!r} does not exist")
+
+
+def test_export_of_an_unreadable_or_missing_checkpoint_is_named(tmp_path, capsys):
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(os.urandom(1024))
+    gone = tmp_path / "gone.ckpt"
+    for path, expected in [
+        (bad, "is not a readable checkpoint: it is not a file written by torch.save"),
+        (gone, "does not exist"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["export", str(path), "--out", str(tmp_path / "out")])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == f"lightning-ppo: error: checkpoint: {str(path)!r} {expected}\n"
 
 
 def test_checkpoint_written_by_the_trainer_passes_the_check(tiny_digits, tmp_path):
