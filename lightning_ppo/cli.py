@@ -30,7 +30,7 @@ DESCRIPTION = (
     "Other commands: `lightning-ppo make-tiny --out DIR` writes a tiny offline checkpoint; "
     "`lightning-ppo export CHECKPOINT --out DIR` writes the trained policy in Hugging Face format; "
     "`lightning-ppo plot RUN_DIR` draws a run's curves to a PNG. "
-    f"A mistake in the configuration or inputs is reported in one line (exit status 2); "
+    "A mistake in the configuration or inputs is reported in one line (exit status 2); "
     f"{TRACEBACK_ENV}=1 shows its traceback."
 )
 
@@ -49,10 +49,7 @@ class PPOLightningCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Check what involves both model and data before any model is loaded (minutes, for big ones)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
-        model, data = config.get("model.init_args"), config.get("data.init_args")
-        if model is None or data is None:
-            return
-        model, data = _as_dict(model), _as_dict(data)
+        model, data = _as_dict(config.get("model.init_args")), _as_dict(config.get("data.init_args"))
         # Values first (no I/O: the dataclasses check themselves when built), then paths and models.
         if model.get("generation") is not None:
             GenerationConfig(**model["generation"])
@@ -63,8 +60,8 @@ class PPOLightningCLI(LightningCLI):
         check_run_inputs(model, data)
 
 
-def _as_dict(value: Namespace | dict[str, Any]) -> dict[str, Any]:
-    return value.as_dict() if isinstance(value, Namespace) else dict(value)
+def _as_dict(value: Namespace | dict[str, Any] | None) -> dict[str, Any]:
+    return value.as_dict() if isinstance(value, Namespace) else dict(value or {})
 
 
 def make_tiny_main(argv: list[str]) -> None:

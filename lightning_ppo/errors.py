@@ -14,6 +14,7 @@ import sys
 from argparse import ArgumentError
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 TRACEBACK_ENV = "LIGHTNING_PPO_TRACEBACK"
 USAGE_EXIT_CODE = 2  # argparse's status for a bad command line
@@ -91,7 +92,7 @@ def usage_cause(err: BaseException) -> UsageError | None:
     return None
 
 
-def _exit_with(prog: str, message: str) -> None:
+def _exit_with(prog: str, message: str) -> NoReturn:
     one_line = " ".join(part.strip() for part in message.splitlines())
     sys.stderr.write(f"{prog}: error: {one_line}\n")
     sys.exit(USAGE_EXIT_CODE)

@@ -136,10 +136,11 @@ def check_checkpoint_file(ckpt_path: str, field: str = "ckpt_path") -> None:
 def check_run_inputs(model: Mapping[str, Any], data: Mapping[str, Any]) -> None:
     """Check the model and data arguments of a run: model and tokenizer paths, sequence length."""
     trust_remote_code = bool(model.get("trust_remote_code"))
+    # Subclasses may give these arguments other types; only paths and hub names are checked.
     configs = {
         name: check_model_source(f"model.{name}", model[name], trust_remote_code)
         for name in MODEL_FIELDS
-        if model.get(name)
+        if isinstance(model.get(name), str)
     }
     # The module loads its tokenizer from the policy's folder unless model.tokenizer is set.
     tokenizer_field = "tokenizer" if model.get("tokenizer") else "policy"
@@ -149,7 +150,7 @@ def check_run_inputs(model: Mapping[str, Any], data: Mapping[str, Any]) -> None:
         "data.tokenizer": data.get("tokenizer"),
     }
     for field, source in tokenizers.items():
-        if source:
+        if isinstance(source, str):
             check_tokenizer_source(field, source)
     max_new_tokens = (model.get("generation") or {}).get("max_new_tokens")
     for name in SAME_TOKEN_FIELDS:
