@@ -387,6 +387,9 @@ class PromptDataModule(pl.LightningDataModule):
     def _load_files(data_files: str | list[str] | dict[str, str]) -> datasets.DatasetDict:
         """Load local files; a malformed or empty one is reported by name, not as a `datasets` error."""
         builder = infer_builder(data_files)
+        verbosity = datasets.logging.get_verbosity()
+        # datasets also logs each failure as an error line: the exception below says it once.
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)
         try:
             return datasets.load_dataset(builder, data_files=data_files)
         except Exception as err:  # datasets raises several types, StopIteration among them
@@ -394,6 +397,8 @@ class PromptDataModule(pl.LightningDataModule):
             if problem is None:
                 raise
             raise UsageError(problem) from err
+        finally:
+            datasets.logging.set_verbosity(verbosity)
 
     def prepare_data(self) -> None:
         """Download the tokenizer and a hub dataset on one process, so the other ranks read the cache."""
