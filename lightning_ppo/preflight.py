@@ -24,7 +24,15 @@ MODEL_FIELDS = ("policy", "reference", "value", "reward_model")
 # (A reward model with another tokenizer sees a re-tokenised text of another length.)
 SAME_TOKEN_FIELDS = ("policy", "reference", "value")
 # Files of which a tokenizer folder holds at least one (fast, BPE, WordPiece, SentencePiece).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 # ckpt_path values Lightning resolves itself rather than reading as a path.
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
 
