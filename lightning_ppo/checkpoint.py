@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_ppo.checkpoint_io import install_atomic_checkpoint_io, remove_stale_temp_files
+from lightning_ppo.errors import UsageError
 from lightning_ppo.writable import ensure_writable
 
 
@@ -107,7 +108,7 @@ class PPOCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         last = os.path.join(str(self.dirpath), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
         if trainer.ckpt_path is None and os.path.exists(last):
-            raise FileExistsError(
+            raise RunFolderInUseError(
                 f"{last} belongs to an earlier run: resume it with `--ckpt_path last`, start this run "
                 "elsewhere with `--trainer.default_root_dir DIR` (or the checkpoint callback's dirpath), "
                 "or delete that folder"
@@ -146,6 +147,10 @@ class PPOCheckpoint(ModelCheckpoint):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.interrupt.release()
+
+
+class RunFolderInUseError(UsageError, FileExistsError):
+    """A new run was pointed at a checkpoint folder that holds another run's ``last.ckpt``."""
 
 
 class InterruptRequest:

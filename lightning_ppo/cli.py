@@ -9,17 +9,21 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import transformers
 from jsonargparse import Namespace
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from lightning_ppo.checkpoint import PPOCheckpoint
-from lightning_ppo.config import PPOConfig
+from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptDataModule
+from lightning_ppo.errors import TRACEBACK_ENV, usage_errors_exit
 from lightning_ppo.export import export_main
 from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.plot import DEFAULT_KEYS, plot_run
+from lightning_ppo.preflight import check_checkpoint_file, check_run_inputs
+from lightning_ppo.roles import LoraSettings
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
 from lightning_ppo.writable import check_configured_folders
 
@@ -28,7 +32,9 @@ DESCRIPTION = (
     "Run `lightning-ppo fit --config CONFIG.yaml`. "
     "Other commands: `lightning-ppo make-tiny --out DIR` writes a tiny offline checkpoint; "
     "`lightning-ppo export CHECKPOINT --out DIR` writes the trained policy in Hugging Face format; "
-    "`lightning-ppo plot RUN_DIR` draws a run's curves to a PNG."
+    "`lightning-ppo plot RUN_DIR` draws a run's curves to a PNG. "
+    "A mistake in the configuration or inputs is reported in one line (exit status 2); "
+    f"{TRACEBACK_ENV}=1 shows its traceback."
 )
 
 
@@ -44,16 +50,33 @@ class PPOLightningCLI(LightningCLI):
         checkpoint's settings field by field when it loads (``PPOLightningModule._check_resumable``).
         """
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Parse, then check ``ckpt_path``: LightningCLI reads the checkpoint right after parsing."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path:
+            check_checkpoint_file(str(ckpt_path))
+
     def before_instantiate_classes(self) -> None:
         """Check the output folders, and what involves both model and data, before any model is loaded
         (minutes, for big ones)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         _loggers_follow_root(config)
         check_configured_folders(config)
-        ppo = config.get("model.init_args.ppo")
-        batch_size = config.get("data.init_args.batch_size")
-        if ppo is not None and batch_size is not None:
-            PPOConfig(**ppo.as_dict()).check_batch_size(batch_size)
+        model, data = _as_dict(config.get("model.init_args")), _as_dict(config.get("data.init_args"))
+        # Values first (no I/O: the dataclasses check themselves when built), then paths and models.
+        if model.get("generation") is not None:
+            GenerationConfig(**model["generation"])
+        if model.get("lora") is not None:
+            LoraSettings(**model["lora"])
+        if model.get("ppo") is not None and data.get("batch_size") is not None:
+            PPOConfig(**model["ppo"]).check_batch_size(data["batch_size"])
+        check_run_inputs(model, data)
+
+
+def _as_dict(value: Namespace | dict[str, Any] | None) -> dict[str, Any]:
+    return value.as_dict() if isinstance(value, Namespace) else dict(value or {})
 
 
 def _loggers_follow_root(config: Namespace) -> None:
@@ -109,9 +132,20 @@ def main(args: list[str] | None = None) -> PPOLightningCLI | int | None:
 
     Called in-process with ``args``, it returns the CLI (``cli.trainer``, ``cli.model``) for inspection.
     """
-    argv = sys.argv[1:] if args is None else list(args)
     # Tiny and cached checkpoints load in milliseconds; HF's per-load progress bars are only noise.
     transformers.utils.logging.disable_progress_bar()
+    with usage_errors_exit():
+        cli = _run(args)
+    if args is not None or cli is None:
+        return cli
+    # The console script passes our return value to sys.exit: Ctrl-C (saved and stopped) exits 130.
+    savers = [cb for cb in cli.trainer.callbacks if isinstance(cb, PPOCheckpoint)]
+    return 130 if any(saver.interrupt.requested for saver in savers) else None
+
+
+def _run(args: list[str] | None) -> PPOLightningCLI | None:
+    """Dispatch to a subcommand; ``fit`` (and LightningCLI's others) run through LightningCLI."""
+    argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] == "make-tiny":
         make_tiny_main(argv[1:])
         return None
@@ -122,21 +156,16 @@ def main(args: list[str] | None = None) -> PPOLightningCLI | int | None:
         out = export_main(argv[1:])
         print(f"wrote the trained policy, its tokenizer and value head to {out}")
         return None
-    cli = PPOLightningCLI(
+    return PPOLightningCLI(
         PPOLightningModule,
         PromptDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": DESCRIPTION},
+        # Parse errors are raised, not printed with the usage text and the config dump: main reports them.
+        parser_kwargs={"description": DESCRIPTION, "exit_on_error": False},
     )
-    if args is not None:
-        return cli
-    # The console script passes our return value to sys.exit: Ctrl-C (saved and stopped) exits 130.
-    savers = [cb for cb in cli.trainer.callbacks if isinstance(cb, PPOCheckpoint)]
-    interrupted = any(saver.interrupt.requested for saver in savers)
-    return 130 if interrupted else None
 
 
 if __name__ == "__main__":

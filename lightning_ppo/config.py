@@ -1,13 +1,15 @@
 """Typed hyper-parameters of a PPO run.
 
 Each dataclass validates itself in ``__post_init__`` so a bad value fails before any model is
-loaded, with a ``ValueError`` that names the field and the allowed range. LightningCLI reads the
-``Args:`` sections below as the ``--help`` text of every option.
+loaded, with a ``UsageError`` (a ``ValueError``) that names the field and the allowed range.
+LightningCLI reads the ``Args:`` sections below as the ``--help`` text of every option.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from lightning_ppo.errors import UsageError
 
 _KL_ESTIMATORS = ("k1", "k2", "k3")
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
@@ -17,7 +19,7 @@ _BAD_REWARD_POLICIES = ("error", "drop")
 
 def _check(condition: bool, field: str, expected: str, value: object) -> None:
     if not condition:
-        raise ValueError(f"{field} must be {expected}, got {value!r}")
+        raise UsageError(f"{field} must be {expected}, got {value!r}")
 
 
 @dataclass
@@ -190,9 +192,9 @@ class PPOConfig:
         parts = self.num_minibatches * self.gradient_accumulation_steps
         sequences = batch_size * self.num_generations
         if sequences % parts:
-            raise ValueError(
-                f"the rollout batch ({batch_size} prompts x ppo.num_generations {self.num_generations} = "
-                f"{sequences} sequences) must divide into ppo.num_minibatches x "
+            raise UsageError(
+                f"the rollout batch (data.batch_size {batch_size} x ppo.num_generations "
+                f"{self.num_generations} = {sequences} sequences) must divide into ppo.num_minibatches x "
                 f"ppo.gradient_accumulation_steps = {self.num_minibatches} x "
                 f"{self.gradient_accumulation_steps} = {parts} equal parts"
             )

@@ -21,6 +21,10 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from lightning_ppo.data_files import find_problem
+from lightning_ppo.errors import MissingPathError, UsageError
+from lightning_ppo.vocab import check_representable
+
 log = logging.getLogger(__name__)
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -159,7 +163,7 @@ def _builder_for_file(path: str) -> str:
         stem = stem.removesuffix(suffix)
     builder = _BUILDERS.get(os.path.splitext(stem)[1])
     if builder is None:
-        raise ValueError(
+        raise UsageError(
             f"cannot infer the format of data file {path!r}: expected one of {sorted(_BUILDERS)}"
         )
     return builder
@@ -171,9 +175,9 @@ def _check_exists(path: str) -> None:
         return
     if any(ch in path for ch in "*?["):
         if not glob.glob(path, recursive=True):
-            raise FileNotFoundError(f"no data file matches the pattern {path!r}")
+            raise MissingPathError(f"no data file matches the pattern {path!r}")
     elif not os.path.isfile(path):
-        raise FileNotFoundError(f"data file not found: {path!r}")
+        raise MissingPathError(f"data file not found: {path!r}")
 
 
 def infer_builder(data_files: str | Sequence[str] | Mapping[str, Any]) -> str:
@@ -187,13 +191,13 @@ def infer_builder(data_files: str | Sequence[str] | Mapping[str, Any]) -> str:
     """
     files = _as_file_list(data_files)
     if not files:
-        raise ValueError("data_files is empty")
+        raise UsageError("data_files is empty")
     builders = set()
     for path in files:
         builders.add(_builder_for_file(path))
         _check_exists(path)
     if len(builders) > 1:
-        raise ValueError(f"data_files mixes formats {sorted(builders)}; use files of a single format")
+        raise UsageError(f"data_files mixes formats {sorted(builders)}; use files of a single format")
     return builders.pop()
 
 
@@ -288,7 +292,7 @@ class PromptDataModule(pl.LightningDataModule):
         given = [name for name, value in sources.items() if value is not None]
         # Subclasses that override load_dataset generate their own prompts and need no source.
         if len(given) > 1 or (not given and type(self).load_dataset is PromptDataModule.load_dataset):
-            raise ValueError(f"give exactly one prompt source of {sorted(sources)}; got {given or 'none'}")
+            raise UsageError(f"give exactly one prompt source of {sorted(sources)}; got {given or 'none'}")
         self.val_size = self._check_val_size(self.val_size)
         val_given = [
             name
@@ -296,22 +300,22 @@ class PromptDataModule(pl.LightningDataModule):
             if value is not None
         ] + (["val_size"] if self.val_size else [])
         if len(val_given) > 1:
-            raise ValueError(f"give at most one of val_split, val_size and val_prompts; got {val_given}")
+            raise UsageError(f"give at most one of val_split, val_size and val_prompts; got {val_given}")
         if self.system_prompt is not None and not self.chat_template:
-            raise ValueError("system_prompt needs chat_template=True")
+            raise UsageError("system_prompt needs chat_template=True")
         for name in ("max_prompt_length", "batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise UsageError(f"{name} must be at least 1, got {getattr(self, name)}")
 
     @staticmethod
     def _check_val_size(val_size: int | float) -> int | float:
         """Return ``val_size`` as a fraction in [0, 1) or a whole row count."""
         if isinstance(val_size, bool) or val_size < 0:
-            raise ValueError(f"val_size must be a fraction in (0, 1) or a row count, got {val_size!r}")
+            raise UsageError(f"val_size must be a fraction in (0, 1) or a row count, got {val_size!r}")
         if isinstance(val_size, float) and val_size >= 1:
             # Some parsers and YAML files turn 3 into 3.0; a whole number still means a row count.
             if not val_size.is_integer():
-                raise ValueError(f"a fractional val_size must be below 1, got {val_size}")
+                raise UsageError(f"a fractional val_size must be below 1, got {val_size}")
             return int(val_size)
         return val_size
 
@@ -320,7 +324,7 @@ class PromptDataModule(pl.LightningDataModule):
         """The tokenizer, loaded from the ``tokenizer`` path on first use."""
         if self._tokenizer is None:
             if self._tokenizer_name is None:
-                raise ValueError("no tokenizer: pass tokenizer=<path or name> or call set_tokenizer()")
+                raise UsageError("no tokenizer: pass tokenizer=<path or name> or call set_tokenizer()")
             loaded = AutoTokenizer.from_pretrained(
                 self._tokenizer_name, trust_remote_code=self.trust_remote_code
             )
@@ -343,7 +347,7 @@ class PromptDataModule(pl.LightningDataModule):
             return
         if tokenizer.pad_token is None:
             if tokenizer.eos_token is None:
-                raise ValueError(
+                raise UsageError(
                     f"tokenizer {tokenizer.name_or_path!r} has neither a pad token nor an eos token; "
                     "set tokenizer.pad_token first"
                 )
@@ -367,10 +371,9 @@ class PromptDataModule(pl.LightningDataModule):
         if self.prompts is not None:
             return datasets.Dataset.from_dict({self.prompt_column: list(self.prompts)})
         if self.data_files is not None:
-            builder = infer_builder(self.data_files)
-            return datasets.load_dataset(builder, data_files=self.data_files)
+            return self._load_files(self.data_files)
         if self.dataset_name is None:
-            raise ValueError("no prompt source: set one of data_files, dataset_name, prompts")
+            raise UsageError("no prompt source: set one of data_files, dataset_name, prompts")
         if os.path.isdir(self.dataset_name) and any(
             os.path.isfile(os.path.join(self.dataset_name, name))
             for name in ("dataset_dict.json", "state.json")
@@ -379,6 +382,23 @@ class PromptDataModule(pl.LightningDataModule):
         # datasets>=4 ignores trust_remote_code but logs an error when it is passed as True.
         extra = {"trust_remote_code": True} if self.trust_remote_code else {}
         return datasets.load_dataset(self.dataset_name, self.dataset_config, **extra)
+
+    @staticmethod
+    def _load_files(data_files: str | list[str] | dict[str, str]) -> datasets.DatasetDict:
+        """Load local files; a malformed or empty one is reported by name, not as a `datasets` error."""
+        builder = infer_builder(data_files)
+        verbosity = datasets.logging.get_verbosity()
+        # datasets also logs each failure as an error line: the exception below says it once.
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+        try:
+            return datasets.load_dataset(builder, data_files=data_files)
+        except Exception as err:  # datasets raises several types, StopIteration among them
+            problem = find_problem(_as_file_list(data_files), builder)
+            if problem is None:
+                raise
+            raise UsageError(problem) from err
+        finally:
+            datasets.logging.set_verbosity(verbosity)
 
     def prepare_data(self) -> None:
         """Download the tokenizer and a hub dataset on one process, so the other ranks read the cache."""
@@ -404,14 +424,14 @@ class PromptDataModule(pl.LightningDataModule):
                 self.set_tokenizer(module_tokenizer)
         tokenizer = self.tokenizer
         if self.chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
+            raise UsageError(
                 f"chat_template=True but tokenizer {tokenizer.name_or_path!r} has no chat template"
             )
         train, val = self._split(self.load_dataset())
         train_rows = self._build_rows(train, self.train_split)
         val_rows = None if val is None else self._build_rows(val, self.val_split or "validation")
         if self.drop_last and len(train_rows) < self.batch_size:
-            raise ValueError(
+            raise UsageError(
                 f"the train set has {len(train_rows)} prompts, fewer than "
                 f"batch_size={self.batch_size}, so drop_last=True would leave no batch; "
                 "lower batch_size or set drop_last=False"
@@ -427,7 +447,7 @@ class PromptDataModule(pl.LightningDataModule):
             train = self._get_split(raw, self.train_split)
         elif isinstance(raw, datasets.Dataset):
             if self.val_split is not None:
-                raise ValueError(f"val_split={self.val_split!r} given but the dataset has no splits")
+                raise UsageError(f"val_split={self.val_split!r} given but the dataset has no splits")
             train = raw
         else:
             raise TypeError(f"load_dataset() must return a Dataset or DatasetDict, got {type(raw).__name__}")
@@ -443,13 +463,13 @@ class PromptDataModule(pl.LightningDataModule):
     @staticmethod
     def _get_split(raw: datasets.DatasetDict, name: str) -> datasets.Dataset:
         if name not in raw:
-            raise ValueError(f"split {name!r} not found; the dataset has splits {sorted(raw)}")
+            raise UsageError(f"split {name!r} not found; the dataset has splits {sorted(raw)}")
         return raw[name]
 
     def _build_rows(self, dataset: datasets.Dataset, split: str) -> PromptRows:
         """Validate one split, drop blank prompts, then format, tokenize and left-truncate."""
         if self.prompt_column not in dataset.column_names:
-            raise ValueError(
+            raise UsageError(
                 f"prompt column {self.prompt_column!r} not found in the {split} split; "
                 f"columns present: {dataset.column_names}"
             )
@@ -457,18 +477,19 @@ class PromptDataModule(pl.LightningDataModule):
         raw_prompts = columns.pop(self.prompt_column)
         for index, prompt in enumerate(raw_prompts):
             if not isinstance(prompt, str):
-                raise ValueError(
+                raise UsageError(
                     f"{split} row {index}: prompt column {self.prompt_column!r} must hold strings, "
                     f"got {type(prompt).__name__} ({repr(prompt)[:80]})"
                 )
         keep = [i for i, prompt in enumerate(raw_prompts) if prompt.strip()]
         if not keep:
-            raise ValueError(f"the {split} split has no non-empty prompts")
+            raise UsageError(f"the {split} split has no non-empty prompts")
         if len(keep) < len(raw_prompts):
             dropped = len(raw_prompts) - len(keep)
             _warn(f"dropped {dropped} empty or whitespace-only prompts from the {split} split")
         texts = [self.format_prompt(raw_prompts[i]) for i in keep]
         input_ids = self._tokenize(texts, split)
+        check_representable(self.tokenizer, texts, input_ids, split, keep, not self.chat_template)
         extras = {name: [values[i] for i in keep] for name, values in columns.items()}
         return PromptRows(input_ids, texts, extras)
 
@@ -499,7 +520,7 @@ class PromptDataModule(pl.LightningDataModule):
         truncated = 0
         for index, ids in enumerate(input_ids):
             if not ids:
-                raise ValueError(f"{split} prompt {texts[index]!r} tokenizes to no tokens")
+                raise UsageError(f"{split} prompt {texts[index]!r} tokenizes to no tokens")
             if len(ids) > self.max_prompt_length:
                 # The end of a prompt (the question, the generation prompt) matters most for the answer.
                 input_ids[index] = list(ids[-self.max_prompt_length :])
@@ -533,7 +554,11 @@ class PromptDataModule(pl.LightningDataModule):
             The padded batch, truncated like the training data.
         """
         texts = [self.format_prompt(prompt) for prompt in prompts]
-        rows = PromptRows(self._tokenize(texts, "given"), texts, dict(extras or {}))
+        input_ids = self._tokenize(texts, "given")
+        check_representable(
+            self.tokenizer, texts, input_ids, "given", range(len(texts)), not self.chat_template
+        )
+        rows = PromptRows(input_ids, texts, dict(extras or {}))
         return self.collate([rows[i] for i in range(len(rows))])
 
     def _require_setup(self) -> PromptRows:

@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from lightning_ppo.errors import UsageError
 from lightning_ppo.models import load_tokenizer
+from lightning_ppo.preflight import check_checkpoint_file
 from lightning_ppo.roles import LoraSettings, apply_lora
 
 POLICY_PREFIX = "roles.policy."
@@ -45,11 +47,10 @@ def load_trained_policy(checkpoint: dict) -> PreTrainedModel:
 def export_policy(checkpoint_path: str | Path, out_dir: str | Path, keep_adapter: bool = False) -> Path:
     """Write the trained policy (LoRA merged unless ``keep_adapter``), tokenizer and value head."""
     path = Path(checkpoint_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    check_checkpoint_file(str(path), field="checkpoint")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     if "hyper_parameters" not in checkpoint or "policy" not in checkpoint["hyper_parameters"]:
-        raise ValueError(
+        raise UsageError(
             f"{str(path)!r} is not a lightning_ppo checkpoint (no policy in its hyper_parameters)"
         )
     model = load_trained_policy(checkpoint)

@@ -20,6 +20,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from lightning_ppo.errors import UsageError
+
 # Names of the dtypes that frozen weights may be loaded in (``frozen_dtype``).
 FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -141,7 +143,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token")
+            raise UsageError(f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token")
         # Safe: masks come from lengths and the stop token, never from comparing ids with the pad id.
         tokenizer.pad_token = tokenizer.eos_token
         rank_zero_warn(
@@ -154,11 +156,11 @@ def resolve_stop_token(tokenizer: PreTrainedTokenizerBase, stop_token: str | Non
     """The id of ``generation.stop_token`` (EOS when unset), checked against the vocabulary."""
     if stop_token is None:
         if tokenizer.eos_token_id is None:
-            raise ValueError("generation.stop_token is unset and the tokenizer has no EOS token: set one")
+            raise UsageError("generation.stop_token is unset and the tokenizer has no EOS token: set one")
         return tokenizer.eos_token_id
     token_id = tokenizer.convert_tokens_to_ids(stop_token)
     if token_id is None or token_id == tokenizer.unk_token_id and stop_token != tokenizer.unk_token:
-        raise ValueError(
+        raise UsageError(
             f"generation.stop_token {stop_token!r} is not a single token of the tokenizer's vocabulary"
         )
     return token_id

@@ -21,11 +21,13 @@ from lightning_ppo import functional as F
 from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
+from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
 from lightning_ppo.metrics import experience_metrics
 from lightning_ppo.models import load_tokenizer, resolve_stop_token
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
+from lightning_ppo.preflight import check_sequence_fits
 from lightning_ppo.resume import setting_changes, weight_mismatch
 from lightning_ppo.rewards import (
     AdapterReward,
@@ -182,7 +184,7 @@ class PPOLightningModule(LightningModule):
         self.reward_adapter = None
         if reward_adapter is not None:
             if lora is None:
-                raise ValueError(
+                raise UsageError(
                     "reward_adapter needs lora: it is a second adapter on the policy's LoRA base"
                 )
             self.reward_adapter = AdapterReward(self.roles.policy, reward_adapter)
@@ -206,19 +208,24 @@ class PPOLightningModule(LightningModule):
         models = sum(path is not None for path in reward_paths)
         count = len(self.reward_fns) + models
         if count == 0 and type(self).score is PPOLightningModule.score:
-            raise ValueError(
+            raise UsageError(
                 "no reward: set reward_fn, reward_model or reward_adapter, or override score() in a subclass"
             )
         for fn in self.reward_fns:
             if not callable(fn):
                 raise TypeError(f"reward_fn entries must be callable, got {type(fn).__name__}")
         if weights is not None and len(weights) != count:
-            raise ValueError(
+            raise UsageError(
                 f"reward_weights has {len(weights)} entries but there are {count} rewards "
                 f"({len(self.reward_fns)} reward_fn + {models} reward model or adapter)"
             )
 
     def setup(self, stage: str) -> None:
+        # Before the first rollout: past the model's positions generation fails with an IndexError.
+        max_prompt_length = getattr(self.trainer.datamodule, "max_prompt_length", None)
+        check_sequence_fits(
+            self.policy.config, "model.policy", max_prompt_length, self.generation_config.max_new_tokens
+        )
         # seed_everything gives every rank the same generator: offset it so ranks sample differently.
         # A resumed run then overwrites this with each rank's saved state (on_load_checkpoint).
         if self.trainer.world_size > 1:
@@ -511,7 +518,10 @@ class PPOLightningModule(LightningModule):
     # ----------------------------------------------------------------- optimizers, checkpoints
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = self.optimizer_factory(params)
+        try:
+            optimizer = self.optimizer_factory(params)
+        except ValueError as err:  # torch checks lr, betas, eps, weight_decay... in the constructor
+            raise UsageError(f"model.optimizer: {err}") from err
         prefer_fused(optimizer)
         if self.scheduler_factory is None:
             return optimizer
@@ -557,7 +567,7 @@ class PPOLightningModule(LightningModule):
         trained = {k: v for k, v in self.state_dict().items() if k not in frozen}
         mismatch = weight_mismatch(checkpoint.get("state_dict", {}), trained)
         if mismatch:
-            raise ValueError(
+            raise UsageError(
                 "the checkpoint's trained weights do not fit this model"
                 + (f" ({'; '.join(map(str, changes))})" if changes else "")
                 + ": "

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
+from lightning_ppo.errors import UsageError
 from lightning_ppo.models import FROZEN_DTYPES, classifier_head, freeze, load_config, load_tokenizer
 from lightning_ppo.rollout import Rollout, position_ids_from_mask
 
@@ -108,7 +109,7 @@ class RewardModel(nn.Module):
         self.tokenizer = tokenizer  # None: the policy's tokenizer, no text round trip
         self.chat_template = chat_template
         if chat_template and (tokenizer is None or not getattr(tokenizer, "chat_template", None)):
-            raise ValueError(
+            raise UsageError(
                 "reward_chat_template is set but the reward model's tokenizer has no chat template"
             )
 
@@ -237,10 +238,10 @@ class AdapterReward(nn.Module):
         weights = load_file(f"{path}/adapter_model.safetensors")
         heads = [k for k in weights if k.endswith(("score.weight", "classifier.weight")) and "lora_" not in k]
         if not heads:
-            raise ValueError(f"reward_adapter {path!r} has no score head (train it with task_type='SEQ_CLS')")
+            raise UsageError(f"reward_adapter {path!r} has no score head (train it with task_type='SEQ_CLS')")
         head = weights[heads[0]]
         if head.shape[0] != 1:
-            raise ValueError(f"reward_adapter {path!r} has {head.shape[0]} labels; a reward needs 1")
+            raise UsageError(f"reward_adapter {path!r} has {head.shape[0]} labels; a reward needs 1")
         self.score_head = nn.Linear(head.shape[1], 1, bias=False)
         with torch.no_grad():
             self.score_head.weight.copy_(head)

@@ -18,6 +18,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from lightning_ppo.errors import UsageError
 from lightning_ppo.models import FROZEN_DTYPES, ValueModel, freeze, load_causal_lm, response_logits
 
 VALUE_MODEL_MODES = ("separate", "shared")
@@ -52,16 +53,16 @@ class LoraSettings:
 
     def __post_init__(self) -> None:
         if self.r < 1:
-            raise ValueError(f"lora.r must be >= 1, got {self.r}")
+            raise UsageError(f"lora.r must be >= 1, got {self.r}")
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+            raise UsageError(f"lora.dropout must be in [0, 1), got {self.dropout}")
 
 
 def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> PeftModel:
     """Wrap ``model`` with trainable LoRA adapters; its own weights are frozen by PEFT."""
     targets = settings.target_modules or DEFAULT_LORA_TARGETS.get(model.config.model_type)
     if targets is None:
-        raise ValueError(
+        raise UsageError(
             f"no default LoRA target modules for model_type {model.config.model_type!r}: "
             "set lora.target_modules"
         )
@@ -102,9 +103,9 @@ class Roles(nn.Module):
     ) -> None:
         super().__init__()
         if value_model is not None and value_model not in VALUE_MODEL_MODES:
-            raise ValueError(f"value_model must be one of {VALUE_MODEL_MODES}, got {value_model!r}")
+            raise UsageError(f"value_model must be one of {VALUE_MODEL_MODES}, got {value_model!r}")
         if frozen_dtype is not None and frozen_dtype not in FROZEN_DTYPES:
-            raise ValueError(f"frozen_dtype must be one of {sorted(FROZEN_DTYPES)}, got {frozen_dtype!r}")
+            raise UsageError(f"frozen_dtype must be one of {sorted(FROZEN_DTYPES)}, got {frozen_dtype!r}")
         dtype = FROZEN_DTYPES.get(frozen_dtype)
         # With LoRA the loaded weights are the frozen base, so they take the frozen dtype.
         self.policy = load_causal_lm(policy, trust_remote_code, dtype if lora else None)

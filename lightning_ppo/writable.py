@@ -11,8 +11,10 @@ from jsonargparse import Namespace
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.types import _PATH
 
+from lightning_ppo.errors import UsageError
 
-class UnwritableFolderError(OSError):
+
+class UnwritableFolderError(UsageError, OSError):
     """An output folder that cannot be created or written; the message names it and its setting."""
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch import Callback
 
@@ -190,3 +191,16 @@ class FillDisk(Callback):
         free = stats.f_bavail * stats.f_frsize
         with open(self.folder / "filler", "wb") as file:
             os.posix_fallocate(file.fileno(), 0, free - self.keep_bytes)
+
+
+def cli_usage_error(capsys, args: list[str]) -> str:
+    """Run the CLI in-process with ``args``; it must exit with status 2 and print one error line,
+    which is returned without its ``lightning-ppo: error: `` prefix."""
+    from lightning_ppo.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("lightning-ppo: error: "), errors
+    return errors[0].removeprefix("lightning-ppo: error: ")

@@ -21,7 +21,7 @@ from lightning_ppo.checkpoint_io import AtomicCheckpointIO, remove_stale_temp_fi
 from lightning_ppo.cli import main
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from lightning_ppo.writable import UnwritableFolderError
-from tests.helpers import DiskFullCheckpointIO, FillDisk, quiet_trainer
+from tests.helpers import DiskFullCheckpointIO, FillDisk, cli_usage_error, quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = 4
@@ -181,7 +181,7 @@ FIELDS = [
 
 
 @pytest.mark.parametrize("field", FIELDS)
-def test_unwritable_output_folder_fails_before_any_model_loads(field, tmp_path):
+def test_unwritable_output_folder_fails_before_any_model_loads(field, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("a regular file: nothing can be created under it, not even by root")
     folder = blocker / "out"
@@ -194,9 +194,7 @@ def test_unwritable_output_folder_fails_before_any_model_loads(field, tmp_path):
         args += ["--trainer.logger", json.dumps([csv])]
     else:
         args += ["--trainer.default_root_dir", str(folder)]
-    with pytest.raises(UnwritableFolderError) as failure:
-        main(args)
-    assert str(failure.value).startswith(f"{field}: cannot write to {folder}")
+    assert cli_usage_error(capsys, args).startswith(f"{field}: cannot write to {folder}")
 
 
 def test_unwritable_dirpath_fails_at_setup_before_training(tiny_digits, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_ppo.cli import main
-from tests.helpers import ShortAnswerModule
+from tests.helpers import ShortAnswerModule, cli_usage_error
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -99,7 +99,7 @@ def test_make_tiny_writes_a_loadable_checkpoint(tmp_path):
     assert tokenizer.decode(tokenizer("12=")["input_ids"]) == "12="
 
 
-def test_default_root_dir_holds_the_whole_run(tiny_digits, tmp_path, monkeypatch):
+def test_default_root_dir_holds_the_whole_run(tiny_digits, tmp_path, monkeypatch, capsys):
     """Logs and checkpoints follow --trainer.default_root_dir; a second new run there is refused."""
     monkeypatch.chdir(tmp_path)  # anything written outside the root would land here
     root = tmp_path / "elsewhere"
@@ -121,8 +121,7 @@ def test_default_root_dir_holds_the_whole_run(tiny_digits, tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere"]
     saved = sorted(p.name for p in (root / "checkpoints").iterdir())
 
-    with pytest.raises(FileExistsError, match="last.ckpt belongs to an earlier run"):
-        main(args)
+    assert "last.ckpt belongs to an earlier run" in cli_usage_error(capsys, args)
     # refused before any training: the first run's checkpoint is untouched and nothing was added
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == saved
     assert torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)["ppo_state"]["iteration"] == 2

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from lightning_ppo.data import PromptBatch, PromptDataModule, ResumableSampler, collate_prompts
 
-CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 :=?.,")
+CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 :=?.,+")
 VOCAB = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + CHARS)}
 PAD, EOS = 0, 1
 # Role initial, colon, content, space; ends with the generation prompt "a:". Only vocab characters.

@@ -1,7 +1,8 @@
-"""Bad configs fail before any model is loaded, with a message that names the field."""
+"""Bad configs fail before any model is loaded: exit status 2 and one line that names the field."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -26,11 +27,11 @@ NO_MODEL = "/nonexistent/policy"  # loading it would fail with another error: th
         (["--model.init_args.ppo.kl_estimator", "k4"], "ppo.kl_estimator must be one of"),
         (
             ["--data.init_args.batch_size", "7"],
-            "rollout batch \\(7 prompts .* must divide into ppo.num_minibatches",
+            "the rollout batch \\(data.batch_size 7 .* must divide into ppo.num_minibatches",
         ),
     ],
 )
-def test_bad_config_fails_before_loading_models(override, message):
+def test_bad_config_fails_before_loading_models(override, message, capsys):
     args = [
         "fit",
         "--config",
@@ -38,8 +39,10 @@ def test_bad_config_fails_before_loading_models(override, message):
         "--model.init_args.policy",
         NO_MODEL,
     ]
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(SystemExit) as exit_info:
         main([*args, *override])
+    assert exit_info.value.code == 2
+    assert re.search(f"^lightning-ppo: error: {message}", capsys.readouterr().err, re.MULTILINE)
 
 
 def test_stop_token_outside_the_vocabulary_fails_before_loading_weights(tmp_path):

@@ -1,0 +1,119 @@
+"""User mistakes (a bad value, a missing file, an unreadable input) and how the command reports them.
+
+A :class:`UsageError` is a mistake the user can fix from its message alone: the ``lightning-ppo``
+command prints it as one line and exits with status 2, as argparse does for a bad option. Any
+other exception is a bug and keeps its traceback. ``LIGHTNING_PPO_TRACEBACK=1`` shows the
+traceback of usage errors too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from argparse import ArgumentError
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NoReturn
+
+TRACEBACK_ENV = "LIGHTNING_PPO_TRACEBACK"
+USAGE_EXIT_CODE = 2  # argparse's status for a bad command line
+
+# Lines of jsonargparse's nested report that say how it searched, not what is wrong.
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)":\s*(.*)')
+_SEARCH_NOISE = (
+    "Does not validate against any of the Union subtypes",
+    "Subtypes:",
+    "Errors:",
+    "Given value",  # the dump of the whole section the bad value sits in
+    "Expected a <class 'NoneType'>",  # the "or null" alternative of every optional section
+)
+_SCALAR_TYPES = ("<class 'str'>", "<class 'int'>", "<class 'float'>", "<class 'bool'>")
+
+
+class UsageError(ValueError):
+    """A value, file or path given by the user is wrong; the message names it and what was expected.
+
+    A ``ValueError``, so callers that caught the ``ValueError`` of these checks still catch it.
+    """
+
+
+class MissingPathError(UsageError, FileNotFoundError):
+    """A file or folder the user named does not exist (still a ``FileNotFoundError`` for callers)."""
+
+
+def show_tracebacks() -> bool:
+    """Whether the user asked for full tracebacks of usage errors too."""
+    return os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def condense_parser_error(message: str) -> str:
+    """One line out of jsonargparse's nested report: the full key of the bad value and what is wrong.
+
+    jsonargparse reports a bad nested value as a tree (``Parser key "model"`` > ``Problem with given
+    class_path`` > ``Parser key "ppo.gamma"`` > the error) followed by a dump of the whole section.
+    """
+    keys: list[str] = []
+    detail = given = given_type = None
+    for line in message.splitlines():
+        text = line.strip().removeprefix("- ")
+        match = _PARSER_KEY.match(text)
+        if match:
+            keys.append(match[1])
+            text = match[2]
+        elif text.startswith("Problem with given class_path"):
+            keys.append("init_args")
+            continue
+        elif text.startswith("Given value type:"):
+            given_type = text.removeprefix("Given value type:").strip()
+        elif text.startswith("Given value:"):
+            given = text.removeprefix("Given value:").strip()
+        if detail is None and text and not text.startswith(_SEARCH_NOISE):
+            detail = re.sub(r"<class '(?:\w+\.)*(\w+)'>", r"\1", text)
+            detail = re.sub(r"^Expected a (\w+)(?:\. Got value: (.*))?", _expected, detail)
+    if detail is None or not keys:  # not the nested form (e.g. a YAML syntax error): keep every line
+        return "; ".join(line.strip() for line in message.splitlines() if line.strip())
+    if given_type in _SCALAR_TYPES and ", got " not in detail:  # a scalar, not a dumped section
+        detail = f"{detail}, got {given}"
+    return f"{'.'.join(keys)}: {detail}"
+
+
+def _expected(match: re.Match[str]) -> str:
+    return f"expected {match[1]}" + (f", got {match[2]}" if match[2] else "")
+
+
+def usage_cause(err: BaseException) -> UsageError | None:
+    """The usage error ``err`` is or was raised from (jsonargparse wraps errors of ``__init__``)."""
+    while err is not None:
+        if isinstance(err, UsageError):
+            return err
+        # Only explicit causes: an error raised while handling a usage error is not that usage error.
+        err = err.__cause__
+    return None
+
+
+def _exit_with(prog: str, message: str) -> NoReturn:
+    one_line = " ".join(part.strip() for part in message.splitlines())
+    sys.stderr.write(f"{prog}: error: {one_line}\n")
+    sys.exit(USAGE_EXIT_CODE)
+
+
+@contextmanager
+def usage_errors_exit(prog: str = "lightning-ppo") -> Iterator[None]:
+    """Report usage errors raised inside as ``PROG: error: MESSAGE`` on stderr and exit with status 2.
+
+    jsonargparse's own errors must reach here as exceptions (``exit_on_error=False``): its default
+    report prints the whole usage text and dumps the config section around the bad value.
+    """
+    if show_tracebacks():
+        yield
+        return
+    try:
+        yield
+    except (ValueError, ArgumentError) as err:
+        cause = usage_cause(err)
+        if cause is not None:
+            _exit_with(prog, str(cause))
+        if isinstance(err, ArgumentError):
+            _exit_with(prog, condense_parser_error(str(err)))
+        raise

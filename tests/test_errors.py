@@ -1,0 +1,290 @@
+"""User mistakes end in one line naming the field, file or path (exit status 2), not a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
+from lightning_ppo.cli import main
+from lightning_ppo.errors import TRACEBACK_ENV, UsageError
+from lightning_ppo.preflight import check_checkpoint_file
+from lightning_ppo.tasks.tiny import (
+    DEFAULT_ALPHABET,
+    TinyModelSpec,
+    build_char_tokenizer,
+    make_tiny_checkpoint,
+)
+from tests.helpers import CountCharReward, cli_usage_error, prompt_data, quiet_trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+NO_MODEL = "/nonexistent/policy"
+
+
+def _usage_error(capsys: pytest.CaptureFixture, *args: str) -> str:
+    """Run ``fit --config QUICKSTART ARGS`` in-process; returns its one error line (status 2)."""
+    return "lightning-ppo: error: " + cli_usage_error(capsys, ["fit", "--config", QUICKSTART, *args])
+
+
+def _fit_args(tmp_path: Path, policy: Path, *extra: str) -> list[str]:
+    """The quickstart, one short iteration of it, on ``policy``, writing only under ``tmp_path``."""
+    return [
+        "--model.init_args.policy",
+        str(policy),
+        "--trainer.limit_train_batches",
+        "1",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.logger",
+        "false",
+        "--trainer.callbacks",
+        "[]",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--data.init_args.num_prompts",
+        "16",
+        "--data.init_args.num_val_prompts",
+        "0",
+        "--data.init_args.batch_size",
+        "8",
+        *extra,
+    ]
+
+
+# ----------------------------------------------------------------- reporting
+
+
+def test_bad_value_from_the_console_is_one_line_and_status_2():
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env.pop(TRACEBACK_ENV, None)
+    args = ["fit", "--config", "configs/quickstart.yaml", "--model.init_args.ppo.gamma", "1.5"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_ppo.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) <= 2 and "ppo.gamma must be in [0, 1], got 1.5" in lines[-1], done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--model.init_args.ppo.gamma", "abc"], "model.init_args.ppo.gamma: expected float, got abc"),
+        (["--model.init_args.ppo.gama", "0.5"], "model.init_args: unrecognized arguments: --ppo.gama"),
+        (["--trainer.max_epochs", "abc"], "trainer.max_epochs: expected int, got abc"),
+        (["--config", "/nonexistent/run.yaml"], "config: File does not exist: '/nonexistent/run.yaml'"),
+    ],
+)
+def test_parser_errors_name_the_key_without_usage_or_config_dump(args, expected, capsys):
+    line = _usage_error(capsys, *args)
+    assert expected in line
+    assert "Given value" not in line and "Namespace(" not in line
+
+
+def test_traceback_variable_lets_the_usage_error_through(monkeypatch):
+    monkeypatch.setenv(TRACEBACK_ENV, "1")
+    with pytest.raises(UsageError, match="ppo.gamma must be in"):
+        main(["fit", "--config", QUICKSTART, "--model.init_args.ppo.gamma", "1.5"])
+
+
+def test_error_raised_while_building_the_datamodule_is_unwrapped(tiny_digits, tmp_path, capsys):
+    # jsonargparse wraps errors of __init__ in a report that dumps the whole model section.
+    line = _usage_error(capsys, *_fit_args(tmp_path, tiny_digits, "--data.init_args.batch_size", "0"))
+    assert line.endswith("error: batch_size must be at least 1, got 0")
+
+
+# ----------------------------------------------------------------- paths, positions, checkpoints
+
+
+@pytest.mark.parametrize("field", ["policy", "reward_model", "tokenizer"])
+def test_missing_model_or_tokenizer_folder_is_named(field, tiny_digits, tmp_path, capsys):
+    missing = str(tmp_path / "not-there")
+    line = _usage_error(
+        capsys, "--model.init_args.policy", str(tiny_digits), f"--model.init_args.{field}", missing
+    )
+    assert line.endswith(
+        f"model.{field}: {'tokenizer' if field == 'tokenizer' else 'model'} folder {missing!r} does not exist"
+    )
+
+
+def test_folder_without_config_json_holds_no_model(tiny_digits, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = _usage_error(
+        capsys, "--model.init_args.policy", str(tiny_digits), "--model.init_args.reward_model", str(empty)
+    )
+    assert line.endswith(f"model.reward_model: folder {str(empty)!r} holds no model (no config.json in it)")
+    line = _usage_error(
+        capsys, "--model.init_args.policy", str(tiny_digits), "--model.init_args.tokenizer", str(empty)
+    )
+    assert f"model.tokenizer: folder {str(empty)!r} holds no tokenizer" in line
+
+
+def test_prompt_plus_response_past_the_positions_fails_before_loading(tiny_digits, capsys):
+    # tiny_digits has 128 positions (GPT-2's n_positions)
+    args = ["--model.init_args.policy", str(tiny_digits), "--data.init_args.max_prompt_length", "100"]
+    line = _usage_error(capsys, *args, "--model.init_args.generation.max_new_tokens", "40")
+    assert "data.max_prompt_length (100) + model.generation.max_new_tokens (40) = 140 tokens" in line
+    assert "more than the 128 positions of model.policy" in line and "(n_positions in its config)" in line
+
+
+@pytest.fixture(scope="module")
+def short_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama (rotary positions) declaring only 16 positions (max_position_embeddings)."""
+    spec = TinyModelSpec(arch="llama", n_layer=1, n_embd=32, n_positions=16)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("short_llama"), spec)
+
+
+def test_python_api_checks_positions_in_setup(short_llama, tmp_path):
+    module = PPOLightningModule(
+        policy=str(short_llama), reward_fn=CountCharReward(), generation=GenerationConfig(max_new_tokens=12)
+    )
+    trainer = quiet_trainer(tmp_path, iterations=1)
+    with pytest.raises(
+        UsageError, match=r"max_prompt_length \(8\) .* = 20 tokens, more than the 16 positions"
+    ):
+        trainer.fit(module, datamodule=prompt_data())  # prompts of at most 8 tokens
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [("random bytes", "it is not a file written by torch.save"), ("truncated", "its archive is damaged")],
+)
+def test_unreadable_checkpoint_is_named(damage, reason, tmp_path, capsys):
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.randn(256, 256)}, "epoch": 3}, ckpt)
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(random.Random(0).randbytes(4096) if damage == "random bytes" else data[: len(data) // 2])
+    line = _usage_error(capsys, "--model.init_args.policy", NO_MODEL, "--ckpt_path", str(ckpt))
+    assert f"ckpt_path: {str(ckpt)!r} is not a readable checkpoint: {reason}" in line
+
+
+def test_missing_checkpoint_is_named(tmp_path, capsys):
+    gone = str(tmp_path / "gone.ckpt")
+    line = _usage_error(capsys, "--model.init_args.policy", NO_MODEL, "--ckpt_path", gone)
+    assert line.endswith(f"ckpt_path: {gone!r} does not exist")
+
+
+def test_export_of_an_unreadable_or_missing_checkpoint_is_named(tmp_path, capsys):
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(os.urandom(1024))
+    gone = tmp_path / "gone.ckpt"
+    for path, expected in [
+        (bad, "is not a readable checkpoint: it is not a file written by torch.save"),
+        (gone, "does not exist"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["export", str(path), "--out", str(tmp_path / "out")])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == f"lightning-ppo: error: checkpoint: {str(path)!r} {expected}\n"
+
+
+def test_checkpoint_written_by_the_trainer_passes_the_check(tiny_digits, tmp_path):
+    module = PPOLightningModule(
+        policy=str(tiny_digits),
+        reward_fn=CountCharReward(),
+        ppo=PPOConfig(ppo_epochs=1, num_minibatches=1),
+        generation=GenerationConfig(max_new_tokens=2),
+    )
+    trainer = quiet_trainer(tmp_path, iterations=1)
+    trainer.fit(module, datamodule=prompt_data())
+    trainer.save_checkpoint(tmp_path / "good.ckpt")
+    check_checkpoint_file(str(tmp_path / "good.ckpt"))
+
+
+# ----------------------------------------------------------------- data files and prompts
+
+
+@pytest.fixture
+def digits_tokenizer(tmp_path: Path) -> str:
+    path = tmp_path / "digits_tok"
+    build_char_tokenizer("0123456789=").save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _datasets_cache(tmp_path, monkeypatch):
+    """Keep the Arrow files `datasets` writes for local files out of the user's cache."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets")
+
+
+def _setup_data(tokenizer: str, data_file: Path) -> None:
+    PromptDataModule(tokenizer=tokenizer, data_files=str(data_file), batch_size=1).setup("fit")
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("p.jsonl", '{"prompt": "12="}\n{"prompt": "34=",}\n', "is not valid JSON Lines: line 2: Expecting"),
+        ("p.jsonl", '{"prompt": "12="}\n"34="\n', "is not valid JSON Lines: line 2: expected a JSON object"),
+        ("p.json", '[{"prompt": "12="}', "is not valid JSON: line 1: Expecting ',' delimiter"),
+        ("p.csv", "prompt,answer\n12=,3\n34=,7,9\n", "is not valid CSV: Error tokenizing data"),
+        ("p.parquet", "not a parquet file", "is not a readable Parquet file: Parquet magic bytes not found"),
+    ],
+    ids=["jsonl-syntax", "jsonl-not-an-object", "json-unclosed", "csv-extra-field", "parquet-garbage"],
+)
+def test_data_file_that_does_not_parse_is_named(name, content, expected, digits_tokenizer, tmp_path):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(UsageError, match=f"^data file {str(path)!r} {expected}"):
+        _setup_data(digits_tokenizer, path)
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("p.jsonl", ""), ("p.jsonl", "\n\n"), ("p.csv", "prompt\n"), ("p.json", "[]")],
+    ids=["empty-jsonl", "blank-lines-jsonl", "csv-header-only", "json-empty-array"],
+)
+def test_data_file_without_rows_is_named(name, content, digits_tokenizer, tmp_path):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(UsageError, match=f"^data file {str(path)!r} has no rows$"):
+        _setup_data(digits_tokenizer, path)
+
+
+def test_data_file_error_reaches_the_command_line(tiny_digits, tmp_path, capsys):
+    empty = tmp_path / "prompts.jsonl"
+    empty.write_text("")
+    data = json.dumps(
+        {"class_path": "lightning_ppo.PromptDataModule", "init_args": {"data_files": str(empty)}}
+    )
+    line = _usage_error(capsys, *_fit_args(tmp_path, tiny_digits), "--data", data)
+    assert line.endswith(f"error: data file {str(empty)!r} has no rows")
+
+
+@pytest.mark.parametrize(
+    ("alphabet", "prompt", "char"), [("0123456789=", "1x2=", "x"), (DEFAULT_ALPHABET, "café", "é")]
+)
+def test_prompt_the_tokenizer_cannot_represent_names_its_row(alphabet, prompt, char, tmp_path):
+    # The char-level tokenizers read an unknown character as EOS, silently; refused instead.
+    build_char_tokenizer(alphabet).save_pretrained(tmp_path / "tok")
+    data = PromptDataModule(
+        tokenizer=str(tmp_path / "tok"), prompts=["12=", "", prompt, prompt], batch_size=1
+    )
+    with pytest.raises(
+        UsageError,
+        match=rf"^train row 2: prompt '{prompt}' has characters .* \('{char}'\), .* \(2 of 3 train",
+    ):
+        data.setup("fit")
+
+
+# ----------------------------------------------------------------- optimizer
+
+
+def test_optimizer_value_out_of_range_names_model_optimizer(tiny_digits, tmp_path, capsys):
+    # torch checks the learning rate only when the optimizer is built, inside trainer.fit.
+    line = _usage_error(
+        capsys, *_fit_args(tmp_path, tiny_digits), "--model.init_args.optimizer.init_args.lr=-1"
+    )
+    assert line.endswith("error: model.optimizer: Invalid learning rate: -1.0")
