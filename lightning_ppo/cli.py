@@ -20,6 +20,7 @@ from lightning_ppo.data import PromptDataModule
 from lightning_ppo.export import export_main
 from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.plot import DEFAULT_KEYS, plot_run
+from lightning_ppo.sharding import reject_fsdp1
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
 
 DESCRIPTION = (
@@ -50,6 +51,7 @@ class PPOLightningCLI(LightningCLI):
         batch_size = config.get("data.init_args.batch_size")
         if ppo is not None and batch_size is not None:
             PPOConfig(**ppo.as_dict()).check_batch_size(batch_size)
+        reject_fsdp1(config.get("trainer.strategy"))
         _loggers_follow_root(config)
 
 

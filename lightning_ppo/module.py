@@ -38,6 +38,15 @@ from lightning_ppo.rewards import (
 )
 from lightning_ppo.roles import LoraSettings, Roles
 from lightning_ppo.rollout import Rollout, generate, hf_generation_config
+from lightning_ppo.sharding import (
+    data_parallel_mesh,
+    is_sharded,
+    mixed_precision_policy,
+    no_gradient_sync,
+    reject_fsdp1,
+    shard_roles,
+    uses_model_parallel,
+)
 
 
 @dataclass
@@ -219,10 +228,18 @@ class PPOLightningModule(LightningModule):
             )
 
     def setup(self, stage: str) -> None:
+        reject_fsdp1(self.trainer.strategy)
         # seed_everything gives every rank the same generator: offset it so ranks sample differently.
         # A resumed run then overwrites this with each rank's saved state (on_load_checkpoint).
         if self.trainer.world_size > 1:
             torch.manual_seed(torch.initial_seed() + 1_000_003 * self.trainer.global_rank)
+
+    def configure_model(self) -> None:
+        # Only ModelParallelStrategy (FSDP2) asks the module to shard itself; Lightning calls this
+        # hook once per fit/validate, so an already sharded module is left as it is.
+        if uses_model_parallel(self.trainer.strategy) and not is_sharded(self):
+            mesh = data_parallel_mesh(self.device_mesh)
+            shard_roles(self, mesh, mixed_precision_policy(str(self.trainer.precision)))
 
     # ----------------------------------------------------------------- the PPO iteration
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
@@ -396,7 +413,8 @@ class PPOLightningModule(LightningModule):
         stepped: list[Tensor] = []
         for minibatch in exp.minibatches(self.ppo.num_minibatches, generator, epochs=self.ppo.ppo_epochs):
             for i, micro in enumerate(minibatch.split(accumulate)):
-                # Under DDP only the last micro-batch of a minibatch all-reduces gradients.
+                # Under DDP (FSDP2) only the last micro-batch of a minibatch all-reduces
+                # (reduce-scatters) gradients.
                 sync = i == accumulate - 1
                 with nullcontext() if sync else self._no_backward_sync():
                     loss, stats = self.ppo_loss(micro)
@@ -491,6 +509,8 @@ class PPOLightningModule(LightningModule):
         return getattr(self.trainer.precision_plugin, "scaler", None)
 
     def _no_backward_sync(self) -> Any:
+        if is_sharded(self):
+            return no_gradient_sync(self)
         block = getattr(self.trainer.strategy, "block_backward_sync", None)
         return block() if block is not None else nullcontext()
 
