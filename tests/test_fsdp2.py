@@ -90,20 +90,33 @@ def assert_same_training(ddp: dict[str, torch.Tensor], fsdp2: dict[str, torch.Te
         torch.testing.assert_close(weight, expected, rtol=0, atol=ATOL, msg=lambda m, key=key: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("value_model", ["separate", "shared"])
-def test_fsdp2_trains_as_ddp_does_and_ranks_stop_generating_apart(tiny_digits, tmp_path, value_model):
+LAYOUTS = {
+    "full-separate": ["--model.init_args.value_model", "separate"],
+    "full-shared": ["--model.init_args.value_model", "shared"],
+    # PEFT inside fully_shard'ed blocks; generate goes around the PeftModel's forward.
+    "lora-shared": ["--model.init_args.value_model", "shared", "--model.init_args.lora", '{"r": 4}'],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fsdp2_trains_as_ddp_does_and_ranks_stop_generating_apart(tiny_digits, tmp_path, layout):
     out = {}
     for name, strategy in (("ddp", "ddp"), ("fsdp2", FSDP2)):
         out[name] = tmp_path / name
-        done = run_cli(tiny_digits, out[name], strategy, "--model.init_args.value_model", value_model)
+        done = run_cli(tiny_digits, out[name], strategy, *LAYOUTS[layout])
         assert done.returncode == 0, done.stderr[-3000:]
     ddp, fsdp2 = trained(out["ddp"], 0), trained(out["fsdp2"], 0)
     for key, weight in trained(out["fsdp2"], 1).items():
         assert torch.equal(weight, fsdp2[key]), key  # one model: both ranks gathered the same weights
     assert_same_training(ddp, fsdp2)
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_digits).named_parameters())
-    moved = max((ddp[f"roles.policy.{k}"] - v.detach().double()).abs().max() for k, v in initial.items())
-    assert moved > 1000 * ATOL  # the tolerance is far below what training changed
+    policy = {k.removeprefix("roles.policy."): v for k, v in ddp.items() if k.startswith("roles.policy.")}
+    moved = max(
+        (w - initial[k].detach().double() if k in initial else w).abs().max()
+        for k, w in policy.items()
+        if k in initial or "lora_B" in k
+    )
+    assert moved > 1000 * ATOL  # the tolerance is far below what training changed (LoRA B starts at 0)
     # Sampling matched DDP's, and the ranks' longest responses differed (synced generation kept
     # the finished rank in step instead of hanging).
     lengths = [json.loads((out["fsdp2"] / f"lengths_rank{r}.json").read_text()) for r in (0, 1)]
