@@ -543,8 +543,10 @@ class PPOLightningModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Frozen weights (reference, reward model, a LoRA base) are reloaded from their own
         # checkpoints when the run resumes: saving them would only copy what is on disk already.
-        frozen = self._frozen_names()
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
+        # A sharded (FSDP2) checkpoint keeps them: Lightning's distributed load asks for every key.
+        if not is_sharded(self):
+            frozen = self._frozen_names()
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
         checkpoint["ppo_state"] = {
             "kl_coef": float(self.kl_ctl.value),
             "iteration": self.iteration,
@@ -575,7 +577,9 @@ class PPOLightningModule(LightningModule):
         changes = setting_changes(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
         frozen = self._frozen_names()
         trained = {k: v for k, v in self.state_dict().items() if k not in frozen}
-        mismatch = weight_mismatch(checkpoint.get("state_dict", {}), trained)
+        # A sharded checkpoint's weights are not in ``checkpoint``: the strategy loaded them already
+        # (its distributed load fails on any missing or reshaped tensor).
+        mismatch = weight_mismatch(checkpoint["state_dict"], trained) if "state_dict" in checkpoint else []
         if mismatch:
             raise ValueError(
                 "the checkpoint's trained weights do not fit this model"

@@ -129,3 +129,22 @@ def test_fsdp1_strategy_is_refused_with_a_pointer_to_model_parallel(tiny_digits,
     assert done.returncode != 0
     assert "FSDPStrategy (FSDP1) does not support manual optimization" in done.stderr
     assert "ModelParallelStrategy" in done.stderr
+
+
+def test_fsdp2_resumes_exactly_from_a_sharded_checkpoint(tiny_digits, tmp_path):
+    saver = {
+        "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
+        "init_args": {"every_n_iterations": 1, "save_top_k": -1},
+    }
+    saving = ("--trainer.enable_checkpointing", "true", "--trainer.callbacks+", json.dumps(saver))
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    done = run_cli(tiny_digits, whole, FSDP2, *saving)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = whole / "checkpoints" / "epoch=0-step=8.ckpt"  # after iteration 1 (8 optimizer steps)
+    assert (first / "meta.pt").is_file()  # Lightning's distributed checkpoint: a folder of shards
+    done = run_cli(tiny_digits, resumed, FSDP2, *saving, "--ckpt_path", str(first))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        expected, got = trained(whole, rank), trained(resumed, rank)
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in got)  # bitwise: weights, Adam, RNG, data
