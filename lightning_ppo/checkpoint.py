@@ -35,9 +35,11 @@ def rng_state(device: torch.device) -> Tensor:
 def set_rng_state(state: Tensor, device: torch.device) -> None:
     """Inverse of :func:`rng_state`."""
     cpu_size = torch.get_rng_state().numel()
-    torch.set_rng_state(state[:cpu_size].cpu())
+    # Copies: a view into a rank's row of the saved states (storage offset > 0) crashes
+    # torch.set_rng_state (a segfault, torch 2.13).
+    torch.set_rng_state(state[:cpu_size].cpu().clone())
     if device.type == "cuda":
-        torch.cuda.set_rng_state(state[cpu_size:].cpu(), device)
+        torch.cuda.set_rng_state(state[cpu_size:].cpu().clone(), device)
 
 
 def gather_rng_states(module: LightningModule) -> Tensor:

@@ -24,6 +24,7 @@ from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.plot import DEFAULT_KEYS, plot_run
 from lightning_ppo.preflight import check_checkpoint_file, check_run_inputs
 from lightning_ppo.roles import LoraSettings
+from lightning_ppo.sharding import reject_fsdp1
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
 from lightning_ppo.writable import check_configured_folders
 
@@ -62,6 +63,7 @@ class PPOLightningCLI(LightningCLI):
         """Check the output folders, and what involves both model and data, before any model is loaded
         (minutes, for big ones)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
+        reject_fsdp1(config.get("trainer.strategy"))
         _loggers_follow_root(config)
         check_configured_folders(config)
         model, data = _as_dict(config.get("model.init_args")), _as_dict(config.get("data.init_args"))

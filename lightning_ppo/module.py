@@ -40,6 +40,15 @@ from lightning_ppo.rewards import (
 )
 from lightning_ppo.roles import LoraSettings, Roles
 from lightning_ppo.rollout import Rollout, generate, hf_generation_config
+from lightning_ppo.sharding import (
+    data_parallel_mesh,
+    is_sharded,
+    mixed_precision_policy,
+    no_gradient_sync,
+    reject_fsdp1,
+    shard_roles,
+    uses_model_parallel,
+)
 
 
 @dataclass
@@ -221,6 +230,7 @@ class PPOLightningModule(LightningModule):
             )
 
     def setup(self, stage: str) -> None:
+        reject_fsdp1(self.trainer.strategy)
         # Before the first rollout: past the model's positions generation fails with an IndexError.
         max_prompt_length = getattr(self.trainer.datamodule, "max_prompt_length", None)
         check_sequence_fits(
@@ -230,6 +240,13 @@ class PPOLightningModule(LightningModule):
         # A resumed run then overwrites this with each rank's saved state (on_load_checkpoint).
         if self.trainer.world_size > 1:
             torch.manual_seed(torch.initial_seed() + 1_000_003 * self.trainer.global_rank)
+
+    def configure_model(self) -> None:
+        # Only ModelParallelStrategy (FSDP2) asks the module to shard itself; Lightning calls this
+        # hook once per fit/validate, so an already sharded module is left as it is.
+        if uses_model_parallel(self.trainer.strategy) and not is_sharded(self):
+            mesh = data_parallel_mesh(self.device_mesh)
+            shard_roles(self, mesh, mixed_precision_policy(str(self.trainer.precision)))
 
     # ----------------------------------------------------------------- the PPO iteration
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
@@ -403,7 +420,8 @@ class PPOLightningModule(LightningModule):
         stepped: list[Tensor] = []
         for minibatch in exp.minibatches(self.ppo.num_minibatches, generator, epochs=self.ppo.ppo_epochs):
             for i, micro in enumerate(minibatch.split(accumulate)):
-                # Under DDP only the last micro-batch of a minibatch all-reduces gradients.
+                # Under DDP (FSDP2) only the last micro-batch of a minibatch all-reduces
+                # (reduce-scatters) gradients.
                 sync = i == accumulate - 1
                 with nullcontext() if sync else self._no_backward_sync():
                     loss, stats = self.ppo_loss(micro)
@@ -498,6 +516,8 @@ class PPOLightningModule(LightningModule):
         return getattr(self.trainer.precision_plugin, "scaler", None)
 
     def _no_backward_sync(self) -> Any:
+        if is_sharded(self):
+            return no_gradient_sync(self)
         block = getattr(self.trainer.strategy, "block_backward_sync", None)
         return block() if block is not None else nullcontext()
 
@@ -533,8 +553,10 @@ class PPOLightningModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Frozen weights (reference, reward model, a LoRA base) are reloaded from their own
         # checkpoints when the run resumes: saving them would only copy what is on disk already.
-        frozen = self._frozen_names()
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
+        # A sharded (FSDP2) checkpoint keeps them: Lightning's distributed load asks for every key.
+        if not is_sharded(self):
+            frozen = self._frozen_names()
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
         checkpoint["ppo_state"] = {
             "kl_coef": float(self.kl_ctl.value),
             "iteration": self.iteration,
@@ -565,7 +587,9 @@ class PPOLightningModule(LightningModule):
         changes = setting_changes(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
         frozen = self._frozen_names()
         trained = {k: v for k, v in self.state_dict().items() if k not in frozen}
-        mismatch = weight_mismatch(checkpoint.get("state_dict", {}), trained)
+        # A sharded checkpoint's weights are not in ``checkpoint``: the strategy loaded them already
+        # (its distributed load fails on any missing or reshaped tensor).
+        mismatch = weight_mismatch(checkpoint["state_dict"], trained) if "state_dict" in checkpoint else []
         if mismatch:
             raise UsageError(
                 "the checkpoint's trained weights do not fit this model"

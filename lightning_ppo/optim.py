@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 # Optimizers whose fused kernels compute the same update as their default loops.
@@ -66,10 +67,17 @@ def grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tenso
     """The total gradient norm (a device scalar), clipping to ``max_norm`` when one is given.
 
     Without a limit the gradients are only measured, not multiplied by a clip factor of 1.
+    Sharded (FSDP2, DTensor) gradients give the norm of the whole model, the same on every rank.
     """
     if max_norm is not None:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return _local(torch.nn.utils.clip_grad_norm_(params, max_norm))
     measure = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
     if measure is None:
-        return torch.nn.utils.clip_grad_norm_(params, float("inf"))
-    return measure([p.grad for p in params])
+        return _local(torch.nn.utils.clip_grad_norm_(params, float("inf")))
+    return _local(measure([p.grad for p in params]))
+
+
+def _local(norm: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for a norm of DTensor gradients (a replicated DTensor), so that the skip
+    flag built from it can go to the fused kernel and be stacked with other steps' flags."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

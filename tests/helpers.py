@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch import Callback
+from torch.distributed.tensor import DTensor
 
 from lightning_ppo import PPOLightningModule, PromptDataModule
 from lightning_ppo.checkpoint_io import AtomicCheckpointIO
@@ -98,6 +99,29 @@ class RankRecorder(Callback):
         )
         path = Path(self.out_dir) / f"rank{trainer.global_rank}.json"
         path.write_text(json.dumps(self.rows))
+
+
+class TrainedWeightsRecorder(Callback):
+    """For the FSDP2 tests: per rank, the longest completion of every iteration
+    (``<out_dir>/lengths_rank<k>.json``) and, after training, the full trained weights in float64
+    (``<out_dir>/weights_rank<k>.pt``), gathered from their shards under FSDP2."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.lengths: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.lengths.append(max(len(c) for c in pl_module.last_samples.completions))
+        path = Path(self.out_dir) / f"lengths_rank{trainer.global_rank}.json"
+        path.write_text(json.dumps(self.lengths))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        weights = {}
+        for name, p in pl_module.named_parameters():
+            if p.requires_grad:  # full_tensor() is a collective: every rank gathers every weight
+                full = p.full_tensor() if isinstance(p, DTensor) else p
+                weights[name] = full.detach().double().cpu()
+        torch.save(weights, Path(self.out_dir) / f"weights_rank{trainer.global_rank}.pt")
 
 
 class Throttle(Callback):

@@ -1,0 +1,150 @@
+"""Sharded training with FSDP2 (``fully_shard``) under Lightning's ``ModelParallelStrategy``.
+
+The plan: every transformer block of every role model is its own FSDP2 unit (blocks are found
+from the Hugging Face model's ``_no_split_modules`` class names, so any architecture works), then
+each role's root takes the rest (embeddings, final norm, heads). A role is a parameter-holding
+child of the module or of its ``Roles``: policy, frozen reference, critic or shared value head,
+reward model. Frozen roles are sharded too, so no rank holds a whole copy of any model.
+
+Lightning's ``FSDPStrategy`` (FSDP1) cannot run manual optimization, which PPO needs: it is
+refused up front with a pointer here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import import_module
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+from peft import PeftModel
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from lightning_ppo.errors import UsageError
+
+FSDP1_ERROR = (
+    "Lightning's FSDPStrategy (FSDP1) does not support manual optimization, which PPO uses; shard with "
+    "FSDP2 instead: trainer.strategy: {class_path: lightning.pytorch.strategies.ModelParallelStrategy, "
+    "init_args: {data_parallel_size: N, tensor_parallel_size: 1}} (see configs/fsdp2.yaml)"
+)
+
+
+def uses_model_parallel(strategy: Strategy) -> bool:
+    """Whether the Trainer's strategy expects the module to shard itself in ``configure_model``."""
+    return isinstance(strategy, ModelParallelStrategy)
+
+
+def reject_fsdp1(strategy: Strategy | str | Any) -> None:
+    """Raise for Lightning's FSDP1 strategy, given as an instance, a registered name or a class_path."""
+    if isinstance(strategy, str):
+        if strategy in FSDPStrategy.get_registered_strategies():
+            raise UsageError(FSDP1_ERROR)
+        return
+    class_path = getattr(strategy, "class_path", None)
+    if isinstance(class_path, str) and "." in class_path:
+        module_name, _, name = class_path.rpartition(".")
+        strategy = getattr(import_module(module_name), name, None)
+    if issubclass(strategy if isinstance(strategy, type) else type(strategy), FSDPStrategy):
+        raise UsageError(FSDP1_ERROR)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The strategy's ``data_parallel`` dimension; tensor parallelism is refused.
+
+    The data loader gives every rank its own prompts, so ranks of one tensor-parallel group would
+    disagree on their inputs.
+    """
+    tensor_parallel = mesh["tensor_parallel"].size()
+    if tensor_parallel != 1:
+        raise UsageError(
+            f"lightning_ppo shards data-parallel only (FSDP2): set ModelParallelStrategy's "
+            f"tensor_parallel_size to 1 (got {tensor_parallel}) and data_parallel_size to the world size"
+        )
+    return mesh["data_parallel"]
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
+    """Under ``bf16-mixed`` gather weights in bf16 (half the traffic) but reduce gradients in fp32.
+
+    ``bf16-true``/``16-true`` weights are already in the low dtype, and ``32-true`` computes in
+    fp32: no policy. ``ModelParallelStrategy`` accepts no other precision.
+    """
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def block_class_names(model: nn.Module) -> set[str]:
+    """Class names of the transformer blocks of every Hugging Face model inside ``model``."""
+    names: set[str] = set()
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            names.update(module._no_split_modules or [])
+    return names
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None) -> None:
+    """``fully_shard`` each transformer block of ``model``, then ``model`` itself (its root)."""
+    kwargs: dict[str, Any] = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
+    blocks = block_class_names(model)
+    for module in list(model.modules()):
+        if module is not model and type(module).__name__ in blocks:
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    if isinstance(model, PeftModel):
+        # PeftModel.generate reaches the base model's forward without calling the PeftModel, so the
+        # root's own weights (embeddings, head) would stay sharded: gather them around generate too.
+        register_fsdp_forward_method(model, "generate")
+
+
+def role_models(module: nn.Module) -> list[nn.Module]:
+    """The modules the algorithm calls: children of ``module.roles`` and ``module``'s other children."""
+    roles = getattr(module, "roles", None)
+    children = [c for name, c in module.named_children() if name != "roles"]
+    if roles is not None:
+        children = list(roles.children()) + children
+    return [c for c in children if next(c.parameters(), None) is not None]
+
+
+def shard_roles(module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None) -> None:
+    """Shard every role of a ``PPOLightningModule`` (or subclass) over ``mesh``.
+
+    Raises if a parameter is left unsharded (a subclass's own layer outside the roles): FSDP2 would
+    neither synchronise its gradients nor mix it with the sharded ones in one clip or optimizer step.
+    """
+    for model in role_models(module):
+        shard_model(model, mesh, mp_policy)
+    plain = [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        raise TypeError(
+            f"parameters outside the sharded roles: {plain[:5]}; hold them in a child module of the "
+            "LightningModule so that the FSDP2 plan shards them"
+        )
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether any submodule of ``module`` is an FSDP2 unit."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+@contextmanager
+def no_gradient_sync(module: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally (unsharded) in every FSDP2 unit: FSDP2's ``no_sync``.
+
+    The next backward outside this context reduce-scatters the accumulated sum, as DDP's
+    ``no_sync`` defers its all-reduce.
+    """
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)

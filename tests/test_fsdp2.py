@@ -1,0 +1,150 @@
+"""FSDP2 (Lightning's ModelParallelStrategy) on 2 CPU processes (gloo), through the real CLI.
+
+The sharded run must train the same model as DDP: same seeds, same prompts per rank, same
+samples, the same optimizer steps; only the order of float additions in the gradient reduction
+(reduce-scatter of shards vs all-reduce of buckets) and in the gradient norm differs.
+
+Tolerance, measured (2 iterations = 16 AdamW steps of lr 1e-3, which move the weights by ~1e-2):
+every weight agrees with DDP's to 1.2e-7 (1 float32 ulp at magnitude 1), asserted at 5e-7;
+except GPT-2's attention key bias. Its exact gradient is 0 (softmax ignores a shift shared by all
+keys), so the float gradient is pure rounding noise, which Adam divides by its own RMS into steps
+of up to ~lr: that slice only has to stay within steps x lr (measured: 6.7e-6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+FSDP2 = {
+    "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+    "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1},
+}
+STEPS, LR = 16, 1e-3  # 2 iterations x ppo_epochs 4 x num_minibatches 2; quickstart's AdamW lr
+ATOL = 5e-7
+MAX_NEW_TOKENS = 24  # long enough that the two ranks' longest responses usually differ
+
+
+def run_cli(policy: Path, out: Path, strategy: str | dict, *extra: str) -> subprocess.CompletedProcess:
+    recorder = {"class_path": "tests.helpers.TrainedWeightsRecorder", "init_args": {"out_dir": str(out)}}
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_ppo.cli",
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        "--model.init_args.policy",
+        str(policy),
+        "--trainer.strategy",
+        strategy if isinstance(strategy, str) else json.dumps(strategy),
+        "--trainer.devices",
+        "2",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.limit_train_batches",
+        "2",
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.default_root_dir",
+        str(out),
+        "--trainer.callbacks",
+        json.dumps([recorder]),
+        "--data.init_args.batch_size",
+        "8",
+        "--model.init_args.generation.max_new_tokens",
+        str(MAX_NEW_TOKENS),
+        "--model.init_args.ppo.gradient_accumulation_steps",
+        "2",
+        *extra,
+    ]
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def trained(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"weights_rank{rank}.pt", weights_only=True)
+
+
+def assert_same_training(ddp: dict[str, torch.Tensor], fsdp2: dict[str, torch.Tensor]) -> None:
+    assert fsdp2.keys() == ddp.keys()
+    for key, weight in fsdp2.items():
+        expected = ddp[key]
+        if key.endswith("attn.c_attn.bias"):  # GPT-2's packed (query, key, value) bias
+            n = weight.numel() // 3
+            key_bias = slice(n, 2 * n)
+            torch.testing.assert_close(weight[key_bias], expected[key_bias], rtol=0, atol=STEPS * LR)
+            weight, expected = weight[torch.arange(3 * n) // n != 1], expected[torch.arange(3 * n) // n != 1]
+        torch.testing.assert_close(weight, expected, rtol=0, atol=ATOL, msg=lambda m, key=key: f"{key}: {m}")
+
+
+LAYOUTS = {
+    "full-separate": ["--model.init_args.value_model", "separate"],
+    "full-shared": ["--model.init_args.value_model", "shared"],
+    # PEFT inside fully_shard'ed blocks; generate goes around the PeftModel's forward.
+    "lora-shared": ["--model.init_args.value_model", "shared", "--model.init_args.lora", '{"r": 4}'],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fsdp2_trains_as_ddp_does_and_ranks_stop_generating_apart(tiny_digits, tmp_path, layout):
+    out = {}
+    for name, strategy in (("ddp", "ddp"), ("fsdp2", FSDP2)):
+        out[name] = tmp_path / name
+        done = run_cli(tiny_digits, out[name], strategy, *LAYOUTS[layout])
+        assert done.returncode == 0, done.stderr[-3000:]
+    ddp, fsdp2 = trained(out["ddp"], 0), trained(out["fsdp2"], 0)
+    for key, weight in trained(out["fsdp2"], 1).items():
+        assert torch.equal(weight, fsdp2[key]), key  # one model: both ranks gathered the same weights
+    assert_same_training(ddp, fsdp2)
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_digits).named_parameters())
+    policy = {k.removeprefix("roles.policy."): v for k, v in ddp.items() if k.startswith("roles.policy.")}
+    moved = max(
+        (w - initial[k].detach().double() if k in initial else w).abs().max()
+        for k, w in policy.items()
+        if k in initial or "lora_B" in k
+    )
+    assert moved > 1000 * ATOL  # the tolerance is far below what training changed (LoRA B starts at 0)
+    # Sampling matched DDP's, and the ranks' longest responses differed (synced generation kept
+    # the finished rank in step instead of hanging).
+    lengths = [json.loads((out["fsdp2"] / f"lengths_rank{r}.json").read_text()) for r in (0, 1)]
+    assert lengths == [json.loads((out["ddp"] / f"lengths_rank{r}.json").read_text()) for r in (0, 1)]
+    assert any(a != b and min(a, b) < MAX_NEW_TOKENS - 1 for a, b in zip(*lengths, strict=True))
+
+
+def test_fsdp1_strategy_is_refused_with_a_pointer_to_model_parallel(tiny_digits, tmp_path):
+    done = run_cli(tiny_digits, tmp_path, "fsdp")
+    assert done.returncode != 0
+    assert "FSDPStrategy (FSDP1) does not support manual optimization" in done.stderr
+    assert "ModelParallelStrategy" in done.stderr
+
+
+def test_fsdp2_resumes_exactly_from_a_sharded_checkpoint(tiny_digits, tmp_path):
+    saver = {
+        "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
+        "init_args": {"every_n_iterations": 1, "save_top_k": -1},
+    }
+    saving = ("--trainer.enable_checkpointing", "true", "--trainer.callbacks+", json.dumps(saver))
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    done = run_cli(tiny_digits, whole, FSDP2, *saving)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = whole / "checkpoints" / "epoch=0-step=8.ckpt"  # after iteration 1 (8 optimizer steps)
+    assert (first / "meta.pt").is_file()  # Lightning's distributed checkpoint: a folder of shards
+    done = run_cli(tiny_digits, resumed, FSDP2, *saving, "--ckpt_path", str(first))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        expected, got = trained(whole, rank), trained(resumed, rank)
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in got)  # bitwise: weights, Adam, RNG, data
