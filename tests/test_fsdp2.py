@@ -33,7 +33,9 @@ ATOL = 5e-7
 MAX_NEW_TOKENS = 24  # long enough that the two ranks' longest responses usually differ
 
 
-def run_cli(policy: Path, out: Path, strategy: str | dict, *extra: str) -> subprocess.CompletedProcess:
+def run_cli(
+    policy: Path, out: Path, strategy: str | dict, *extra: str, config: str = "quickstart.yaml"
+) -> subprocess.CompletedProcess:
     recorder = {"class_path": "tests.helpers.TrainedWeightsRecorder", "init_args": {"out_dir": str(out)}}
     cmd = [
         sys.executable,
@@ -41,7 +43,7 @@ def run_cli(policy: Path, out: Path, strategy: str | dict, *extra: str) -> subpr
         "lightning_ppo.cli",
         "fit",
         "--config",
-        str(ROOT / "configs" / "quickstart.yaml"),
+        str(ROOT / "configs" / config),
         "--model.init_args.policy",
         str(policy),
         "--trainer.strategy",
@@ -138,11 +140,11 @@ def test_fsdp2_resumes_exactly_from_a_sharded_checkpoint(tiny_digits, tmp_path):
     }
     saving = ("--trainer.enable_checkpointing", "true", "--trainer.callbacks+", json.dumps(saver))
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    done = run_cli(tiny_digits, whole, FSDP2, *saving)
+    done = run_cli(tiny_digits, whole, FSDP2, *saving, config="fsdp2.yaml")  # the shipped config
     assert done.returncode == 0, done.stderr[-3000:]
     first = whole / "checkpoints" / "epoch=0-step=8.ckpt"  # after iteration 1 (8 optimizer steps)
     assert (first / "meta.pt").is_file()  # Lightning's distributed checkpoint: a folder of shards
-    done = run_cli(tiny_digits, resumed, FSDP2, *saving, "--ckpt_path", str(first))
+    done = run_cli(tiny_digits, resumed, FSDP2, *saving, "--ckpt_path", str(first), config="fsdp2.yaml")
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         expected, got = trained(whole, rank), trained(resumed, rank)
