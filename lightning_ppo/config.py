@@ -81,8 +81,10 @@ class PPOConfig:
         missing_eos_penalty: Subtracted from the score of responses that never emit the stop token.
         max_grad_norm: Clip the global gradient norm to this value; ``None`` disables clipping.
         dual_clip: Dual-clip constant c > 1: the loss of a negative-advantage token is capped at -c A.
-        score_clip: Clip scores to [-score_clip, score_clip] before anything else uses them.
-        score_norm: Normalise scores by a running mean and std over all iterations so far.
+        score_clip: Clip scores to [-score_clip, score_clip] before the update uses them.
+        score_norm: Normalise scores by a running mean and std over all iterations so far. With
+            either, ``objective/scores`` still logs the reward's own scores and
+            ``objective/scores_normalized`` the ones the update uses.
         on_bad_reward: ``error`` stops on a NaN/inf score; ``drop`` leaves that sample out of
             the update and counts it (``reward/dropped``).
         max_consecutive_skips: An optimizer step with NaN/inf gradients is skipped and counted
@@ -115,6 +117,11 @@ class PPOConfig:
     score_norm: bool = False
     on_bad_reward: str = "error"
     max_consecutive_skips: int = 3
+
+    @property
+    def shapes_scores(self) -> bool:
+        """Whether the update sees other scores than the reward's (clipped or normalised)."""
+        return self.score_clip is not None or self.score_norm
 
     @property
     def uses_critic(self) -> bool:

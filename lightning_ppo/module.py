@@ -23,7 +23,7 @@ from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.metrics import experience_metrics
+from lightning_ppo.metrics import experience_metrics, score_metrics
 from lightning_ppo.models import load_tokenizer, resolve_stop_token
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.resume import setting_changes, weight_mismatch
@@ -48,6 +48,15 @@ class Samples:
     completions: list[str]
     scores: list[float]
     kl: list[float]
+
+
+@dataclass
+class ShapedScores:
+    """One batch's scores as the reward returned them and as the update uses them (all (B,))."""
+
+    raw: Tensor  # the reward's output; NaN/inf where dropped
+    shaped: Tensor  # clipped and normalised if configured, else raw; 0 where dropped
+    dropped: Tensor  # bool: non-finite scores left out of the update (``ppo.on_bad_reward: drop``)
 
 
 @dataclass
@@ -231,24 +240,24 @@ class PPOLightningModule(LightningModule):
         rollout = self.generate(batch)
         completions = self.decode_responses(rollout)
         scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
-        scores, dropped = self.shape_scores(scores, rollout)
-        if dropped.all():
+        scores = self.shape_scores(scores, rollout)
+        if scores.dropped.all():
             self._skip_iteration(len(batch))
             return
         forwards = self.rollout_forwards(rollout)
         kl_coef = self.kl_ctl.value
         exp = make_experience(
-            rollout, forwards.logprobs, forwards.ref_logprobs, forwards.values, scores, kl_coef, self.ppo
+            rollout, forwards.logprobs, forwards.ref_logprobs, forwards.values, scores.shaped, kl_coef, self.ppo
         )
         stats = self.ppo_update(exp)
         self.iteration += 1
         self.episodes += len(batch) * self.trainer.world_size
         stats.update(experience_metrics(exp, forwards.entropy, rollout.ended, kl_coef, self.roles.has_critic))
+        stats.update(score_metrics(scores.raw, scores.shaped, scores.dropped, self.ppo.shapes_scores))
         stats["kl_coef"] = kl_coef
-        stats["reward/dropped"] = dropped.float().sum()
         self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
         self.log_stats(stats, len(batch))
-        self.last_samples = Samples(batch.prompts, completions, exp.scores.tolist(), exp.kl.sum(1).tolist())
+        self.last_samples = Samples(batch.prompts, completions, scores.raw.tolist(), exp.kl.sum(1).tolist())
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""
@@ -312,25 +321,23 @@ class PPOLightningModule(LightningModule):
             total = total + weight * part
         return total
 
-    def shape_scores(self, scores: Any, rollout: Rollout) -> tuple[Tensor, Tensor]:
+    def shape_scores(self, scores: Any, rollout: Rollout) -> ShapedScores:
         """Validate, drop non-finite scores (if configured), clip and normalise.
 
-        Returns ``(scores, dropped)``; a dropped sample keeps score 0 and its response mask is
-        cleared, so it contributes to no loss and no statistic.
+        A dropped sample keeps shaped score 0 and its response mask is cleared, so it contributes
+        to no loss and no statistic. The raw scores stay as they were, for logging.
         """
         allow_nonfinite = self.ppo.on_bad_reward == "drop"
-        scores = check_scores(
-            scores, len(rollout.response_ids), self.reward_label, self.device, allow_nonfinite
-        )
-        dropped = ~torch.isfinite(scores)
-        scores = torch.where(dropped, torch.zeros_like(scores), scores)
+        raw = check_scores(scores, len(rollout.response_ids), self.reward_label, self.device, allow_nonfinite)
+        dropped = ~torch.isfinite(raw)
+        shaped = torch.where(dropped, torch.zeros_like(raw), raw)
         rollout.response_mask &= ~dropped[:, None]
         if self.ppo.score_clip is not None:
-            scores = scores.clamp(-self.ppo.score_clip, self.ppo.score_clip)
+            shaped = shaped.clamp(-self.ppo.score_clip, self.ppo.score_clip)
         if self.ppo.score_norm:
-            self.score_moments.update(scores[~dropped])
-            scores = torch.where(dropped, scores, self.score_moments.normalize(scores))
-        return scores, dropped
+            self.score_moments.update(shaped[~dropped])
+            shaped = torch.where(dropped, shaped, self.score_moments.normalize(shaped))
+        return ShapedScores(raw, shaped, dropped)
 
     @property
     def reward_label(self) -> str:

@@ -125,9 +125,9 @@ def test_nan_reward_raises_naming_the_reward_or_is_dropped_and_counted(tiny_digi
 
     lenient = _digits_module(tiny_digits, reward_fn=nan_for_first, ppo={"on_bad_reward": "drop"})
     scores = lenient.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
-    shaped, dropped = lenient.shape_scores(scores, rollout)
-    assert dropped.tolist() == [True, False]
-    assert shaped.tolist() == [0.0, 1.0]
+    shaped = lenient.shape_scores(scores, rollout)
+    assert shaped.dropped.tolist() == [True, False]
+    assert shaped.shaped.tolist() == [0.0, 1.0]
     assert not rollout.response_mask[0].any() and rollout.response_mask[1].any()
 
 
@@ -164,10 +164,12 @@ def test_score_clip_and_running_normalisation(tiny_digits):
         response_mask=torch.ones(4, 2, dtype=torch.bool),
         ended=torch.ones(4, dtype=torch.bool),
     )
-    shaped, _ = module.shape_scores(torch.tensor([-5.0, 0.0, 1.0, 9.0]), rollout)
+    raw = torch.tensor([-5.0, 0.0, 1.0, 9.0])
+    shaped = module.shape_scores(raw, rollout)
     clipped = torch.tensor([-1.0, 0.0, 1.0, 1.0])
     expected = (clipped - clipped.mean()) / clipped.var(unbiased=False).sqrt()
-    assert torch.allclose(shaped, expected, atol=1e-5)
+    assert torch.allclose(shaped.shaped, expected, atol=1e-5)
+    assert torch.equal(shaped.raw, raw)  # what objective/scores and the sample table report
 
 
 def test_reward_model_chat_template_wraps_prompt_and_completion(tiny_gpt2, tmp_path):
