@@ -29,6 +29,7 @@ from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_u
 from lightning_ppo.resume import setting_changes, weight_mismatch
 from lightning_ppo.rewards import (
     AdapterReward,
+    RewardCall,
     RewardLike,
     RewardModel,
     RunningMoments,
@@ -78,7 +79,9 @@ class PPOLightningModule(LightningModule):
         policy: Path or hub name of the causal LM to train.
         reward_fn: One reward on text or a list of them, by ``class_path`` (a ``RewardFunction``
             or a class with ``__call__``) or by import path (a plain function). Each is called as
-            ``fn(prompts, completions, batch)`` and returns one number per completion.
+            ``fn(prompts, completions, batch)``, or, written as TRL's reward functions are
+            (``fn(prompts, completions, **kwargs)``), with ``completion_ids`` and the dataset's
+            other columns as keyword arguments; it returns one number per completion.
         reward_weights: Weights of the rewards (reward functions first, then the reward model);
             default 1 each.
         reward_model: Path of an ``AutoModelForSequenceClassification`` (num_labels=1); the score
@@ -221,6 +224,8 @@ class PPOLightningModule(LightningModule):
         for fn in self.reward_fns:
             if not callable(fn):
                 raise TypeError(f"reward_fn entries must be callable, got {type(fn).__name__}")
+        # Decided once, here, before any model loads: a wrong signature fails now, not mid-run.
+        self.reward_calls = [RewardCall.of(fn) for fn in self.reward_fns]
         if weights is not None and len(weights) != count:
             raise ValueError(
                 f"reward_weights has {len(weights)} entries but there are {count} rewards "
@@ -247,7 +252,13 @@ class PPOLightningModule(LightningModule):
         forwards = self.rollout_forwards(rollout)
         kl_coef = self.kl_ctl.value
         exp = make_experience(
-            rollout, forwards.logprobs, forwards.ref_logprobs, forwards.values, scores.shaped, kl_coef, self.ppo
+            rollout,
+            forwards.logprobs,
+            forwards.ref_logprobs,
+            forwards.values,
+            scores.shaped,
+            kl_coef,
+            self.ppo,
         )
         stats = self.ppo_update(exp)
         self.iteration += 1
@@ -303,7 +314,7 @@ class PPOLightningModule(LightningModule):
         """
         total = torch.zeros(len(completions), device=self.device)
         components = [
-            (reward_name(fn), lambda fn=fn: fn(prompts, completions, batch)) for fn in self.reward_fns
+            (call.name, lambda call=call: call(prompts, completions, batch)) for call in self.reward_calls
         ]
         if self.reward_model is not None:
             components.append(
