@@ -7,7 +7,7 @@ loaded, with a ``ValueError`` that names the field and the allowed range. Lightn
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _KL_ESTIMATORS = ("k1", "k2", "k3")
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
@@ -34,6 +34,8 @@ class GenerationConfig:
         forward_chunk_size: Rollout forwards (policy, reference, value, reward) run on chunks of
             this many sequences to bound peak memory; 0 means the whole batch at once.
         eval_do_sample: Validation samples like training instead of decoding greedily.
+        suppress_tokens: Tokens never sampled, as token strings (looked up in the tokenizer's
+            vocabulary) or ids. Log-probs are computed under the same masked distribution.
     """
 
     max_new_tokens: int = 16
@@ -43,6 +45,7 @@ class GenerationConfig:
     stop_token: str | None = None
     forward_chunk_size: int = 0
     eval_do_sample: bool = False
+    suppress_tokens: list[str | int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "generation.max_new_tokens", ">= 1", self.max_new_tokens)
@@ -50,6 +53,9 @@ class GenerationConfig:
         _check(self.top_k >= 0, "generation.top_k", ">= 0 (0 disables it)", self.top_k)
         _check(0 < self.top_p <= 1, "generation.top_p", "in (0, 1]", self.top_p)
         _check(self.forward_chunk_size >= 0, "generation.forward_chunk_size", ">= 0", self.forward_chunk_size)
+        for token in self.suppress_tokens:
+            valid = isinstance(token, str) or (isinstance(token, int) and not isinstance(token, bool))
+            _check(valid and token != "", "generation.suppress_tokens", "token strings or ids", token)
 
 
 @dataclass

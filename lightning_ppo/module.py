@@ -24,7 +24,7 @@ from lightning_ppo.data import PromptBatch
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
 from lightning_ppo.metrics import experience_metrics, score_metrics
-from lightning_ppo.models import load_tokenizer, resolve_stop_token
+from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.resume import setting_changes, weight_mismatch
 from lightning_ppo.rewards import (
@@ -165,9 +165,13 @@ class PPOLightningModule(LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.tokenizer = load_tokenizer(tokenizer or policy, trust_remote_code)
         self.stop_token_id = resolve_stop_token(self.tokenizer, generation.stop_token)
-        self.hf_generation = hf_generation_config(generation, self.stop_token_id, self.tokenizer.pad_token_id)
+        self.suppressed_ids = resolve_suppressed_tokens(self.tokenizer, generation.suppress_tokens)
+        pad_id = self.tokenizer.pad_token_id
+        self.hf_generation = hf_generation_config(
+            generation, self.stop_token_id, pad_id, suppressed=self.suppressed_ids
+        )
         self.hf_eval_generation = hf_generation_config(
-            generation, self.stop_token_id, self.tokenizer.pad_token_id, do_sample=generation.eval_do_sample
+            generation, self.stop_token_id, pad_id, generation.eval_do_sample, self.suppressed_ids
         )
         self.reward_model = (
             RewardModel.from_pretrained(
@@ -207,6 +211,7 @@ class PPOLightningModule(LightningModule):
         self.episodes = 0
         self.last_samples: Samples | None = None
         self.consecutive_skips = 0
+        self._warned_prompt_stop = False
 
     def _default_critic_source(self, policy: str, reward_model: str | None) -> str:
         """The reward model when it reads the policy's tokens (InstructGPT, TRL), else the policy."""
@@ -296,7 +301,20 @@ class PPOLightningModule(LightningModule):
 
     def generate(self, batch: PromptBatch) -> Rollout:
         """Sample one response per (repeated) prompt with the current policy."""
+        self._warn_if_prompts_end_with_stop(batch)
         return generate(self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_generation)
+
+    def _warn_if_prompts_end_with_stop(self, batch: PromptBatch) -> None:
+        """Once per run: a prompt ending with the stop token (a tokenizer's trailing ``[SEP]``) asks
+        the policy to continue after a stop, which nothing in training ever rewards."""
+        if self._warned_prompt_stop or not (batch.prompt_ids[:, -1] == self.stop_token_id).any():
+            return  # prompts are left padded: the last column holds every prompt's last token
+        self._warned_prompt_stop = True
+        token = self.tokenizer.convert_ids_to_tokens(self.stop_token_id)
+        rank_zero_warn(
+            f"prompts end with the stop token {token!r}, probably added by the tokenizer: set "
+            "`data.add_special_tokens: false`, or another `generation.stop_token`"
+        )
 
     def decode_responses(self, rollout: Rollout) -> list[str]:
         """Response text without the stop token or padding."""
@@ -365,7 +383,6 @@ class PPOLightningModule(LightningModule):
         """Log-probs, reference log-probs, values and entropy of the sampled responses."""
         chunk = self.generation_config.forward_chunk_size or len(rollout.input_ids)
         ids, mask, pos = rollout.input_ids, rollout.attention_mask, rollout.position_ids
-        temperature = self.generation_config.temperature
         parts = []
         for i in range(0, len(ids), chunk):
             sl = slice(i, i + chunk)
@@ -377,10 +394,10 @@ class PPOLightningModule(LightningModule):
                 values = torch.zeros_like(tokens, dtype=torch.float32)
             parts.append(
                 (
-                    F.logprobs_from_logits(logits, tokens, temperature),
-                    F.logprobs_from_logits(ref_logits, tokens, temperature),
+                    self.token_logprobs(logits, tokens),
+                    self.token_logprobs(ref_logits, tokens),
                     values,
-                    F.entropy_from_logits(logits, temperature),
+                    self.token_entropy(logits),
                 )
             )
         zero = ~rollout.response_mask
@@ -388,6 +405,18 @@ class PPOLightningModule(LightningModule):
             torch.cat(p).masked_fill(zero, 0.0) for p in zip(*parts, strict=True)
         )
         return RolloutForwards(logprobs, ref_logprobs, values, entropy)
+
+    def token_logprobs(self, logits: Tensor, tokens: Tensor) -> Tensor:
+        """Log-probs under the distribution sampling used: same temperature, same suppressed tokens.
+
+        The reference is read under the same mask, so the KL starts at 0 rather than at the
+        reference's probability of the suppressed tokens.
+        """
+        return F.logprobs_from_logits(logits, tokens, self.generation_config.temperature, self.suppressed_ids)
+
+    def token_entropy(self, logits: Tensor) -> Tensor:
+        """Per-token entropy of the sampling distribution (temperature, suppressed tokens)."""
+        return F.entropy_from_logits(logits, self.generation_config.temperature, self.suppressed_ids)
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -467,8 +496,7 @@ class PPOLightningModule(LightningModule):
         length = mb.response_ids.shape[1]
         mask = mb.response_mask
         logits, values = self.roles.policy_forward(mb.input_ids, mb.attention_mask, mb.position_ids, length)
-        temperature = self.generation_config.temperature
-        logprobs = F.logprobs_from_logits(logits, mb.response_ids, temperature)
+        logprobs = self.token_logprobs(logits, mb.response_ids)
         pg = F.policy_loss(
             logprobs, mb.logprobs, mb.advantages, mask, self.ppo.clip_range, self.ppo.dual_clip
         )
@@ -482,7 +510,7 @@ class PPOLightningModule(LightningModule):
         if self.ppo.entropy_coef > 0:
             # A vocabulary-wide softmax per token: only paid for when it is a loss term
             # (objective/entropy reports the rollout policy's entropy every iteration anyway).
-            entropy = F.masked_mean(F.entropy_from_logits(logits, temperature), mask)
+            entropy = F.masked_mean(self.token_entropy(logits), mask)
             loss = loss - self.ppo.entropy_coef * entropy
             stats["policy/entropy_avg"] = entropy.detach()
         if self.ppo.kl_placement == "loss":

@@ -256,7 +256,7 @@ def test_a_reward_with_a_wrong_signature_fails_before_any_model_loads(tmp_path):
 def test_trl_style_rewards_get_dataset_columns_and_completion_ids(tiny_gpt2, tmp_path):
     import json
 
-    from lightning_ppo import PPOLightningModule, PromptDataModule
+    from lightning_ppo import PromptDataModule
     from tests.helpers import TRL_CALLS, TRLLengthReward, quiet_trainer, trl_answer_reward
 
     rows = [{"prompt": f"{i}{i + 1}=", "answer": str(i + 2)} for i in range(8)]
