@@ -286,6 +286,8 @@ class PPOLightningModule(LightningModule):
         self.log(
             "eval/length_mean", rollout.response_lengths.float().mean(), batch_size=len(batch), sync_dist=True
         )
+        # The same x-axis as the training rows: a CSV eval row otherwise has an empty iteration.
+        self.log("iteration", float(self.iteration), batch_size=len(batch), sync_dist=True)
 
     def _skip_iteration(self, batch_size: int) -> None:
         """Every score of this batch was NaN/inf and dropped: nothing to learn from, count it."""
