@@ -9,6 +9,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_ppo.samples import COLUMNS, sample_rows, write_samples
+
 
 @dataclass
 class RunSummary:
@@ -71,13 +73,16 @@ class TrainingSummary(Callback):
 
 
 class SampleTable(Callback):
-    """Every ``every_n_iterations`` PPO iterations, log a table of samples to W&B.
+    """Every ``every_n_iterations`` PPO iterations, a table of samples, on disk and in W&B.
 
-    Columns: iteration, prompt, completion, score, kl (the response's summed KL). Loggers other
-    than ``WandbLogger`` are skipped.
+    Columns: iteration, prompt, completion, score (the reward's own), kl (the response's summed
+    KL). Each table is written to ``<log folder>/samples/iteration_000100.jsonl`` (the first
+    logger's folder, or ``trainer.default_root_dir`` without one; ``lightning-ppo samples RUN_DIR``
+    prints the latest), and logged to every ``WandbLogger`` as ``samples/iteration_000100``, named
+    by the iteration rather than by W&B's own step counter.
 
     Args:
-        every_n_iterations: Log a table every this many iterations (>= 1).
+        every_n_iterations: Write a table every this many iterations (>= 1).
         max_rows: Samples per table.
     """
 
@@ -95,14 +100,15 @@ class SampleTable(Callback):
         iteration = getattr(pl_module, "iteration", 0)
         if samples is None or iteration % self.every_n_iterations:
             return
-        rows = [
-            [iteration, p, c, s, k]
-            for p, c, s, k in list(
-                zip(samples.prompts, samples.completions, samples.scores, samples.kl, strict=True)
-            )[: self.max_rows]
-        ]
+        rows = sample_rows(iteration, samples.prompts, samples.completions, samples.scores, samples.kl)
+        rows = rows[: self.max_rows]
+        log_dir = trainer.log_dir  # a collective under DDP: every rank asks
+        if trainer.is_global_zero:
+            write_samples(log_dir or trainer.default_root_dir, iteration, rows)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 logger.log_table(
-                    key="samples", columns=["iteration", "prompt", "completion", "score", "kl"], data=rows
+                    key=f"samples/iteration_{iteration:06d}",
+                    columns=list(COLUMNS),
+                    data=[[row[c] for c in COLUMNS] for row in rows],
                 )

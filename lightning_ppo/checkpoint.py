@@ -87,15 +87,30 @@ class PPOCheckpoint(ModelCheckpoint):
     Args:
         every_n_iterations: Save after every this many PPO iterations (>= 1).
         save_last: Keep ``last.ckpt``, the checkpoint ``fit --ckpt_path last`` resumes from.
+        filename: Name of the top-k files; ``{iteration}`` gives ``iteration=211.ckpt`` (Lightning's
+            default, ``{epoch}-{step}``, counts optimizer steps, ``ppo_epochs x minibatches`` per iteration).
         **kwargs: Any ``ModelCheckpoint`` argument (``dirpath``, ``monitor``, ``save_top_k``, ...).
     """
 
-    def __init__(self, every_n_iterations: int = 50, save_last: bool | None = True, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        every_n_iterations: int = 50,
+        save_last: bool | None = True,
+        filename: str | None = "{iteration}",
+        **kwargs: Any,
+    ) -> None:
         if every_n_iterations < 1:
             raise ValueError(f"every_n_iterations must be >= 1, got {every_n_iterations}")
-        super().__init__(save_last=save_last, **kwargs)
+        super().__init__(save_last=save_last, filename=filename, **kwargs)
         self.every_n_iterations = every_n_iterations
         self.interrupt = InterruptRequest()
+
+    def _monitor_candidates(self, trainer: Trainer) -> dict[str, Tensor]:
+        # The values filenames are formatted from: the PPO iteration, as an integer (the logged
+        # metric is a float, which would name files "iteration=211.0").
+        candidates = super()._monitor_candidates(trainer)
+        candidates["iteration"] = torch.tensor(getattr(trainer.lightning_module, "iteration", 0))
+        return candidates
 
     def _default_dirpath(self, trainer: Trainer) -> None:
         # Not Lightning's default (the first logger's versioned folder): a new version per run

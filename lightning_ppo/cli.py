@@ -24,6 +24,7 @@ from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.plot import DEFAULT_KEYS, plot_run
 from lightning_ppo.preflight import check_checkpoint_file, check_run_inputs
 from lightning_ppo.roles import LoraSettings
+from lightning_ppo.samples import find_latest_samples, format_samples, read_samples
 from lightning_ppo.sharding import reject_fsdp1
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
 from lightning_ppo.writable import check_configured_folders
@@ -33,7 +34,8 @@ DESCRIPTION = (
     "Run `lightning-ppo fit --config CONFIG.yaml`. "
     "Other commands: `lightning-ppo make-tiny --out DIR` writes a tiny offline checkpoint; "
     "`lightning-ppo export CHECKPOINT --out DIR` writes the trained policy in Hugging Face format; "
-    "`lightning-ppo plot RUN_DIR` draws a run's curves to a PNG. "
+    "`lightning-ppo plot RUN_DIR` draws a run's curves to a PNG; "
+    "`lightning-ppo samples RUN_DIR` prints its latest sampled completions. "
     "A mistake in the configuration or inputs is reported in one line (exit status 2); "
     f"{TRACEBACK_ENV}=1 shows its traceback."
 )
@@ -129,6 +131,22 @@ def plot_main(argv: list[str]) -> Path:
         parser.error(str(err))  # one line and exit status 2, not a traceback
 
 
+def samples_main(argv: list[str]) -> None:
+    """``lightning-ppo samples RUN_DIR``: print a run's latest table of samples (``SampleTable``)."""
+    parser = argparse.ArgumentParser(prog="lightning-ppo samples", description=samples_main.__doc__)
+    parser.add_argument("run_dir", help="the run's folder (e.g. runs/quickstart) or a samples .jsonl file")
+    parser.add_argument("--rows", type=int, default=None, help="print at most this many samples")
+    ns = parser.parse_args(argv)
+    try:
+        path = find_latest_samples(ns.run_dir)
+    except FileNotFoundError as err:
+        parser.error(str(err))  # one line and exit status 2, not a traceback
+    rows = read_samples(path)[: ns.rows]
+    iteration = rows[0]["iteration"] if rows else "?"
+    print(f"{path}: iteration {iteration}, {len(rows)} samples")
+    print(format_samples(rows))
+
+
 def main(args: list[str] | None = None) -> PPOLightningCLI | int | None:
     """Entry point of the ``lightning-ppo`` console script; ``args`` defaults to ``sys.argv[1:]``.
 
@@ -154,9 +172,12 @@ def _run(args: list[str] | None) -> PPOLightningCLI | None:
     if argv and argv[0] == "plot":
         print(f"wrote {plot_main(argv[1:])}")
         return None
+    if argv and argv[0] == "samples":
+        samples_main(argv[1:])
+        return None
     if argv and argv[0] == "export":
-        out = export_main(argv[1:])
-        print(f"wrote the trained policy, its tokenizer and value head to {out}")
+        exported = export_main(argv[1:])
+        print(f"wrote {exported.describe()} to {exported.out}")
         return None
     return PPOLightningCLI(
         PPOLightningModule,

@@ -7,7 +7,7 @@ LightningCLI reads the ``Args:`` sections below as the ``--help`` text of every 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_ppo.errors import UsageError
 
@@ -36,6 +36,8 @@ class GenerationConfig:
         forward_chunk_size: Rollout forwards (policy, reference, value, reward) run on chunks of
             this many sequences to bound peak memory; 0 means the whole batch at once.
         eval_do_sample: Validation samples like training instead of decoding greedily.
+        suppress_tokens: Tokens never sampled, as token strings (looked up in the tokenizer's
+            vocabulary) or ids. Log-probs are computed under the same masked distribution.
     """
 
     max_new_tokens: int = 16
@@ -45,6 +47,7 @@ class GenerationConfig:
     stop_token: str | None = None
     forward_chunk_size: int = 0
     eval_do_sample: bool = False
+    suppress_tokens: list[str | int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "generation.max_new_tokens", ">= 1", self.max_new_tokens)
@@ -52,6 +55,9 @@ class GenerationConfig:
         _check(self.top_k >= 0, "generation.top_k", ">= 0 (0 disables it)", self.top_k)
         _check(0 < self.top_p <= 1, "generation.top_p", "in (0, 1]", self.top_p)
         _check(self.forward_chunk_size >= 0, "generation.forward_chunk_size", ">= 0", self.forward_chunk_size)
+        for token in self.suppress_tokens:
+            valid = isinstance(token, str) or (isinstance(token, int) and not isinstance(token, bool))
+            _check(valid and token != "", "generation.suppress_tokens", "token strings or ids", token)
 
 
 @dataclass
@@ -83,8 +89,10 @@ class PPOConfig:
         missing_eos_penalty: Subtracted from the score of responses that never emit the stop token.
         max_grad_norm: Clip the global gradient norm to this value; ``None`` disables clipping.
         dual_clip: Dual-clip constant c > 1: the loss of a negative-advantage token is capped at -c A.
-        score_clip: Clip scores to [-score_clip, score_clip] before anything else uses them.
-        score_norm: Normalise scores by a running mean and std over all iterations so far.
+        score_clip: Clip scores to [-score_clip, score_clip] before the update uses them.
+        score_norm: Normalise scores by a running mean and std over all iterations so far. With
+            either, ``objective/scores`` still logs the reward's own scores and
+            ``objective/scores_normalized`` the ones the update uses.
         on_bad_reward: ``error`` stops on a NaN/inf score; ``drop`` leaves that sample out of
             the update and counts it (``reward/dropped``).
         max_consecutive_skips: An optimizer step with NaN/inf gradients is skipped and counted
@@ -117,6 +125,11 @@ class PPOConfig:
     score_norm: bool = False
     on_bad_reward: str = "error"
     max_consecutive_skips: int = 3
+
+    @property
+    def shapes_scores(self) -> bool:
+        """Whether the update sees other scores than the reward's (clipped or normalised)."""
+        return self.score_clip is not None or self.score_norm
 
     @property
     def uses_critic(self) -> bool:

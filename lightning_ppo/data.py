@@ -227,6 +227,9 @@ class PromptDataModule(pl.LightningDataModule):
             and ``val_prompts`` may be set.
         chat_template: wrap each prompt as a user message with the tokenizer's chat template and add
             the generation prompt.
+        add_special_tokens: let the tokenizer add its special tokens to each prompt (BOS, or BERT-style
+            ``[CLS] ... [SEP]``); ``None``: yes, unless ``chat_template`` (the template writes them).
+            A prompt must not end with the stop token: the policy would read it as "already stopped".
         system_prompt: system message placed before each prompt; needs ``chat_template``.
         max_prompt_length: longer prompts keep only their last ``max_prompt_length`` tokens.
         batch_size: prompts per batch (per device).
@@ -250,6 +253,7 @@ class PromptDataModule(pl.LightningDataModule):
         val_size: int | float = 0,
         val_prompts: list[str] | None = None,
         chat_template: bool = False,
+        add_special_tokens: bool | None = None,
         system_prompt: str | None = None,
         max_prompt_length: int = 128,
         batch_size: int = 16,
@@ -272,6 +276,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.val_size = val_size
         self.val_prompts = val_prompts
         self.chat_template = chat_template
+        self.add_special_tokens = add_special_tokens
         self.system_prompt = system_prompt
         self.max_prompt_length = max_prompt_length
         self.batch_size = batch_size
@@ -511,8 +516,10 @@ class PromptDataModule(pl.LightningDataModule):
 
     def _tokenize(self, texts: list[str], split: str) -> list[list[int]]:
         """Tokenize without padding, keeping the last ``max_prompt_length`` tokens of long prompts."""
-        # Chat templates already write special tokens such as BOS; adding them again would double them.
-        add_special_tokens = not self.chat_template
+        add_special_tokens = self.add_special_tokens
+        if add_special_tokens is None:
+            # Chat templates already write special tokens such as BOS; adding them again would double them.
+            add_special_tokens = not self.chat_template
         input_ids: list[list[int]] = []
         for start in range(0, len(texts), _TOKENIZE_CHUNK):
             chunk = texts[start : start + _TOKENIZE_CHUNK]

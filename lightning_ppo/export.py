@@ -3,13 +3,14 @@
 ``lightning-ppo export CHECKPOINT --out DIR`` writes a folder that
 ``AutoModelForCausalLM.from_pretrained(DIR)`` loads: LoRA adapters merged into the base by
 default (or kept as a PEFT adapter with ``--keep-adapter``), the tokenizer, and the critic's
-value head beside it (``value_head.pt``: the head of a shared critic, or the whole state of a
-separate one).
+value head beside it when the run trained a critic (``value_head.pt``: the head of a shared critic,
+or the whole state of a separate one; critic-free estimators have none).
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,8 +45,25 @@ def load_trained_policy(checkpoint: dict) -> PreTrainedModel:
     return model
 
 
-def export_policy(checkpoint_path: str | Path, out_dir: str | Path, keep_adapter: bool = False) -> Path:
-    """Write the trained policy (LoRA merged unless ``keep_adapter``), tokenizer and value head."""
+@dataclass
+class Exported:
+    """What :func:`export_policy` wrote, and where."""
+
+    out: Path
+    adapter: bool  # a PEFT adapter folder rather than a full (merged) model
+    value_head: bool  # ``value_head.pt``: only for runs that trained a critic
+
+    def describe(self) -> str:
+        """What was written, in words (the ``export`` command's last line)."""
+        parts = ["the trained policy" + (" as a LoRA adapter" if self.adapter else ""), "its tokenizer"]
+        if self.value_head:
+            parts.append("the critic (value_head.pt)")
+        return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def export_policy(checkpoint_path: str | Path, out_dir: str | Path, keep_adapter: bool = False) -> Exported:
+    """Write the trained policy (LoRA merged unless ``keep_adapter``), tokenizer and the critic's weights
+    (if the run trained one)."""
     path = Path(checkpoint_path)
     check_checkpoint_file(str(path), field="checkpoint")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
@@ -65,10 +83,11 @@ def export_policy(checkpoint_path: str | Path, out_dir: str | Path, keep_adapter
     critic = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith(CRITIC_PREFIXES)}
     if critic:
         torch.save(critic, out / "value_head.pt")
-    return out
+    adapter = bool(checkpoint["hyper_parameters"].get("lora")) and keep_adapter
+    return Exported(out, adapter=adapter, value_head=bool(critic))
 
 
-def export_main(argv: list[str]) -> Path:
+def export_main(argv: list[str]) -> Exported:
     """``lightning-ppo export CHECKPOINT --out DIR [--keep-adapter]``."""
     parser = argparse.ArgumentParser(prog="lightning-ppo export", description=__doc__.splitlines()[0])
     parser.add_argument(

@@ -10,6 +10,7 @@ False never contribute to a mean and always come out as 0, whatever garbage they
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,13 +62,17 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     return torch.where(mask, whitened, torch.zeros_like(whitened))
 
 
-def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+def logprobs_from_logits(
+    logits: Tensor, tokens: Tensor, temperature: float = 1.0, suppressed: Sequence[int] = ()
+) -> Tensor:
     """Log-probability of each token under ``softmax(logits / temperature)``.
 
     Args:
         logits: (..., V) unnormalised scores; position i scores ``tokens[..., i]``.
         tokens: (...) token ids, same leading shape as ``logits``.
         temperature: the sampling temperature; log-probs must use the one sampling used.
+        suppressed: token ids that sampling never draws (their logits set to -inf, as HF's
+            ``suppress_tokens`` does): the softmax runs over the other tokens only.
 
     Returns:
         (...) float tensor, the shape of ``tokens``.
@@ -83,23 +88,37 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.
     for rows, toks in zip(
         flat_logits.split(_ROWS_PER_CHUNK), flat_tokens.split(_ROWS_PER_CHUNK), strict=True
     ):
-        rows = rows.float()
+        rows = suppress(rows.float(), suppressed, float("-inf"))
         picked = rows.gather(-1, toks.unsqueeze(-1)).squeeze(-1)
         out.append(picked - torch.logsumexp(rows, dim=-1))
     return torch.cat(out).reshape(tokens.shape)
 
 
-def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Entropy of ``softmax(logits / temperature)`` over the last dimension, shape ``logits.shape[:-1]``."""
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0, suppressed: Sequence[int] = ()) -> Tensor:
+    """Entropy of ``softmax(logits / temperature)`` over the last dimension, shape ``logits.shape[:-1]``.
+
+    ``suppressed`` token ids are left out of the distribution, as in :func:`logprobs_from_logits`.
+    """
     if temperature != 1.0:
         logits = logits / temperature
     flat = logits.reshape(-1, *logits.shape[-2:]) if logits.dim() > 2 else logits[None]
     out = []
     for rows in flat.split(_ROWS_PER_CHUNK):
         rows = rows.float()
-        probs = torch.softmax(rows, dim=-1)
-        out.append(torch.logsumexp(rows, dim=-1) - (probs * rows).sum(-1))
+        masked = suppress(rows, suppressed, float("-inf"))
+        probs = torch.softmax(masked, dim=-1)
+        # Suppressed tokens have probability 0; a finite logit there keeps 0 x logit (and its
+        # gradient) at 0, where 0 x -inf would be NaN.
+        out.append(torch.logsumexp(masked, dim=-1) - (probs * suppress(rows, suppressed, 0.0)).sum(-1))
     return torch.cat(out).reshape(logits.shape[:-1])
+
+
+def suppress(logits: Tensor, suppressed: Sequence[int], value: float) -> Tensor:
+    """``logits`` with the ``suppressed`` vocabulary columns set to ``value`` (a copy; autograd-safe)."""
+    if len(suppressed) == 0:
+        return logits
+    index = torch.as_tensor(suppressed, dtype=torch.long, device=logits.device)
+    return logits.index_fill(-1, index, value)
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k1") -> Tensor:

@@ -1,5 +1,9 @@
 """What a PPO iteration reports about its rollout, as TRL names it (pure tensor math).
 
+Scores are reported as the reward returned them (``objective/scores``, ``objective/scores_std``),
+whatever clipping or normalisation the update applies: a normalised score is always near 0 and
+says nothing about whether the policy improves.
+
 Per-sequence quantities (``objective/*``) are sums over a response's real tokens, averaged over
 the batch; token statistics (``returns/*``, ``advantages/mean``) are masked means over real
 response tokens. Padding never counts. The update's own statistics (``policy/*``, ``loss/*``,
@@ -34,7 +38,6 @@ def experience_metrics(
         "objective/entropy": entropy.masked_fill(~mask, 0.0).sum(dim=1).mean(),
         "objective/non_score_reward": non_score.mean(),
         "objective/rlhf_reward": (exp.scores + non_score).mean(),
-        "objective/scores": exp.scores.mean(),
         "returns/mean": F.masked_mean(exp.returns, mask),
         "returns/std": F.masked_var(exp.returns, mask).sqrt(),
         "advantages/mean": F.masked_mean(exp.advantages, mask),
@@ -43,4 +46,23 @@ def experience_metrics(
     }
     if with_critic:
         metrics["val/explained_variance"] = F.explained_variance(exp.values, exp.returns, mask)
+    return metrics
+
+
+def score_metrics(raw: Tensor, shaped: Tensor, dropped: Tensor, shaping: bool) -> dict[str, Tensor]:
+    """Mean and spread of the reward's own scores over the samples kept (not ``dropped``).
+
+    ``objective/scores_std`` next to ``objective/non_score_reward`` shows whether the reward's
+    spread, which is all the policy can learn from, is small against the KL penalty.
+    ``objective/scores_normalized`` (the clipped/normalised scores the update uses) only when
+    ``shaping``.
+    """
+    kept = raw[~dropped]
+    metrics = {
+        "objective/scores": kept.mean(),
+        "objective/scores_std": kept.std(correction=0),
+        "reward/dropped": dropped.float().sum(),
+    }
+    if shaping:
+        metrics["objective/scores_normalized"] = shaped[~dropped].mean()
     return metrics

@@ -164,3 +164,24 @@ def resolve_stop_token(tokenizer: PreTrainedTokenizerBase, stop_token: str | Non
             f"generation.stop_token {stop_token!r} is not a single token of the tokenizer's vocabulary"
         )
     return token_id
+
+
+def resolve_suppressed_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[str | int]) -> list[int]:
+    """Ids of ``generation.suppress_tokens``: token strings through the vocabulary, ids as given."""
+    ids = []
+    for token in tokens:
+        if isinstance(token, int):
+            if not 0 <= token < len(tokenizer):
+                raise ValueError(
+                    f"generation.suppress_tokens: id {token} is outside the tokenizer's "
+                    f"{len(tokenizer)} tokens"
+                )
+            ids.append(token)
+            continue
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id and token != tokenizer.unk_token:
+            raise ValueError(
+                f"generation.suppress_tokens: {token!r} is not a single token of the tokenizer's vocabulary"
+            )
+        ids.append(token_id)
+    return sorted(set(ids))

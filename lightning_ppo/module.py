@@ -24,13 +24,14 @@ from lightning_ppo.data import PromptBatch
 from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.metrics import experience_metrics
-from lightning_ppo.models import load_tokenizer, resolve_stop_token
+from lightning_ppo.metrics import experience_metrics, score_metrics
+from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.preflight import check_sequence_fits
 from lightning_ppo.resume import setting_changes, weight_mismatch
 from lightning_ppo.rewards import (
     AdapterReward,
+    RewardCall,
     RewardLike,
     RewardModel,
     RunningMoments,
@@ -62,6 +63,15 @@ class Samples:
 
 
 @dataclass
+class ShapedScores:
+    """One batch's scores as the reward returned them and as the update uses them (all (B,))."""
+
+    raw: Tensor  # the reward's output; NaN/inf where dropped
+    shaped: Tensor  # clipped and normalised if configured, else raw; 0 where dropped
+    dropped: Tensor  # bool: non-finite scores left out of the update (``ppo.on_bad_reward: drop``)
+
+
+@dataclass
 class RolloutForwards:
     """No-grad forwards over a rollout (all (B, R), 0-padded past each response's end)."""
 
@@ -80,7 +90,9 @@ class PPOLightningModule(LightningModule):
         policy: Path or hub name of the causal LM to train.
         reward_fn: One reward on text or a list of them, by ``class_path`` (a ``RewardFunction``
             or a class with ``__call__``) or by import path (a plain function). Each is called as
-            ``fn(prompts, completions, batch)`` and returns one number per completion.
+            ``fn(prompts, completions, batch)``, or, written as TRL's reward functions are
+            (``fn(prompts, completions, **kwargs)``), with ``completion_ids`` and the dataset's
+            other columns as keyword arguments; it returns one number per completion.
         reward_weights: Weights of the rewards (reward functions first, then the reward model);
             default 1 each.
         reward_model: Path of an ``AutoModelForSequenceClassification`` (num_labels=1); the score
@@ -164,9 +176,13 @@ class PPOLightningModule(LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.tokenizer = load_tokenizer(tokenizer or policy, trust_remote_code)
         self.stop_token_id = resolve_stop_token(self.tokenizer, generation.stop_token)
-        self.hf_generation = hf_generation_config(generation, self.stop_token_id, self.tokenizer.pad_token_id)
+        self.suppressed_ids = resolve_suppressed_tokens(self.tokenizer, generation.suppress_tokens)
+        pad_id = self.tokenizer.pad_token_id
+        self.hf_generation = hf_generation_config(
+            generation, self.stop_token_id, pad_id, suppressed=self.suppressed_ids
+        )
         self.hf_eval_generation = hf_generation_config(
-            generation, self.stop_token_id, self.tokenizer.pad_token_id, do_sample=generation.eval_do_sample
+            generation, self.stop_token_id, pad_id, generation.eval_do_sample, self.suppressed_ids
         )
         self.reward_model = (
             RewardModel.from_pretrained(
@@ -206,6 +222,7 @@ class PPOLightningModule(LightningModule):
         self.episodes = 0
         self.last_samples: Samples | None = None
         self.consecutive_skips = 0
+        self._warned_prompt_stop = False
 
     def _default_critic_source(self, policy: str, reward_model: str | None) -> str:
         """The reward model when it reads the policy's tokens (InstructGPT, TRL), else the policy."""
@@ -223,6 +240,8 @@ class PPOLightningModule(LightningModule):
         for fn in self.reward_fns:
             if not callable(fn):
                 raise TypeError(f"reward_fn entries must be callable, got {type(fn).__name__}")
+        # Decided once, here, before any model loads: a wrong signature fails now, not mid-run.
+        self.reward_calls = [RewardCall.of(fn) for fn in self.reward_fns]
         if weights is not None and len(weights) != count:
             raise UsageError(
                 f"reward_weights has {len(weights)} entries but there are {count} rewards "
@@ -255,24 +274,30 @@ class PPOLightningModule(LightningModule):
         rollout = self.generate(batch)
         completions = self.decode_responses(rollout)
         scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
-        scores, dropped = self.shape_scores(scores, rollout)
-        if dropped.all():
+        scores = self.shape_scores(scores, rollout)
+        if scores.dropped.all():
             self._skip_iteration(len(batch))
             return
         forwards = self.rollout_forwards(rollout)
         kl_coef = self.kl_ctl.value
         exp = make_experience(
-            rollout, forwards.logprobs, forwards.ref_logprobs, forwards.values, scores, kl_coef, self.ppo
+            rollout,
+            forwards.logprobs,
+            forwards.ref_logprobs,
+            forwards.values,
+            scores.shaped,
+            kl_coef,
+            self.ppo,
         )
         stats = self.ppo_update(exp)
         self.iteration += 1
         self.episodes += len(batch) * self.trainer.world_size
         stats.update(experience_metrics(exp, forwards.entropy, rollout.ended, kl_coef, self.roles.has_critic))
+        stats.update(score_metrics(scores.raw, scores.shaped, scores.dropped, self.ppo.shapes_scores))
         stats["kl_coef"] = kl_coef
-        stats["reward/dropped"] = dropped.float().sum()
         self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
         self.log_stats(stats, len(batch))
-        self.last_samples = Samples(batch.prompts, completions, exp.scores.tolist(), exp.kl.sum(1).tolist())
+        self.last_samples = Samples(batch.prompts, completions, scores.raw.tolist(), exp.kl.sum(1).tolist())
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""
@@ -285,6 +310,8 @@ class PPOLightningModule(LightningModule):
         self.log(
             "eval/length_mean", rollout.response_lengths.float().mean(), batch_size=len(batch), sync_dist=True
         )
+        # The same x-axis as the training rows: a CSV eval row otherwise has an empty iteration.
+        self.log("iteration", float(self.iteration), batch_size=len(batch), sync_dist=True)
 
     def _skip_iteration(self, batch_size: int) -> None:
         """Every score of this batch was NaN/inf and dropped: nothing to learn from, count it."""
@@ -300,7 +327,20 @@ class PPOLightningModule(LightningModule):
 
     def generate(self, batch: PromptBatch) -> Rollout:
         """Sample one response per (repeated) prompt with the current policy."""
+        self._warn_if_prompts_end_with_stop(batch)
         return generate(self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_generation)
+
+    def _warn_if_prompts_end_with_stop(self, batch: PromptBatch) -> None:
+        """Once per run: a prompt ending with the stop token (a tokenizer's trailing ``[SEP]``) asks
+        the policy to continue after a stop, which nothing in training ever rewards."""
+        if self._warned_prompt_stop or not (batch.prompt_ids[:, -1] == self.stop_token_id).any():
+            return  # prompts are left padded: the last column holds every prompt's last token
+        self._warned_prompt_stop = True
+        token = self.tokenizer.convert_ids_to_tokens(self.stop_token_id)
+        rank_zero_warn(
+            f"prompts end with the stop token {token!r}, probably added by the tokenizer: set "
+            "`data.add_special_tokens: false`, or another `generation.stop_token`"
+        )
 
     def decode_responses(self, rollout: Rollout) -> list[str]:
         """Response text without the stop token or padding."""
@@ -318,7 +358,7 @@ class PPOLightningModule(LightningModule):
         """
         total = torch.zeros(len(completions), device=self.device)
         components = [
-            (reward_name(fn), lambda fn=fn: fn(prompts, completions, batch)) for fn in self.reward_fns
+            (call.name, lambda call=call: call(prompts, completions, batch)) for call in self.reward_calls
         ]
         if self.reward_model is not None:
             components.append(
@@ -336,25 +376,23 @@ class PPOLightningModule(LightningModule):
             total = total + weight * part
         return total
 
-    def shape_scores(self, scores: Any, rollout: Rollout) -> tuple[Tensor, Tensor]:
+    def shape_scores(self, scores: Any, rollout: Rollout) -> ShapedScores:
         """Validate, drop non-finite scores (if configured), clip and normalise.
 
-        Returns ``(scores, dropped)``; a dropped sample keeps score 0 and its response mask is
-        cleared, so it contributes to no loss and no statistic.
+        A dropped sample keeps shaped score 0 and its response mask is cleared, so it contributes
+        to no loss and no statistic. The raw scores stay as they were, for logging.
         """
         allow_nonfinite = self.ppo.on_bad_reward == "drop"
-        scores = check_scores(
-            scores, len(rollout.response_ids), self.reward_label, self.device, allow_nonfinite
-        )
-        dropped = ~torch.isfinite(scores)
-        scores = torch.where(dropped, torch.zeros_like(scores), scores)
+        raw = check_scores(scores, len(rollout.response_ids), self.reward_label, self.device, allow_nonfinite)
+        dropped = ~torch.isfinite(raw)
+        shaped = torch.where(dropped, torch.zeros_like(raw), raw)
         rollout.response_mask &= ~dropped[:, None]
         if self.ppo.score_clip is not None:
-            scores = scores.clamp(-self.ppo.score_clip, self.ppo.score_clip)
+            shaped = shaped.clamp(-self.ppo.score_clip, self.ppo.score_clip)
         if self.ppo.score_norm:
-            self.score_moments.update(scores[~dropped])
-            scores = torch.where(dropped, scores, self.score_moments.normalize(scores))
-        return scores, dropped
+            self.score_moments.update(shaped[~dropped])
+            shaped = torch.where(dropped, shaped, self.score_moments.normalize(shaped))
+        return ShapedScores(raw, shaped, dropped)
 
     @property
     def reward_label(self) -> str:
@@ -371,7 +409,6 @@ class PPOLightningModule(LightningModule):
         """Log-probs, reference log-probs, values and entropy of the sampled responses."""
         chunk = self.generation_config.forward_chunk_size or len(rollout.input_ids)
         ids, mask, pos = rollout.input_ids, rollout.attention_mask, rollout.position_ids
-        temperature = self.generation_config.temperature
         parts = []
         for i in range(0, len(ids), chunk):
             sl = slice(i, i + chunk)
@@ -383,10 +420,10 @@ class PPOLightningModule(LightningModule):
                 values = torch.zeros_like(tokens, dtype=torch.float32)
             parts.append(
                 (
-                    F.logprobs_from_logits(logits, tokens, temperature),
-                    F.logprobs_from_logits(ref_logits, tokens, temperature),
+                    self.token_logprobs(logits, tokens),
+                    self.token_logprobs(ref_logits, tokens),
                     values,
-                    F.entropy_from_logits(logits, temperature),
+                    self.token_entropy(logits),
                 )
             )
         zero = ~rollout.response_mask
@@ -394,6 +431,18 @@ class PPOLightningModule(LightningModule):
             torch.cat(p).masked_fill(zero, 0.0) for p in zip(*parts, strict=True)
         )
         return RolloutForwards(logprobs, ref_logprobs, values, entropy)
+
+    def token_logprobs(self, logits: Tensor, tokens: Tensor) -> Tensor:
+        """Log-probs under the distribution sampling used: same temperature, same suppressed tokens.
+
+        The reference is read under the same mask, so the KL starts at 0 rather than at the
+        reference's probability of the suppressed tokens.
+        """
+        return F.logprobs_from_logits(logits, tokens, self.generation_config.temperature, self.suppressed_ids)
+
+    def token_entropy(self, logits: Tensor) -> Tensor:
+        """Per-token entropy of the sampling distribution (temperature, suppressed tokens)."""
+        return F.entropy_from_logits(logits, self.generation_config.temperature, self.suppressed_ids)
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -474,8 +523,7 @@ class PPOLightningModule(LightningModule):
         length = mb.response_ids.shape[1]
         mask = mb.response_mask
         logits, values = self.roles.policy_forward(mb.input_ids, mb.attention_mask, mb.position_ids, length)
-        temperature = self.generation_config.temperature
-        logprobs = F.logprobs_from_logits(logits, mb.response_ids, temperature)
+        logprobs = self.token_logprobs(logits, mb.response_ids)
         pg = F.policy_loss(
             logprobs, mb.logprobs, mb.advantages, mask, self.ppo.clip_range, self.ppo.dual_clip
         )
@@ -489,7 +537,7 @@ class PPOLightningModule(LightningModule):
         if self.ppo.entropy_coef > 0:
             # A vocabulary-wide softmax per token: only paid for when it is a loss term
             # (objective/entropy reports the rollout policy's entropy every iteration anyway).
-            entropy = F.masked_mean(F.entropy_from_logits(logits, temperature), mask)
+            entropy = F.masked_mean(self.token_entropy(logits), mask)
             loss = loss - self.ppo.entropy_coef * entropy
             stats["policy/entropy_avg"] = entropy.detach()
         if self.ppo.kl_placement == "loss":

@@ -22,6 +22,7 @@ METRICS_FILE = "metrics.csv"
 STEP_COLUMN = "step"
 DEFAULT_KEYS = (
     "objective/scores",
+    "eval/scores",
     "objective/kl",
     "objective/entropy",
     "returns/mean",
@@ -94,6 +95,28 @@ def _number(text: str | None) -> float | None:
         return None
 
 
+def panel_keys(
+    series: dict[str, tuple[list[float], list[float]]], keys: Sequence[str] | None = None
+) -> list[str]:
+    """The metrics drawn: ``keys`` (default :data:`DEFAULT_KEYS`) that have values in ``series``."""
+    wanted = list(keys) if keys else list(DEFAULT_KEYS)
+    skipped = [key for key in wanted if key not in series]
+    if skipped:
+        log.info("no values for %s, skipped", skipped)
+    return [key for key in wanted if key in series]
+
+
+def run_name(run_dir: str | Path, metrics_csv: Path) -> str:
+    """The run's folder name: ``run_dir``'s, above any logger folders (``csv/version_0``) it points into."""
+    folder = Path(run_dir).resolve()
+    if folder.is_file():
+        folder = folder.parent
+    logger_folders = {metrics_csv.parent.name, metrics_csv.parent.parent.name}
+    while folder.name in logger_folders and folder.parent != folder:
+        folder = folder.parent
+    return folder.name
+
+
 def moving_average(values: Sequence[float], window: int) -> list[float]:
     """Trailing mean over the last ``window`` values (fewer at the start), same length as ``values``."""
     out, total = [], 0.0
@@ -111,8 +134,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, keys: Sequence[
     Args:
         run_dir: A ``CSVLogger`` version folder or any parent of one (the newest log under it is used).
         out: PNG path to write; default ``run_dir/curves.png``.
-        keys: Logged metrics to draw, one panel each; default :data:`DEFAULT_KEYS`. Keys the log does
-            not have are skipped.
+        keys: Logged metrics to draw, one panel each; default :data:`DEFAULT_KEYS` (``eval/scores``
+            only drawn when the run validated). Keys the log does not have are skipped.
 
     Returns:
         The path of the PNG.
@@ -123,14 +146,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, keys: Sequence[
     """
     path = find_metrics_csv(run_dir)
     columns, series = read_metrics(path)
-    wanted = list(keys) if keys else list(DEFAULT_KEYS)
-    present = [key for key in wanted if key in series]
+    present = panel_keys(series, keys)
     if not present:
         available = [c for c in columns if c != STEP_COLUMN]
+        wanted = list(keys or DEFAULT_KEYS)
         raise ValueError(f"none of the keys {wanted} has values in {path}; available columns: {available}")
-    skipped = [key for key in wanted if key not in series]
-    if skipped:
-        log.info("not in %s, skipped: %s", path, skipped)
 
     ncols = min(_MAX_COLUMNS, len(present))
     nrows = math.ceil(len(present) / ncols)
@@ -148,7 +168,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, keys: Sequence[
         ax.grid(alpha=0.3)
     for ax in axes[len(present) :]:
         ax.set_axis_off()
-    fig.suptitle(f"{path.parent.name}: {len(series[present[0]][0])} iterations ({path})", fontsize=9)
+    iterations = len(series[present[0]][0])
+    fig.suptitle(f"{run_name(run_dir, path)}: {iterations} iterations ({path})", fontsize=9)
 
     if out is None:
         out = (Path(run_dir) if Path(run_dir).is_dir() else path.parent) / "curves.png"

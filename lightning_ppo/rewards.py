@@ -6,6 +6,7 @@ float tensor of shape (B,) or raises an error that names the reward and what was
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,101 @@ def reward_name(reward: RewardLike) -> str:
     if isinstance(reward, RewardFunction):
         return reward.name
     return getattr(reward, "__name__", type(reward).__name__)
+
+
+OUR_CONVENTION = "fn(prompts, completions, batch)  # batch: lightning_ppo.rewards.ScoreInputs"
+TRL_CONVENTION = (
+    "fn(prompts, completions, **kwargs)  # TRL's: completion_ids and every dataset column as keywords"
+)
+_TRL_KEYWORDS = ("prompts", "completions", "completion_ids")
+
+
+@dataclass
+class RewardCall:
+    """A reward on text and the convention it is called with, decided once from its signature.
+
+    Ours: ``fn(prompts, completions, batch)``. TRL's reward functions:
+    ``fn(prompts=..., completions=..., completion_ids=..., **columns)``, where ``completion_ids``
+    are each response's token ids up to and including the stop token (no padding) and every other
+    dataset column arrives as a keyword argument of its own name.
+    """
+
+    fn: RewardLike
+    trl: bool
+
+    @classmethod
+    def of(cls, fn: RewardLike) -> RewardCall:
+        """Inspect ``fn``'s signature; a signature that fits neither convention is a ``TypeError``."""
+        trl = uses_trl_convention(fn)
+        if trl is None:
+            name = reward_name(fn)
+            raise TypeError(
+                f"reward_fn {name!r} has the signature {name}{inspect.signature(fn)}, which fits neither "
+                f"way a reward is called:\n  {OUR_CONVENTION}\n  {TRL_CONVENTION}"
+            )
+        return cls(fn, trl)
+
+    @property
+    def name(self) -> str:
+        return reward_name(self.fn)
+
+    def __call__(self, prompts: list[str], completions: list[str], batch: ScoreInputs) -> Any:
+        if not self.trl:
+            return self.fn(prompts, completions, batch)
+        # The three names TRL passes win over dataset columns of the same name.
+        kwargs = {**batch.extras, "prompts": prompts, "completions": completions}
+        if batch.rollout is not None:
+            kwargs["completion_ids"] = completion_ids(batch.rollout)
+        self._check_columns(kwargs)
+        return self.fn(**kwargs)
+
+    def _check_columns(self, kwargs: dict[str, Any]) -> None:
+        """A TRL reward asking for a column the dataset lacks: say which columns there are."""
+        required = [
+            p.name
+            for p in inspect.signature(self.fn).parameters.values()
+            if p.default is inspect.Parameter.empty
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ]
+        missing = [name for name in required if name not in kwargs]
+        if missing:
+            columns = sorted(set(kwargs) - set(_TRL_KEYWORDS))
+            raise TypeError(
+                f"reward {self.name!r} needs the dataset column(s) {missing}; the batch has {columns}"
+            )
+
+
+def uses_trl_convention(fn: RewardLike) -> bool | None:
+    """``True``: TRL's keyword convention; ``False``: ours; ``None``: neither fits.
+
+    A ``**kwargs`` parameter and no third positional parameter (or one not named ``batch``, as in
+    TRL's ``f(prompts, completions, answer, **kwargs)``) means TRL's; otherwise a callable that takes
+    three positional arguments is ours.
+    """
+    Kind = inspect.Parameter
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False  # no inspectable signature (a builtin or C extension): call it our way
+    params = list(signature.parameters.values())
+    kinds = {p.kind for p in params}
+    named = [p for p in params if p.kind in (Kind.POSITIONAL_ONLY, Kind.POSITIONAL_OR_KEYWORD)]
+    third = named[2] if len(named) > 2 else None
+    takes_third = third is not None or Kind.VAR_POSITIONAL in kinds
+    if Kind.VAR_KEYWORD in kinds and Kind.POSITIONAL_ONLY not in kinds:
+        if not takes_third or (third is not None and third.name != "batch"):
+            return True
+    try:
+        signature.bind(None, None, None)
+    except TypeError:
+        return None
+    return False
+
+
+def completion_ids(rollout: Rollout) -> list[list[int]]:
+    """Each response's token ids up to and including its stop token, without padding."""
+    lengths = rollout.response_lengths.tolist()
+    return [row[:n] for row, n in zip(rollout.response_ids.tolist(), lengths, strict=True)]
 
 
 def check_scores(

@@ -74,17 +74,24 @@ def truncate_at_stop(
 
 
 def hf_generation_config(
-    config: GenerationConfig, stop_token_id: int, pad_token_id: int, do_sample: bool = True
+    config: GenerationConfig,
+    stop_token_id: int,
+    pad_token_id: int,
+    do_sample: bool = True,
+    suppressed: list[int] | None = None,
 ) -> transformers.GenerationConfig:
     """An explicit HF generation config, so that no default from the checkpoint (top_k=50,
     repetition penalty, ...) changes the distribution the log-probs are computed under.
-    ``do_sample=False`` gives greedy decoding (validation)."""
+    ``do_sample=False`` gives greedy decoding (validation). ``suppressed`` ids are never generated
+    (their logits are set to -inf; the trainer's log-probs mask the same ids)."""
+    suppress_tokens = list(suppressed) if suppressed else None
     if not do_sample:
         return transformers.GenerationConfig(
             do_sample=False,
             max_new_tokens=config.max_new_tokens,
             eos_token_id=stop_token_id,
             pad_token_id=pad_token_id,
+            suppress_tokens=suppress_tokens,
             use_cache=True,
         )
     return transformers.GenerationConfig(
@@ -95,6 +102,7 @@ def hf_generation_config(
         top_p=config.top_p,
         eos_token_id=stop_token_id,
         pad_token_id=pad_token_id,
+        suppress_tokens=suppress_tokens,
         use_cache=True,
     )
 

@@ -38,6 +38,24 @@ class CountCharReward(RewardFunction):
         return [c.count(self.char) / max(len(c), 1) for c in completions]
 
 
+# What the TRL-style rewards below received, one dict per call.
+TRL_CALLS: list[dict[str, Any]] = []
+
+
+def trl_answer_reward(prompts, completions, **kwargs):
+    """Written as TRL's reward functions are: 1 where the completion starts with the ``answer`` column."""
+    TRL_CALLS.append({"prompts": prompts, "completions": completions, **kwargs})
+    return [float(c.startswith(a)) for c, a in zip(completions, kwargs["answer"], strict=True)]
+
+
+class TRLLengthReward:
+    """A TRL-style callable class that names the dataset column it needs."""
+
+    def __call__(self, completions, answer, **kwargs):
+        TRL_CALLS.append({"completions": completions, "answer": answer, **kwargs})
+        return [-abs(len(c) - len(a)) for c, a in zip(completions, answer, strict=True)]
+
+
 class ShortAnswerModule(PPOLightningModule):
     """A subclass with its own reward: 1 for a response of at most two characters, else 0.
 

@@ -127,3 +127,47 @@ def test_default_root_dir_holds_the_whole_run(tiny_digits, tmp_path, monkeypatch
     # refused before any training: the first run's checkpoint is untouched and nothing was added
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == saved
     assert torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)["ppo_state"]["iteration"] == 2
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        # a list replaces the config's callbacks, PPOCheckpoint included
+        ([json.dumps([{"class_path": "lightning_ppo.callbacks.SampleTable"}])], ["SampleTable"]),
+        # `+=` appends one callback to them
+        (
+            ['--trainer.callbacks+={"class_path": "lightning_ppo.callbacks.SampleTable"}'],
+            ["TrainingSummary", "SampleTable", "SampleTable", "PPOCheckpoint"],
+        ),
+        # an empty list removes them all
+        (["[]"], []),
+    ],
+    ids=["list-replaces", "plus-appends", "empty-clears"],
+)
+def test_callbacks_on_the_command_line_replace_or_append_as_the_readme_says(
+    given, expected, tiny_digits, tmp_path
+):
+    from lightning_ppo import PPOLightningModule, PromptDataModule
+    from lightning_ppo.cli import PPOLightningCLI
+
+    args = [
+        "--config",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        "--model.init_args.policy",
+        str(tiny_digits),
+        "--trainer.default_root_dir",
+        str(tmp_path),
+    ]
+    args += given if given[0].startswith("--") else ["--trainer.callbacks", *given]
+    cli = PPOLightningCLI(
+        PPOLightningModule,
+        PromptDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        run=False,
+    )
+    ours = [
+        type(cb).__name__ for cb in cli.trainer.callbacks if type(cb).__module__.startswith("lightning_ppo")
+    ]
+    assert ours == expected

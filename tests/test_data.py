@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import warnings
 
 import datasets
 import lightning.pytorch as pl
@@ -394,3 +395,45 @@ def test_dataset_saved_to_disk_and_hparams(tok_path, tmp_path):
     assert first_batch(dm).extras == {"n": [1, 2]}
     in_memory = PromptDataModule(tokenizer=tok_path, prompts=["ab"], batch_size=1)
     assert "prompts" not in in_memory.hparams and in_memory.hparams.tokenizer == tok_path
+
+
+def save_wordpiece_policy(path) -> str:
+    """A BERT-style WordPiece tokenizer (it adds ``[CLS] ... [SEP]``, no EOS) and a tiny GPT-2 on it."""
+    from tokenizers import processors
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "the", "cat", "sat", "##s"])}
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]"
+    )
+    hf.save_pretrained(path)
+    config = GPT2Config(vocab_size=len(vocab), n_layer=1, n_embd=16, n_head=2, n_positions=32)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return str(path)
+
+
+def test_add_special_tokens_option_and_the_prompt_ending_with_the_stop_token_warning(tmp_path):
+    from lightning_ppo import GenerationConfig, PPOLightningModule
+    from tests.helpers import CountCharReward
+
+    path = save_wordpiece_policy(tmp_path / "wordpiece")
+    generation = GenerationConfig(max_new_tokens=2, stop_token="[SEP]")
+    module = PPOLightningModule(policy=path, reward_fn=CountCharReward(), generation=generation)
+    prompts = ["the cat sat", "the cats"]
+    default = make_dm(path, prompts=prompts, batch_size=2)  # today's behaviour: special tokens added
+    assert [row["input_ids"] for row in default.train_dataset] == [[2, 4, 5, 6, 3], [2, 4, 5, 7, 3]]
+    with pytest.warns(UserWarning, match="prompts end with the stop token '\\[SEP\\]'") as record:
+        module.generate(first_batch(default))
+        module.generate(first_batch(default))
+    assert len([w for w in record if "stop token" in str(w.message)]) == 1  # once per run
+    plain = make_dm(path, prompts=prompts, batch_size=2, add_special_tokens=False)
+    assert [row["input_ids"] for row in plain.train_dataset] == [[4, 5, 6], [4, 5, 7]]
+    quiet = PPOLightningModule(policy=path, reward_fn=CountCharReward(), generation=generation)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.generate(first_batch(plain))

@@ -155,3 +155,20 @@ def test_explained_variance():
     assert F.explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
     mean_only = torch.full_like(returns, 2.0)
     assert F.explained_variance(mean_only, returns, mask).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_suppressed_tokens_leave_the_distribution_and_its_entropy():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 6, requires_grad=True)
+    suppressed = [1, 4]
+    allowed = [0, 2, 3, 5]
+    every_token = torch.arange(6).expand(2, 3, 6).permute(2, 0, 1)  # (V, B, T): each token in turn
+    logprobs = torch.stack([F.logprobs_from_logits(logits, t, 1.3, suppressed) for t in every_token], -1)
+    assert torch.isinf(logprobs[..., suppressed]).all()
+    assert torch.allclose(logprobs[..., allowed].exp().sum(-1), torch.ones(2, 3))  # sums to 1 over allowed
+    renormalised = torch.log_softmax(logits[..., allowed] / 1.3, -1)
+    assert torch.allclose(logprobs[..., allowed], renormalised, atol=1e-6)
+    entropy = F.entropy_from_logits(logits, 1.3, suppressed)
+    assert torch.allclose(entropy, -(renormalised.exp() * renormalised).sum(-1), atol=1e-6)
+    entropy.sum().backward()  # 0 x -inf must not turn the gradient into NaN
+    assert torch.isfinite(logits.grad).all() and (logits.grad[..., suppressed] == 0).all()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_ppo.experience import Experience
-from lightning_ppo.metrics import experience_metrics
+from lightning_ppo.metrics import experience_metrics, score_metrics
 
 
 def _experience() -> Experience:
@@ -43,7 +43,6 @@ def test_rollout_metrics_hand_computed_padding_excluded():
     assert m["objective/entropy"] == pytest.approx((3.0 + 1.5) / 2)
     assert m["objective/non_score_reward"] == pytest.approx(-0.1 * (0.75 + 0.6) / 2)
     assert m["objective/rlhf_reward"] == pytest.approx((1.0 - 0.075 + 3.0 - 0.06) / 2)
-    assert m["objective/scores"] == pytest.approx(2.0)
     # real returns: 2, 1, 1, 1, 4 -> mean 1.8, unbiased std sqrt(((.2)^2 + 3 (.8)^2 + 2.2^2) / 4)
     assert m["returns/mean"] == pytest.approx(1.8)
     assert m["returns/std"] == pytest.approx(math.sqrt((0.04 + 3 * 0.64 + 4.84) / 4))
@@ -63,3 +62,15 @@ def test_critic_free_runs_report_no_explained_variance():
         exp, torch.zeros(2, 3), torch.ones(2, dtype=torch.bool), 0.1, with_critic=False
     )
     assert "val/explained_variance" not in metrics
+
+
+def test_score_metrics_report_the_raw_scores_of_the_kept_samples():
+    raw = torch.tensor([1.0, 3.0, float("nan"), 5.0])
+    shaped = torch.tensor([-1.0, 0.0, 0.0, 1.0])
+    dropped = torch.tensor([False, False, True, False])
+    m = {k: v.item() for k, v in score_metrics(raw, shaped, dropped, shaping=True).items()}
+    assert m["objective/scores"] == pytest.approx(3.0)
+    assert m["objective/scores_std"] == pytest.approx(math.sqrt(8 / 3))
+    assert m["objective/scores_normalized"] == pytest.approx(0.0)
+    assert m["reward/dropped"] == 1.0
+    assert "objective/scores_normalized" not in score_metrics(raw, shaped, dropped, shaping=False)

@@ -101,6 +101,20 @@ def test_logged_metrics_are_finite_and_consistent(tiny_gpt2, tmp_path):
     assert m["lr"] == pytest.approx(1e-3)
 
 
+def test_score_norm_keeps_the_raw_score_in_objective_scores(tiny_gpt2, tmp_path):
+    torch.manual_seed(0)
+    module = _module(tiny_gpt2, score_norm=True)
+    trainer = quiet_trainer(tmp_path, iterations=1)
+    trainer.fit(module, datamodule=prompt_data())
+    m = {k: float(v) for k, v in trainer.logged_metrics.items()}
+    raw = torch.tensor(module.last_samples.scores)  # CountCharReward's own fractions, in [0, 1]
+    assert m["objective/scores"] == pytest.approx(raw.mean().item(), abs=1e-6)
+    assert m["objective/scores_std"] == pytest.approx(raw.std(correction=0).item(), abs=1e-6)
+    # normalised by the moments of this very batch: mean 0
+    assert m["objective/scores_normalized"] == pytest.approx(0.0, abs=1e-5)
+    assert "objective/non_score_reward" in m
+
+
 def test_checkpoint_leaves_frozen_roles_out_and_restores_state(tiny_gpt2, tmp_path):
     torch.manual_seed(0)
     module = _module(tiny_gpt2, kl_target=1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import matplotlib.image
 import pytest
 
 from lightning_ppo.cli import main
-from lightning_ppo.plot import plot_run
+from lightning_ppo.plot import find_metrics_csv, panel_keys, plot_run, read_metrics, run_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,8 +39,21 @@ def test_plot_command_draws_a_png_from_a_real_run(tiny_digits, tmp_path):
             "[]",
             "--data.init_args.batch_size",
             "8",
+            "--trainer.val_check_interval",
+            "2",
+            "--trainer.limit_val_batches",
+            "1",
+            "--data.init_args.num_val_prompts",
+            "8",
         ]
     )
+    csv_path = find_metrics_csv(tmp_path / "run")
+    _, series = read_metrics(csv_path)
+    # eval rows carry the iteration too: one x-axis for training and evaluation
+    rows = list(csv.DictReader(csv_path.open()))
+    assert [row["iteration"] for row in rows if row["eval/scores"]] == ["2.0"]
+    assert panel_keys(series)[:2] == ["objective/scores", "eval/scores"]
+    assert run_name(tmp_path / "run", csv_path) == run_name(csv_path, csv_path) == "run"
     out = tmp_path / "curves.png"
     main(["plot", str(tmp_path / "run"), "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

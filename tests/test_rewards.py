@@ -125,9 +125,9 @@ def test_nan_reward_raises_naming_the_reward_or_is_dropped_and_counted(tiny_digi
 
     lenient = _digits_module(tiny_digits, reward_fn=nan_for_first, ppo={"on_bad_reward": "drop"})
     scores = lenient.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
-    shaped, dropped = lenient.shape_scores(scores, rollout)
-    assert dropped.tolist() == [True, False]
-    assert shaped.tolist() == [0.0, 1.0]
+    shaped = lenient.shape_scores(scores, rollout)
+    assert shaped.dropped.tolist() == [True, False]
+    assert shaped.shaped.tolist() == [0.0, 1.0]
     assert not rollout.response_mask[0].any() and rollout.response_mask[1].any()
 
 
@@ -164,10 +164,12 @@ def test_score_clip_and_running_normalisation(tiny_digits):
         response_mask=torch.ones(4, 2, dtype=torch.bool),
         ended=torch.ones(4, dtype=torch.bool),
     )
-    shaped, _ = module.shape_scores(torch.tensor([-5.0, 0.0, 1.0, 9.0]), rollout)
+    raw = torch.tensor([-5.0, 0.0, 1.0, 9.0])
+    shaped = module.shape_scores(raw, rollout)
     clipped = torch.tensor([-1.0, 0.0, 1.0, 1.0])
     expected = (clipped - clipped.mean()) / clipped.var(unbiased=False).sqrt()
-    assert torch.allclose(shaped, expected, atol=1e-5)
+    assert torch.allclose(shaped.shaped, expected, atol=1e-5)
+    assert torch.equal(shaped.raw, raw)  # what objective/scores and the sample table report
 
 
 def test_reward_model_chat_template_wraps_prompt_and_completion(tiny_gpt2, tmp_path):
@@ -199,3 +201,82 @@ def test_reward_model_chat_template_wraps_prompt_and_completion(tiny_gpt2, tmp_p
 def test_reward_chat_template_without_a_template_is_a_clear_error(tiny_gpt2, tiny_reward):
     with pytest.raises(ValueError, match="reward_chat_template"):
         _digits_module(tiny_gpt2, reward_model=str(tiny_reward), reward_chat_template=True)
+
+
+def _ours(prompts, completions, batch):
+    return [0.0] * len(completions)
+
+
+def _trl(prompts, completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def _trl_named_column(prompts, completions, answer, **kwargs):
+    return [0.0] * len(completions)
+
+
+def _ours_with_kwargs(prompts, completions, batch, **kwargs):
+    return [0.0] * len(completions)
+
+
+def _two_args(prompts, completions):
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize(
+    ("fn", "trl"),
+    [
+        (_ours, False),
+        (lambda p, c, b: [0.0], False),
+        (_ours_with_kwargs, False),
+        (_trl, True),
+        (_trl_named_column, True),
+        (lambda completions, **kw: [0.0], True),
+        (_two_args, None),
+        (lambda prompts, completions, batch, extra: [0.0], None),
+    ],
+)
+def test_the_call_convention_is_read_from_the_signature(fn, trl):
+    from lightning_ppo.rewards import uses_trl_convention
+
+    assert uses_trl_convention(fn) is trl
+
+
+def test_a_reward_with_a_wrong_signature_fails_before_any_model_loads(tmp_path):
+    from lightning_ppo import PPOLightningModule
+
+    # The policy path does not exist: the signature error must come first.
+    with pytest.raises(TypeError) as info:
+        PPOLightningModule(policy=str(tmp_path / "not-loaded"), reward_fn=_two_args)
+    message = str(info.value)
+    assert "reward_fn '_two_args' has the signature _two_args(prompts, completions)" in message
+    assert "fn(prompts, completions, batch)" in message and "fn(prompts, completions, **kwargs)" in message
+
+
+def test_trl_style_rewards_get_dataset_columns_and_completion_ids(tiny_gpt2, tmp_path):
+    import json
+
+    from lightning_ppo import PromptDataModule
+    from tests.helpers import TRL_CALLS, TRLLengthReward, quiet_trainer, trl_answer_reward
+
+    rows = [{"prompt": f"{i}{i + 1}=", "answer": str(i + 2)} for i in range(8)]
+    data_file = tmp_path / "prompts.jsonl"
+    data_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = PromptDataModule(data_files=str(data_file), batch_size=8, max_prompt_length=8)
+    torch.manual_seed(0)
+    module = _digits_module(tiny_gpt2, reward_fn=[trl_answer_reward, TRLLengthReward()])
+    TRL_CALLS.clear()
+    quiet_trainer(tmp_path, iterations=1).fit(module, datamodule=data)
+    assert len(TRL_CALLS) == 2  # one call of each reward
+    answers = {row["prompt"]: row["answer"] for row in rows}
+    function_call, class_call = TRL_CALLS
+    assert function_call["answer"] == [answers[p] for p in function_call["prompts"]]
+    assert class_call["answer"] == function_call["answer"]
+    ids = function_call["completion_ids"]
+    assert len(ids) == 8 and all(isinstance(t, int) for row in ids for t in row)
+    tokenizer = module.tokenizer
+    for row, completion in zip(ids, function_call["completions"], strict=True):
+        # cut right after the stop token, or all 6 tokens of a response that never stopped: no padding
+        assert module.stop_token_id not in row[:-1]
+        assert row[-1] == module.stop_token_id or len(row) == 6
+        assert tokenizer.decode(row, skip_special_tokens=True) == completion

@@ -118,7 +118,9 @@ def test_export_round_trip_gives_the_trained_policys_logits(lora, tiny_gpt2, tmp
     module = _module(tiny_gpt2, value_model="shared", lora=LoraSettings(r=4) if lora else None)
     trainer = _fit(module, tmp_path)
     trainer.save_checkpoint(tmp_path / "run.ckpt")
-    out = export_policy(tmp_path / "run.ckpt", tmp_path / "exported")
+    result = export_policy(tmp_path / "run.ckpt", tmp_path / "exported")
+    out = result.out
+    assert result.value_head and "value_head.pt" in result.describe()
     exported = AutoModelForCausalLM.from_pretrained(out)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
@@ -132,6 +134,20 @@ def test_export_round_trip_gives_the_trained_policys_logits(lora, tiny_gpt2, tmp
         assert written[key] == original[key], key
     assert "roles.value_head.weight" in torch.load(out / "value_head.pt", weights_only=True)
     assert (out / "tokenizer.json").exists()
+
+
+def test_export_of_a_critic_free_run_writes_and_reports_no_value_head(tiny_gpt2, tmp_path):
+    module = PPOLightningModule(
+        policy=str(tiny_gpt2),
+        reward_fn=CountCharReward(),
+        ppo=PPOConfig(advantage_estimator="grpo", num_generations=2, ppo_epochs=1, num_minibatches=2),
+        generation=GenerationConfig(max_new_tokens=4),
+    )
+    trainer = _fit(module, tmp_path, iterations=1)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    result = export_policy(tmp_path / "run.ckpt", tmp_path / "exported")
+    assert not result.value_head and not (result.out / "value_head.pt").exists()
+    assert "value" not in result.describe() and "critic" not in result.describe()
 
 
 def _reward_adapter(base, out):

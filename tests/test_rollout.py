@@ -97,3 +97,56 @@ def test_mixed_precision_generation_casts_once_and_leaves_no_stale_weights(tiny_
     with torch.no_grad():
         expected = model(input_ids=prompt_ids).logits  # fp32, new weights
     assert (after.float() - expected).abs().max() < 0.1 * expected.abs().max()
+
+
+def test_suppressed_tokens_are_never_sampled_and_logprobs_use_the_same_mask(tiny_gpt2):
+    """64 sampled responses hold no suppressed token, and the trainer's log-probs of the sampled
+    tokens equal generation's processed scores (-inf on suppressed tokens, / temperature)."""
+    from lightning_ppo import PPOLightningModule, PromptDataModule
+    from tests.helpers import CountCharReward
+
+    generation = GenerationConfig(max_new_tokens=8, temperature=0.7, suppress_tokens=["7", "a", 9])
+    module = PPOLightningModule(policy=str(tiny_gpt2), reward_fn=CountCharReward(), generation=generation)
+    suppressed = torch.tensor(module.suppressed_ids)
+    assert module.tokenizer.convert_tokens_to_ids("7") in module.suppressed_ids and 9 in module.suppressed_ids
+    data = PromptDataModule(prompts=["0"], batch_size=1)
+    data.set_tokenizer(module.tokenizer)
+    batch = data.make_batch([f"{i % 10}{(i * 3) % 10}=" for i in range(64)])
+    torch.manual_seed(0)
+    rollout = module.generate(batch)
+    sampled = rollout.response_ids[rollout.response_mask]
+    assert not torch.isin(sampled, suppressed).any()
+    torch.manual_seed(0)  # the same draw again, keeping generation's processed scores
+    with torch.no_grad():
+        out = module.policy.generate(
+            input_ids=batch.prompt_ids,
+            attention_mask=batch.prompt_mask.long(),
+            generation_config=module.hf_generation,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        forwards = module.rollout_forwards(rollout)
+    scores = torch.stack(out.scores, 1)[:, : rollout.response_ids.shape[1]]
+    assert torch.isinf(scores[..., suppressed]).all()
+    expected = torch.log_softmax(scores, -1).gather(-1, rollout.response_ids[..., None]).squeeze(-1)
+    mask = rollout.response_mask
+    assert torch.allclose(forwards.logprobs[mask], expected[mask], atol=1e-4)  # ratio == 1
+    # the reference is read under the same mask: at the start it is the policy, so KL is 0
+    assert torch.allclose(forwards.ref_logprobs, forwards.logprobs, atol=1e-5)
+    assert torch.isfinite(forwards.entropy).all()
+    # without suppression the same model does sample those tokens (the flag is what removes them)
+    plain = hf_generation_config(GenerationConfig(max_new_tokens=8, temperature=0.7), module.stop_token_id, 0)
+    torch.manual_seed(0)
+    unsuppressed = generate(module.policy, batch.prompt_ids, batch.prompt_mask, plain)
+    assert torch.isin(unsuppressed.response_ids[unsuppressed.response_mask], suppressed).any()
+
+
+def test_an_unknown_suppressed_token_names_the_field(tiny_gpt2):
+    import pytest
+
+    from lightning_ppo import PPOLightningModule
+    from tests.helpers import CountCharReward
+
+    generation = GenerationConfig(suppress_tokens=["<not-a-token>"])
+    with pytest.raises(ValueError, match="generation.suppress_tokens: '<not-a-token>' is not a single token"):
+        PPOLightningModule(policy=str(tiny_gpt2), reward_fn=CountCharReward(), generation=generation)

@@ -49,7 +49,9 @@ def test_stop_token_outside_the_vocabulary_fails_before_loading_weights(tmp_path
     build_char_tokenizer("0123456789=").save_pretrained(tmp_path)  # a tokenizer, no model weights
     with pytest.raises(ValueError, match="generation.stop_token '<end>' is not a single token"):
         PPOLightningModule(
-            policy=str(tmp_path), reward_fn=len, generation=GenerationConfig(stop_token="<end>")
+            policy=str(tmp_path),
+            reward_fn=lambda p, c, b: [0.0] * len(c),
+            generation=GenerationConfig(stop_token="<end>"),
         )
 
 

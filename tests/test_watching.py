@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from lightning_ppo.cli import main
+from lightning_ppo.samples import find_latest_samples, read_samples
 from lightning_ppo.wandb_offline import read_history
 
 # What users watch, named as TRL names them (see the README's "Watching training").
@@ -81,11 +82,23 @@ def test_offline_wandb_run_gets_samples_table_and_eval_scores(tiny_digits, tmp_p
     )
     assert 0.0 <= float(cli.trainer.callback_metrics["eval/scores"]) <= 1.0
     cli.trainer.logger.experiment.finish()
-    tables = sorted(tmp_path.rglob("samples_*.table.json"))
-    assert len(tables) == 2  # iterations 2 and 4
+    # W&B tables are named by the PPO iteration, not by W&B's own step counter
+    tables = sorted(tmp_path.rglob("media/table/samples/iteration_*.table.json"))
+    assert [t.name.split("_")[1] for t in tables] == ["000002", "000004"]
     table = json.loads(tables[-1].read_text())
     assert table["columns"] == ["iteration", "prompt", "completion", "score", "kl"]
     assert len(table["data"]) == 3 and all(row[1].endswith("=") for row in table["data"])
+    assert all(row[0] == 4 for row in table["data"])
+    # the same tables as jsonl in the run folder (the first logger's), for runs without W&B
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == [
+        "iteration_000002.jsonl",
+        "iteration_000004.jsonl",
+    ]
+    latest = find_latest_samples(tmp_path)
+    rows = read_samples(latest)
+    assert latest.name == "iteration_000004.jsonl"
+    assert [[row[c] for c in table["columns"]] for row in rows] == table["data"]
+    main(["samples", str(tmp_path), "--rows", "2"])
     # W&B's service process writes the run file in the background: give it a moment to catch up.
     deadline = time.monotonic() + 30
     history = read_history(tmp_path)
@@ -97,4 +110,27 @@ def test_offline_wandb_run_gets_samples_table_and_eval_scores(tiny_digits, tmp_p
     assert [row["iteration"] for row in train_rows] == [1.0, 2.0, 3.0, 4.0]
     for key in EXPECTED_KEYS:
         assert key in train_rows[-1], key
-    assert any("eval/scores" in row for row in history)
+    eval_rows = [row for row in history if "eval/scores" in row]
+    assert [row["iteration"] for row in eval_rows] == [2.0, 4.0]
+
+
+def test_checkpoints_are_named_by_iteration(tiny_gpt2, tmp_path):
+    import torch
+
+    from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+    from lightning_ppo.checkpoint import PPOCheckpoint
+    from tests.helpers import CountCharReward, prompt_data, quiet_trainer
+
+    module = PPOLightningModule(
+        policy=str(tiny_gpt2),
+        reward_fn=CountCharReward(),
+        ppo=PPOConfig(ppo_epochs=2, num_minibatches=2),
+        generation=GenerationConfig(max_new_tokens=4),
+    )
+    saver = PPOCheckpoint(every_n_iterations=2, monitor="objective/scores", mode="max", save_top_k=2)
+    torch.manual_seed(0)
+    # 3 iterations (the epoch's 3 batches): saved at iteration 2 (every_n) and 3 (epoch end)
+    quiet_trainer(tmp_path, iterations=3, callbacks=[saver]).fit(module, datamodule=prompt_data())
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))
+    # 4 optimizer steps per iteration: Lightning's default names would be epoch=0-step=8 and -step=12
+    assert names == ["iteration=2.ckpt", "iteration=3.ckpt", "last.ckpt"]

@@ -1,0 +1,81 @@
+"""Sample tables on disk: what the policy wrote, one jsonl file per logged iteration.
+
+``SampleTable`` writes ``<log folder>/samples/iteration_000100.jsonl``, one JSON object per sample
+(iteration, prompt, completion, score, kl); ``lightning-ppo samples RUN_DIR`` prints the latest
+one, so the text of a run can be read without W&B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+SAMPLES_FOLDER = "samples"
+COLUMNS = ("iteration", "prompt", "completion", "score", "kl")
+
+
+def sample_rows(
+    iteration: int,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    scores: Sequence[float],
+    kl: Sequence[float],
+) -> list[dict[str, Any]]:
+    """One row per sample; a non-finite score (dropped by ``on_bad_reward: drop``) becomes ``None``."""
+    return [
+        {
+            "iteration": iteration,
+            "prompt": p,
+            "completion": c,
+            "score": s if math.isfinite(s) else None,
+            "kl": k,
+        }
+        for p, c, s, k in zip(prompts, completions, scores, kl, strict=True)
+    ]
+
+
+def write_samples(log_dir: str | Path, iteration: int, rows: list[dict[str, Any]]) -> Path:
+    """Write ``rows`` to ``log_dir/samples/iteration_<iteration>.jsonl`` and return its path."""
+    path = Path(log_dir) / SAMPLES_FOLDER / f"iteration_{iteration:06d}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def find_latest_samples(run_dir: str | Path) -> Path:
+    """The most recently written samples file of a run: ``run_dir`` itself, or the newest under it.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` does not exist, or holds no samples file.
+    """
+    root = Path(run_dir)
+    if not root.exists():
+        raise FileNotFoundError(f"run folder not found: {root}")
+    if root.is_file():
+        return root
+    found = list(root.rglob(f"{SAMPLES_FOLDER}/iteration_*.jsonl"))
+    if not found:
+        raise FileNotFoundError(
+            f"no {SAMPLES_FOLDER}/iteration_*.jsonl under {root}: add the "
+            "lightning_ppo.callbacks.SampleTable callback to the run's trainer.callbacks"
+        )
+    return max(found, key=lambda p: (p.stat().st_mtime, p.name))
+
+
+def read_samples(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of one samples file."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def format_samples(rows: list[dict[str, Any]]) -> str:
+    """One line per sample: score, KL, and the prompt and completion as Python string literals
+    (so whitespace, newlines and an empty completion are visible)."""
+    lines = []
+    for row in rows:
+        score = "   n/a" if row["score"] is None else f"{row['score']:6.3f}"
+        lines.append(f"score {score}  kl {row['kl']:7.3f}  {row['prompt']!r} -> {row['completion']!r}")
+    return "\n".join(lines)
