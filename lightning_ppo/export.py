@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from lightning_ppo.errors import UsageError
@@ -45,6 +47,19 @@ def load_trained_policy(checkpoint: dict) -> PreTrainedModel:
     return model
 
 
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint file, or a sharded checkpoint folder (FSDP2's ``ModelParallelStrategy``) gathered
+    into one full state on the CPU, in one process, with no process group."""
+    if not path.is_dir():
+        return torch.load(path, map_location="cpu", weights_only=True)
+    if not (path / _METADATA_FILENAME).is_file():
+        raise UsageError(f"checkpoint: {str(path)!r} is a folder but not a sharded checkpoint (no meta.pt)")
+    # Lightning's own reader of the folders its ModelParallelStrategy writes: every shard of every
+    # tensor, then the non-tensor state (hyper-parameters) from meta.pt. It needs the whole model in
+    # CPU memory, as the exported folder does anyway.
+    return _load_distributed_checkpoint(path)
+
+
 @dataclass
 class Exported:
     """What :func:`export_policy` wrote, and where."""
@@ -66,7 +81,7 @@ def export_policy(checkpoint_path: str | Path, out_dir: str | Path, keep_adapter
     (if the run trained one)."""
     path = Path(checkpoint_path)
     check_checkpoint_file(str(path), field="checkpoint")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint = read_checkpoint(path)
     if "hyper_parameters" not in checkpoint or "policy" not in checkpoint["hyper_parameters"]:
         raise UsageError(
             f"{str(path)!r} is not a lightning_ppo checkpoint (no policy in its hyper_parameters)"
@@ -91,7 +106,8 @@ def export_main(argv: list[str]) -> Exported:
     """``lightning-ppo export CHECKPOINT --out DIR [--keep-adapter]``."""
     parser = argparse.ArgumentParser(prog="lightning-ppo export", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "checkpoint", help="a .ckpt written by lightning-ppo fit (e.g. runs/x/checkpoints/last.ckpt)"
+        "checkpoint",
+        help="a .ckpt file or sharded folder from lightning-ppo fit (e.g. runs/x/checkpoints/last.ckpt)",
     )
     parser.add_argument("--out", required=True, help="folder to write (created if missing)")
     parser.add_argument("--keep-adapter", action="store_true", help="save LoRA as a PEFT adapter, not merged")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import wandb
 
 from lightning_ppo.cli import main
 from tests.helpers import ShortAnswerModule, cli_usage_error
@@ -117,6 +118,7 @@ def test_default_root_dir_holds_the_whole_run(tiny_digits, tmp_path, monkeypatch
         *("--data.init_args.num_prompts", "64"),
     ]
     main(args)
+    wandb.finish()  # an in-process run stays open, and a later test's WandbLogger would join it
     assert (root / "checkpoints" / "last.ckpt").exists()
     assert (root / "csv" / "version_0" / "metrics.csv").exists()
     assert any((root / "wandb").glob("offline-run-*"))
@@ -124,6 +126,7 @@ def test_default_root_dir_holds_the_whole_run(tiny_digits, tmp_path, monkeypatch
     saved = sorted(p.name for p in (root / "checkpoints").iterdir())
 
     assert "last.ckpt belongs to an earlier run" in cli_usage_error(capsys, args)
+    wandb.finish()
     # refused before any training: the first run's checkpoint is untouched and nothing was added
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == saved
     assert torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)["ppo_state"]["iteration"] == 2

@@ -23,6 +23,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from lightning_ppo.export import export_policy
+
 ROOT = Path(__file__).resolve().parents[1]
 FSDP2 = {
     "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
@@ -133,7 +135,7 @@ def test_fsdp1_strategy_is_refused_with_a_pointer_to_model_parallel(tiny_digits,
     assert "ModelParallelStrategy" in done.stderr
 
 
-def test_fsdp2_resumes_exactly_from_a_sharded_checkpoint(tiny_digits, tmp_path):
+def test_fsdp2_resumes_exactly_and_exports_from_a_sharded_checkpoint(tiny_digits, tmp_path):
     saver = {
         "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
         "init_args": {"every_n_iterations": 1, "save_top_k": -1},
@@ -150,3 +152,13 @@ def test_fsdp2_resumes_exactly_from_a_sharded_checkpoint(tiny_digits, tmp_path):
         expected, got = trained(whole, rank), trained(resumed, rank)
         assert got.keys() == expected.keys()
         assert all(torch.equal(got[k], expected[k]) for k in got)  # bitwise: weights, Adam, RNG, data
+    # The sharded last checkpoint exports to an ordinary Hugging Face folder with the trained weights.
+    exported = export_policy(whole / "checkpoints" / "last.ckpt", tmp_path / "exported")
+    model = AutoModelForCausalLM.from_pretrained(exported.out)
+    expected = AutoModelForCausalLM.from_pretrained(tiny_digits)
+    weights = trained(whole, 0)
+    policy = {k.removeprefix("roles.policy."): v.float() for k, v in weights.items() if "roles.policy." in k}
+    assert not expected.load_state_dict(policy, strict=False).unexpected_keys
+    ids = torch.randint(0, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=0, atol=1e-5)
