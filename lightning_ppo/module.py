@@ -47,6 +47,7 @@ from lightning_ppo.sharding import (
     mixed_precision_policy,
     no_gradient_sync,
     reject_fsdp1,
+    reshard,
     shard_roles,
     uses_model_parallel,
 )
@@ -430,6 +431,8 @@ class PPOLightningModule(LightningModule):
         logprobs, ref_logprobs, values, entropy = (
             torch.cat(p).masked_fill(zero, 0.0) for p in zip(*parts, strict=True)
         )
+        if is_sharded(self):
+            reshard(self)  # the frozen roles' gathered weights, before the PPO epochs
         return RolloutForwards(logprobs, ref_logprobs, values, entropy)
 
     def token_logprobs(self, logits: Tensor, tokens: Tensor) -> Tensor:

@@ -128,6 +128,18 @@ def shard_roles(module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
         )
 
 
+def reshard(module: nn.Module) -> None:
+    """Free the whole weights FSDP2 still holds after forwards that no backward follows.
+
+    FSDP2 leaves a root unsharded after its forward (a backward usually follows at once and would
+    gather it again). The reference and the reward model never have a backward, so without this
+    their embeddings and heads would stay whole on every rank through the PPO epochs.
+    """
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 def is_sharded(module: nn.Module) -> bool:
     """Whether any submodule of ``module`` is an FSDP2 unit."""
     return any(isinstance(m, FSDPModule) for m in module.modules())
