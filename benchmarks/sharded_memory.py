@@ -7,7 +7,9 @@ Each setting runs in its own processes through the real Trainer and CLI-free Pyt
 separate layout (policy, reference copy, critic with its own backbone, reward model), AdamW.
 Reported per rank, from the tensors each rank actually holds (a DTensor counts its local shard):
 parameters (trained + frozen), gradients (one per trained parameter, alive during the backward
-pass), AdamW state, their sum, and the process's peak RSS; and the seconds per PPO iteration
+pass), AdamW state, their sum, the process's peak RSS (every rank loads the whole checkpoints
+before ``configure_model`` shards them, so the peak is set at loading) and its RSS after training;
+and the seconds per PPO iteration
 after a warm-up iteration (medians over the timed iterations, the slower rank).
 """
 
@@ -34,6 +36,12 @@ def _local_bytes(tensor) -> int:
 
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.numel() * local.element_size()
+
+
+def _current_rss_mib() -> float:
+    """This process's resident memory now (Linux), after training: the steady state, not the peak."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
 
 
 def measure(devices: int, strategy: str, policy: str, reward: str, iterations: int, out: str) -> None:
@@ -91,6 +99,7 @@ def measure(devices: int, strategy: str, policy: str, reward: str, iterations: i
         "grads_mb": grads / MB,
         "optimizer_mb": optimizer / MB,
         "peak_rss_mb": common.peak_rss_mib(),
+        "end_rss_mb": _current_rss_mib(),
         "s_per_iteration": timed[len(timed) // 2],
     }
     (Path(out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(row))
@@ -123,14 +132,15 @@ def main() -> None:
     print(f"{os.cpu_count()} CPU cores, {ns.iterations} iterations per setting (the first is warm-up)")
     print(
         "| setting | parameters (MB/rank) | gradients (MB/rank) | AdamW state (MB/rank) | sum (MB/rank) "
-        "| peak RSS (MB/rank) | s / iteration |"
+        "| peak RSS (MB/rank) | RSS after training (MB/rank) | s / iteration |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, row in rows.items():
         total = row["params_mb"] + row["grads_mb"] + row["optimizer_mb"]
         print(
             f"| {name} | {row['params_mb']:.0f} | {row['grads_mb']:.0f} | {row['optimizer_mb']:.0f} "
-            f"| {total:.0f} | {row['peak_rss_mb']:.0f} | {row['s_per_iteration']:.2f} |"
+            f"| {total:.0f} | {row['peak_rss_mb']:.0f} | {row['end_rss_mb']:.0f} "
+            f"| {row['s_per_iteration']:.2f} |"
         )
 
 
