@@ -99,6 +99,11 @@ LAYOUTS = {
     "full-shared": ["--model.init_args.value_model", "shared"],
     # PEFT inside fully_shard'ed blocks; generate goes around the PeftModel's forward.
     "lora-shared": ["--model.init_args.value_model", "shared", "--model.init_args.lora", '{"r": 4}'],
+    # critic-free, group advantages, KL in the loss
+    "grpo": [
+        *("--model.init_args.ppo.advantage_estimator", "grpo", "--model.init_args.ppo.num_generations", "2"),
+        *("--model.init_args.ppo.kl_placement", "loss", "--model.init_args.ppo.kl_estimator", "k3"),
+    ],
 }
 
 
