@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import datasets
 import transformers
 from jsonargparse import Namespace
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
@@ -23,6 +24,7 @@ from lightning_ppo.export import export_main
 from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.plot import DEFAULT_KEYS, plot_run
 from lightning_ppo.preflight import check_checkpoint_file, check_run_inputs
+from lightning_ppo.quiet import silence_intended_warnings
 from lightning_ppo.roles import LoraSettings
 from lightning_ppo.samples import find_latest_samples, format_samples, read_samples
 from lightning_ppo.sharding import reject_fsdp1
@@ -154,6 +156,8 @@ def main(args: list[str] | None = None) -> PPOLightningCLI | int | None:
     """
     # Tiny and cached checkpoints load in milliseconds; HF's per-load progress bars are only noise.
     transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()  # prompt files load in a moment; the bars only push logs away
+    silence_intended_warnings()
     with usage_errors_exit():
         cli = _run(args)
     if args is not None or cli is None:

@@ -40,3 +40,7 @@ class WandbLogger(loggers.WandbLogger):
 
     def __init__(self, save_dir: str | None = None, **kwargs: Any) -> None:
         super().__init__(save_dir=save_dir or ".", **kwargs)
+        # Lightning always passes wandb.init an `anonymous` entry, which wandb 0.31 has deprecated
+        # and warns about on every run even when it is None.
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)

@@ -28,6 +28,7 @@ from lightning_ppo.metrics import experience_metrics, score_metrics
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.preflight import check_sequence_fits
+from lightning_ppo.quiet import silence_intended_warnings
 from lightning_ppo.resume import setting_changes, weight_mismatch
 from lightning_ppo.rewards import (
     AdapterReward,
@@ -251,6 +252,7 @@ class PPOLightningModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         reject_fsdp1(self.trainer.strategy)
+        silence_intended_warnings()  # e.g. the frozen roles are in eval mode on purpose
         # Before the first rollout: past the model's positions generation fails with an IndexError.
         max_prompt_length = getattr(self.trainer.datamodule, "max_prompt_length", None)
         check_sequence_fits(

@@ -11,6 +11,7 @@ import transformers
 from torch import Tensor
 
 from lightning_ppo.config import GenerationConfig
+from lightning_ppo.quiet import quiet_generation
 
 
 @dataclass
@@ -138,7 +139,7 @@ def generate(
     was_training = model.training
     # Generation runs in eval mode: with gradient checkpointing in train mode HF drops the KV cache.
     model.eval()
-    with weights_cast_once(prompt_ids.device.type):
+    with weights_cast_once(prompt_ids.device.type), quiet_generation():
         sequences = model.generate(
             input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=generation_config
         )
