@@ -66,3 +66,14 @@ def score_metrics(raw: Tensor, shaped: Tensor, dropped: Tensor, shaping: bool) -
     if shaping:
         metrics["objective/scores_normalized"] = shaped[~dropped].mean()
     return metrics
+
+
+def reward_drowned(scores_std: float, kl_coef: float) -> bool:
+    """Whether the scores vary by less than ``kl_coef``: then the KL penalty, not the reward, decides.
+
+    The KL-regularised objective E[r] - kl_coef x KL is maximised by pi_ref x exp(r / kl_coef), whose
+    mean score exceeds the reference's by about Var(r) / kl_coef while that tilt is small: with a
+    spread under kl_coef, less than the spread itself, and learning looks flat. (A spread of 0 is
+    no scale problem: nothing varies yet, as with a sparse reward at the start.)
+    """
+    return 0 < scores_std < kl_coef

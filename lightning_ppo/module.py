@@ -24,7 +24,7 @@ from lightning_ppo.data import PromptBatch
 from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.metrics import experience_metrics, score_metrics
+from lightning_ppo.metrics import experience_metrics, reward_drowned, score_metrics
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.preflight import check_sequence_fits
@@ -224,6 +224,8 @@ class PPOLightningModule(LightningModule):
         self.episodes = 0
         self.last_samples: Samples | None = None
         self.consecutive_skips = 0
+        self._warned_drowned = False
+        self._score_spreads: list[float] = []
         self._warned_prompt_stop = False
 
     def _default_critic_source(self, policy: str, reward_model: str | None) -> str:
@@ -298,9 +300,27 @@ class PPOLightningModule(LightningModule):
         stats.update(experience_metrics(exp, forwards.entropy, rollout.ended, kl_coef, self.roles.has_critic))
         stats.update(score_metrics(scores.raw, scores.shaped, scores.dropped, self.ppo.shapes_scores))
         stats["kl_coef"] = kl_coef
+        self.warn_if_reward_is_drowned(scores.shaped[~scores.dropped], kl_coef)
         self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
         self.log_stats(stats, len(batch))
         self.last_samples = Samples(batch.prompts, completions, scores.raw.tolist(), exp.kl.sum(1).tolist())
+
+    def warn_if_reward_is_drowned(self, update_scores: Tensor, kl_coef: float) -> None:
+        """Warn once, after a few iterations, when the scores vary by less than ``kl_coef``."""
+        if self._warned_drowned or self.ppo.kl_placement != "reward" or len(update_scores) < 2:
+            return
+        self._score_spreads.append(float(update_scores.std(correction=0)))
+        spread = sum(self._score_spreads) / len(self._score_spreads)
+        if len(self._score_spreads) >= 5 and reward_drowned(spread, kl_coef):
+            self._warned_drowned = True
+            gain = spread**2 / kl_coef
+            rank_zero_warn(
+                f"the scores the update uses vary by {spread:.3g} (batch std, mean of "
+                f"{len(self._score_spreads)} iterations), less than the KL coefficient {kl_coef:.3g}: the "
+                f"KL-regularised optimum lies within about {gain:.2g} of the reference's mean score, so the "
+                "score will stay flat. Scale the reward up, set ppo.score_norm: true, or lower ppo.kl_coef "
+                "(README: reward scale and KL)"
+            )
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""
