@@ -246,3 +246,24 @@ def cli_usage_error(capsys, args: list[str]) -> str:
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith("lightning-ppo: error: "), errors
     return errors[0].removeprefix("lightning-ppo: error: ")
+
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+
+def saver(**init_args) -> dict:
+    """A ``PPOCheckpoint`` callback spec for ``--trainer.callbacks``."""
+    return {"class_path": "lightning_ppo.checkpoint.PPOCheckpoint", "init_args": init_args}
+
+
+def quickstart_fit_args(policy, root, callbacks: list[dict], *extra: str, prompts: int = 400) -> list[str]:
+    """``fit`` on the quickstart config, small and quiet: batch 8 of ``prompts`` digit prompts, no
+    logger, bar or validation, the given callbacks, everything under ``root``; ``extra`` last."""
+    return [
+        *("fit", "--config", str(QUICKSTART), "--model.init_args.policy", str(policy)),
+        *("--trainer.logger", "false", "--trainer.enable_progress_bar", "false"),
+        *("--trainer.default_root_dir", str(root), "--trainer.callbacks", json.dumps(callbacks)),
+        *("--trainer.val_check_interval", "null", "--trainer.limit_val_batches", "0"),
+        *("--data.init_args.batch_size", "8", "--data.init_args.num_prompts", str(prompts)),
+        *extra,
+    ]

@@ -21,7 +21,14 @@ from lightning_ppo.checkpoint_io import AtomicCheckpointIO, remove_stale_temp_fi
 from lightning_ppo.cli import main
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from lightning_ppo.writable import UnwritableFolderError
-from tests.helpers import DiskFullCheckpointIO, FillDisk, cli_usage_error, quiet_trainer
+from tests.helpers import (
+    DiskFullCheckpointIO,
+    FillDisk,
+    cli_usage_error,
+    quickstart_fit_args,
+    quiet_trainer,
+    saver,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = 4
@@ -29,36 +36,9 @@ ITERATIONS = 4
 
 def _cli_args(policy: Path, root: Path, *extra: str, ckpt: Path | None = None) -> list[str]:
     folder = root / "ckpt" if ckpt is None else ckpt
-    saver = {
-        "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
-        "init_args": {"every_n_iterations": 1, "dirpath": str(folder), "save_top_k": 0},
-    }
-    return [
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "quickstart.yaml"),
-        "--model.init_args.policy",
-        str(policy),
-        "--trainer.limit_train_batches",
-        str(ITERATIONS),
-        "--trainer.logger",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.default_root_dir",
-        str(root),
-        "--trainer.callbacks",
-        json.dumps([saver]),
-        "--trainer.val_check_interval",
-        "null",
-        "--trainer.limit_val_batches",
-        "0",
-        "--data.init_args.batch_size",
-        "8",
-        "--data.init_args.num_prompts",
-        "64",
-        *extra,
-    ]
+    callback = saver(every_n_iterations=1, dirpath=str(folder), save_top_k=0)
+    limit = ("--trainer.limit_train_batches", str(ITERATIONS))
+    return quickstart_fit_args(policy, root, [callback], *limit, *extra, prompts=64)
 
 
 def _iteration(path: Path) -> int:

@@ -3,7 +3,6 @@ same result, bit for bit."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,43 +14,17 @@ import pytest
 import torch
 
 from lightning_ppo.cli import main
+from tests.helpers import quickstart_fit_args, saver
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = 30
 
 
 def _args(policy: Path, root: Path, *callbacks: dict, every: int = 1) -> list[str]:
-    saver = {
-        "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
-        "init_args": {"every_n_iterations": every, "dirpath": str(root / "ckpt")},
-    }
-    return [
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "quickstart.yaml"),
-        "--model.init_args.policy",
-        str(policy),
-        "--trainer.limit_train_batches",
-        str(ITERATIONS),
-        "--trainer.logger",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.default_root_dir",
-        str(root),
-        "--trainer.callbacks",
-        json.dumps([saver, *callbacks]),
-        "--trainer.val_check_interval",
-        "null",
-        "--trainer.check_val_every_n_epoch",
-        "1",
-        "--trainer.limit_val_batches",
-        "0",
-        "--data.init_args.batch_size",
-        "8",
-        "--data.init_args.num_prompts",
-        "400",
-    ]
+    checkpoints = saver(every_n_iterations=every, dirpath=str(root / "ckpt"))
+    return quickstart_fit_args(
+        policy, root, [checkpoints, *callbacks], "--trainer.limit_train_batches", str(ITERATIONS)
+    )
 
 
 def _saved_iteration(path: Path) -> int:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_ppo.cli import main
-from tests.helpers import cli_usage_error
+from tests.helpers import cli_usage_error, quickstart_fit_args, saver
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_ITERATION = 4 * 2  # quickstart.yaml: ppo_epochs 4 x num_minibatches 2
@@ -18,42 +18,11 @@ TOTAL = 6
 
 
 def _args(policy: Path, root: Path, iterations: int, *extra: str) -> list[str]:
-    saver = {
-        "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
-        "init_args": {
-            "every_n_iterations": 2,
-            "dirpath": str(root / "ckpt"),
-            "monitor": "objective/scores",
-            "mode": "max",
-            "save_top_k": 1,
-        },
-    }
-    return [
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "quickstart.yaml"),
-        "--model.init_args.policy",
-        str(policy),
-        "--trainer.max_steps",
-        str(iterations * STEPS_PER_ITERATION),
-        "--trainer.logger",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.default_root_dir",
-        str(root),
-        "--trainer.callbacks",
-        json.dumps([saver]),
-        "--trainer.val_check_interval",
-        "null",
-        "--trainer.limit_val_batches",
-        "0",
-        "--data.init_args.batch_size",
-        "8",
-        "--data.init_args.num_prompts",
-        "400",
-        *extra,
-    ]
+    checkpoints = saver(
+        every_n_iterations=2, dirpath=str(root / "ckpt"), monitor="objective/scores", mode="max", save_top_k=1
+    )
+    steps = ("--trainer.max_steps", str(iterations * STEPS_PER_ITERATION))
+    return quickstart_fit_args(policy, root, [checkpoints], *steps, *extra)
 
 
 @pytest.fixture(scope="module")
