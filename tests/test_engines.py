@@ -3,6 +3,7 @@ weights that correct the policy loss for an engine's log-prob mismatch (hand-com
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -99,3 +100,11 @@ def test_hf_engine_generates_as_hf_generate(tiny_gpt2):
     assert torch.equal(rollout.response_ids, expected.response_ids)
     assert torch.equal(rollout.response_mask, expected.response_mask)
     assert rollout.engine_logprobs is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_vllm_engine_without_vllm_says_how_to_install(tiny_gpt2):
+    config = GenerationConfig(engine="vllm")
+    gen = hf_generation_config(config, 1, 0)
+    with pytest.raises(UsageError, match=r"generation.engine 'vllm' needs the vllm package.*pip install"):
+        make_engine(config, gen, str(tiny_gpt2), world_size=1, seed=0)
