@@ -48,7 +48,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 WANDB_MODE=offline $(VLLM_VENV)/bin/python -m pytest -q \
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 WANDB_MODE=offline $(VLLM_VENV)/bin/python -m pytest -q --durations=5 \
 		tests/test_vllm_engine.py tests/test_engines.py
 
 # PPO three ways (lightning_ppo, TRL 1.12.0, bare PyTorch), alternated: see benchmarks/bench.py.
