@@ -21,7 +21,7 @@ from lightning_ppo import functional as F
 from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
-from lightning_ppo.engines import GenerationEngine, make_engine
+from lightning_ppo.engines import GenerationEngine, Placement, make_engine
 from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
@@ -342,16 +342,19 @@ class PPOLightningModule(LightningModule):
         """The rollout's generation engine (``generation.engine``), built on first use: a vLLM
         engine needs the world size, known only once the Trainer runs."""
         if self._engine is None:
-            world_size = self._trainer.world_size if self._trainer is not None else 1
-            rank = self._trainer.global_rank if self._trainer is not None else 0
-            dtype = next(self.policy.parameters()).dtype
+            trainer = self._trainer
+            placement = (
+                Placement(trainer.world_size, trainer.global_rank, trainer.local_rank)
+                if trainer is not None
+                else Placement()
+            )
             self._engine = make_engine(
                 self.generation_config,
                 self.hf_generation,
                 self.policy_path,
-                world_size,
-                self.seed + rank,
-                dtype,
+                placement,
+                self.seed + placement.rank,
+                next(self.policy.parameters()).dtype,
             )
         return self._engine
 

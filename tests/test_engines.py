@@ -11,7 +11,7 @@ import torch
 
 from lightning_ppo import functional as F
 from lightning_ppo.config import GenerationConfig
-from lightning_ppo.engines import make_engine
+from lightning_ppo.engines import Placement, make_engine
 from lightning_ppo.engines.hf import HFEngine
 from lightning_ppo.errors import UsageError
 from lightning_ppo.metrics import engine_metrics
@@ -88,7 +88,7 @@ def test_bad_engine_settings_name_the_field(settings, field):
 def test_hf_engine_generates_as_hf_generate(tiny_gpt2):
     model = load_causal_lm(str(tiny_gpt2))
     gen = hf_generation_config(GenerationConfig(max_new_tokens=6, temperature=0.7), 1, 0)
-    engine = make_engine(GenerationConfig(), gen, str(tiny_gpt2), world_size=1, seed=0)
+    engine = make_engine(GenerationConfig(), gen, str(tiny_gpt2), Placement(), seed=0)
     assert isinstance(engine, HFEngine)
     prompt_ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
     prompt_mask = prompt_ids != 0
@@ -107,4 +107,4 @@ def test_vllm_engine_without_vllm_says_how_to_install(tiny_gpt2):
     config = GenerationConfig(engine="vllm")
     gen = hf_generation_config(config, 1, 0)
     with pytest.raises(UsageError, match=r"generation.engine 'vllm' needs the vllm package.*pip install"):
-        make_engine(config, gen, str(tiny_gpt2), world_size=1, seed=0)
+        make_engine(config, gen, str(tiny_gpt2), Placement(), seed=0)

@@ -171,36 +171,69 @@ def test_lora_policy_is_pushed_merged_and_left_unmerged(module, policy_dir):
     assert not any(getattr(m, "merged", False) for m in policy.modules())
 
 
-@pytest.mark.slow
-def test_quickstart_task_score_rises_with_the_vllm_engine(tmp_path):
-    """The quickstart run of tests/test_learning.py (60 iterations, GAE) with ``engine: vllm`` and
-    the token-level correction, through the CLI in a process of its own (one engine per process,
-    as in a real run: a second in-process vLLM engine miscounts the CPU memory left for its KV
-    cache). The checkpoint has one head of 64: the quickstart's four heads of 16 have no vLLM CPU
-    attention kernel."""
+def _fit_in_a_process(tmp_path: Path, overrides: dict[str, str]) -> list[dict[str, str]]:
+    """``lightning-ppo fit`` of the quickstart config with ``engine: vllm`` in a process of its own
+    (one engine per process, as in a real run: a second in-process vLLM engine miscounts the CPU
+    memory left for its KV cache); the CSV rows of its iterations. The checkpoint has one head of
+    64: the quickstart's four heads of 16 have no vLLM CPU attention kernel."""
     policy = make_tiny_checkpoint(tmp_path / "digits", TinyModelSpec(n_head=1), alphabet="0123456789=")
     args = {
         "--config": str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
         "--model.init_args.policy": str(policy),
-        "--model.init_args.ppo.kl_coef": "0.02",
         "--model.init_args.generation.engine": "vllm",
-        "--model.init_args.generation.engine_is_correction": "token",
-        "--model.init_args.generation.gpu_memory_utilization": "0.1",
-        "--trainer.limit_train_batches": "60",
+        "--model.init_args.generation.gpu_memory_utilization": "0.05",
         "--trainer.limit_val_batches": "0",
         "--trainer.default_root_dir": str(tmp_path),
         "--trainer.logger": '{"class_path": "lightning_ppo.loggers.CSVLogger"}',
         "--trainer.enable_progress_bar": "false",
         "--trainer.enable_checkpointing": "false",
         "--trainer.callbacks": "[]",
+        **overrides,
     }
-    command = [sys.executable, "-c", "from lightning_ppo.cli import main; main()", "fit"]
+    command = [sys.executable, "-m", "lightning_ppo.cli", "fit"]  # Lightning re-runs it per rank
     run = subprocess.run(
         command + [part for pair in args.items() for part in pair], capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr[-3000:]
     with open(next(tmp_path.glob("csv/version_*/metrics.csv"))) as file:
-        rows = [row for row in csv.DictReader(file) if row.get("objective/scores")]
+        return [row for row in csv.DictReader(file) if row.get("objective/scores")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "ddp",
+        '{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy", '
+        '"init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}',
+    ],
+    ids=["ddp", "fsdp2"],
+)
+def test_two_ranks_each_push_the_updated_weights_into_their_engine(strategy, tmp_path):
+    """Two CPU ranks (gloo), one engine each under vLLM's external launcher; under FSDP2 every
+    weight is gathered from its shards (``full_tensor()``) for the push. After each update the
+    engines sample from the new weights: the logged mismatch stays at float rounding."""
+    rows = _fit_in_a_process(
+        tmp_path,
+        {"--trainer.devices": "2", "--trainer.strategy": strategy, "--trainer.limit_train_batches": "3"},
+    )
+    assert len(rows) == 3
+    assert float(rows[-1]["objective/kl"]) > 0  # the policy moved away from the reference
+    assert all(float(r["engine/logp_abs_diff"]) < LOGPROB_TOLERANCE for r in rows)
+
+
+@pytest.mark.slow
+def test_quickstart_task_score_rises_with_the_vllm_engine(tmp_path):
+    """The quickstart run of tests/test_learning.py (60 iterations, GAE) with ``engine: vllm`` and
+    the token-level correction."""
+    rows = _fit_in_a_process(
+        tmp_path,
+        {
+            "--model.init_args.ppo.kl_coef": "0.02",
+            "--model.init_args.generation.engine_is_correction": "token",
+            "--trainer.limit_train_batches": "60",
+        },
+    )
     summary = summarise([float(r["objective/scores"]) for r in rows], float(rows[-1]["objective/kl"]), 0.0)
     assert summary.iterations == 60
     # the same bounds as the HF engine's run in tests/test_learning.py

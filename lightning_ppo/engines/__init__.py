@@ -8,6 +8,7 @@ knows which one sampled.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -18,6 +19,15 @@ from lightning_ppo.config import GenerationConfig
 from lightning_ppo.rollout import Rollout
 
 ENGINES = ("hf", "vllm")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this process sits among the training ranks (a colocated engine joins them)."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
 
 
 class GenerationEngine(Protocol):
@@ -34,7 +44,7 @@ def make_engine(
     config: GenerationConfig,
     hf_generation: transformers.GenerationConfig,
     policy_path: str,
-    world_size: int,
+    placement: Placement,
     seed: int,
     dtype: torch.dtype = torch.float32,
 ) -> GenerationEngine:
@@ -43,7 +53,7 @@ def make_engine(
     if config.engine == "vllm":
         from lightning_ppo.engines.vllm import VLLMEngine
 
-        return VLLMEngine(config, hf_generation, policy_path, world_size, seed, dtype)
+        return VLLMEngine(config, hf_generation, policy_path, placement, seed, dtype)
     from lightning_ppo.engines.hf import HFEngine
 
     return HFEngine(hf_generation)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_ppo.config import GenerationConfig
+from lightning_ppo.engines import Placement
 from lightning_ppo.errors import UsageError
 from lightning_ppo.rollout import Rollout, truncate_at_stop
 
@@ -50,7 +51,7 @@ class VLLMEngine:
         config: GenerationConfig,
         hf_generation: transformers.GenerationConfig,
         policy_path: str,
-        world_size: int,
+        placement: Placement,
         seed: int,
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -61,8 +62,11 @@ class VLLMEngine:
         self.max_new_tokens = hf_generation.max_new_tokens
         self.on_gpu = torch.cuda.is_available()
         kwargs: dict[str, Any] = {}
-        if world_size > 1:
+        if placement.world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+            # The external launcher reads torchrun's variables; Lightning's launcher sets no RANK.
+            os.environ.setdefault("RANK", str(placement.rank))
+            os.environ.setdefault("LOCAL_RANK", str(placement.local_rank))
         self.llm = vllm.LLM(
             model=policy_path,
             dtype=str(dtype).removeprefix("torch."),
