@@ -86,11 +86,14 @@ class VLLMEngine:
         self.hf_generation = hf_generation
         self.asleep = False
 
-    def sampling_params(self, seed: int) -> Any:
-        """One request's settings; ``seed`` makes its draw reproducible (and resumable)."""
+    def allowed_token_ids(self) -> list[int] | None:
+        """Every id but ``suppress_tokens`` (vLLM masks the others to -inf), or None for all."""
+        suppressed = set(self.hf_generation.suppress_tokens or ())
+        return [i for i in range(self.vocab_size) if i not in suppressed] if suppressed else None
+
+    def sampling_params(self, seed: int, allowed: list[int] | None) -> Any:
+        """One request's settings; ``seed`` makes its draw reproducible."""
         gen = self.hf_generation
-        suppressed = set(gen.suppress_tokens or ())
-        allowed = [i for i in range(self.vocab_size) if i not in suppressed] if suppressed else None
         sampled = bool(gen.do_sample)
         return self.vllm.SamplingParams(
             n=1,
@@ -126,10 +129,12 @@ class VLLMEngine:
             self.vllm.TokensPrompt(prompt_token_ids=row[mask].tolist())
             for row, mask in zip(prompt_ids, prompt_mask.bool(), strict=True)
         ]
-        # Per-request seeds from torch's generator: seed_everything and a resumed RNG state give
-        # the same draws again, and ranks (offset in setup) draw differently.
+        # Per-request seeds from torch's generator: seed_everything fixes the draws, and ranks
+        # (whose generators setup offsets) draw differently.
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
-        outputs = self.llm.generate(prompts, [self.sampling_params(s) for s in seeds], use_tqdm=False)
+        allowed = self.allowed_token_ids()
+        params = [self.sampling_params(seed, allowed) for seed in seeds]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         if self.on_gpu:
             self.llm.sleep(level=1)  # frees the KV cache for the PPO epochs
             self.asleep = True
