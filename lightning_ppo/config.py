@@ -15,6 +15,8 @@ _KL_ESTIMATORS = ("k1", "k2", "k3")
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 _KL_PLACEMENTS = ("reward", "loss")
 _BAD_REWARD_POLICIES = ("error", "drop")
+_ENGINES = ("hf", "vllm")
+_IS_LEVELS = ("token", "sequence")
 
 
 def _check(condition: bool, field: str, expected: str, value: object) -> None:
@@ -38,6 +40,15 @@ class GenerationConfig:
         eval_do_sample: Validation samples like training instead of decoding greedily.
         suppress_tokens: Tokens never sampled, as token strings (looked up in the tokenizer's
             vocabulary) or ids. Log-probs are computed under the same masked distribution.
+        engine: What samples rollouts: ``hf`` (Hugging Face ``generate`` on the policy) or
+            ``vllm`` (an in-process vLLM engine per rank, weights pushed from the policy every
+            iteration; needs the ``vllm`` extra). Validation always decodes with ``hf``.
+        engine_is_correction: Truncated importance sampling for the engine-vs-trainer log-prob
+            mismatch: ``token`` or ``sequence`` weights min(exp(logp_trainer - logp_engine), C)
+            multiply the policy loss; ``null`` (default) applies none. Needs ``engine: vllm``.
+        engine_is_cap: The truncation C of those weights (> 0).
+        gpu_memory_utilization: vLLM's share of the accelerator's memory for weights and KV cache
+            (on CPU it sizes the KV cache from the machine's memory instead).
     """
 
     max_new_tokens: int = 16
@@ -48,8 +59,32 @@ class GenerationConfig:
     forward_chunk_size: int = 0
     eval_do_sample: bool = False
     suppress_tokens: list[str | int] = field(default_factory=list)
+    engine: str = "hf"
+    engine_is_correction: str | None = None
+    engine_is_cap: float = 2.0
+    gpu_memory_utilization: float = 0.3
 
     def __post_init__(self) -> None:
+        _check(self.engine in _ENGINES, "generation.engine", f"one of {_ENGINES}", self.engine)
+        _check(
+            self.engine_is_correction is None or self.engine_is_correction in _IS_LEVELS,
+            "generation.engine_is_correction",
+            f"one of {_IS_LEVELS} or null",
+            self.engine_is_correction,
+        )
+        _check(
+            self.engine_is_correction is None or self.engine == "vllm",
+            "generation.engine_is_correction",
+            "null with generation.engine 'hf' (HF generate samples from the trained weights themselves)",
+            self.engine_is_correction,
+        )
+        _check(self.engine_is_cap > 0, "generation.engine_is_cap", "> 0", self.engine_is_cap)
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            "generation.gpu_memory_utilization",
+            "in (0, 1]",
+            self.gpu_memory_utilization,
+        )
         _check(self.max_new_tokens >= 1, "generation.max_new_tokens", ">= 1", self.max_new_tokens)
         _check(self.temperature > 0, "generation.temperature", "> 0", self.temperature)
         _check(self.top_k >= 0, "generation.top_k", ">= 0 (0 disables it)", self.top_k)

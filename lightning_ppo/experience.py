@@ -35,13 +35,16 @@ class Experience:
     rewards: Tensor  # (B, R) -kl_coef * kl, plus the score at the last real token
     advantages: Tensor  # (B, R) GAE advantages (whitened if configured), 0 on padding
     returns: Tensor  # (B, R) advantages + values before whitening, 0 on padding
+    # (B, R) truncated engine-vs-trainer importance weights of the policy loss; None without them
+    is_weights: Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def select(self, index: Tensor) -> Experience:
         """The rows ``index`` of every tensor."""
-        return Experience(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Experience(**{name: None if v is None else v[index] for name, v in values.items()})
 
     def minibatches(
         self, num: int, generator: torch.Generator | None = None, epochs: int = 1
@@ -75,10 +78,12 @@ def make_experience(
     scores: Tensor,
     kl_coef: float,
     config: PPOConfig,
+    is_weights: Tensor | None = None,
 ) -> Experience:
     """Turn a rollout, its log-probs, values and scores into per-token rewards, advantages, returns.
 
     With a critic-free estimator pass ``values`` as zeros: they are neither read nor trained.
+    ``is_weights`` (engine-vs-trainer importance weights) are carried to the policy loss.
     """
     mask = rollout.response_mask
     if config.missing_eos_penalty is not None:
@@ -105,6 +110,7 @@ def make_experience(
         rewards=rewards,
         advantages=advantages,
         returns=returns,
+        is_weights=is_weights,
     )
 
 

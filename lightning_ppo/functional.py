@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 KLEstimator = Literal["k1", "k2", "k3"]
+ISLevel = Literal["token", "sequence"]
 GroupEstimator = Literal["grpo", "rloo"]
 
 # Rows of a (B, T, V) logits tensor processed at once by the vocabulary-wide reductions: bounds
@@ -186,11 +187,13 @@ def policy_loss(
     mask: Tensor,
     clip_range: float,
     dual_clip: float | None = None,
+    is_weights: Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate: masked mean of ``max(-A r, -A clip(r, 1 - e, 1 + e))``.
 
     With ``dual_clip = c > 1`` (Ye et al., 2020), the per-token loss of a negative advantage is
     also capped at ``-c A``, so a huge ratio on a bad action cannot blow the update up.
+    ``is_weights`` (detached, see :func:`truncated_is_weights`) multiply each token's loss.
     ``approx_kl`` is 0.5 (log r)^2 averaged over real tokens, ``clipfrac`` the fraction of real
     tokens where the clipped term was the larger one, ``ratio`` the mean of r.
     """
@@ -201,6 +204,8 @@ def policy_loss(
     per_token = torch.maximum(unclipped, clipped)
     if dual_clip is not None:
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
+    if is_weights is not None:
+        per_token = per_token * is_weights
     loss = masked_mean(per_token, mask)
     with torch.no_grad():
         return PolicyLossOutput(
@@ -209,6 +214,34 @@ def policy_loss(
             approx_kl=0.5 * masked_mean(log_ratio.square(), mask),
             ratio=masked_mean(ratio, mask),
         )
+
+
+def engine_log_ratio(logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, level: ISLevel) -> Tensor:
+    """(B, T) log(p_trainer / p_engine) of the sampled tokens, 0 on padding.
+
+    ``sequence``: every token of a row carries the row's summed log-ratio (the log of the
+    sequence's probability ratio).
+    """
+    log_ratio = torch.where(mask.bool(), logprobs - engine_logprobs, torch.zeros_like(logprobs))
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        return log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio)
+    raise ValueError(f"importance sampling level must be 'token' or 'sequence', got {level!r}")
+
+
+def truncated_is_weights(
+    logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, level: ISLevel, cap: float
+) -> Tensor:
+    """(B, T) truncated importance weights ``min(exp(logp_trainer - logp_engine), cap)``, detached.
+
+    The engine sampled the tokens but the trainer's log-probs are what PPO optimises: the weights
+    correct the loss for the two distributions' difference, as TRL's vLLM colocate mode does;
+    truncation bounds the variance. 0 on padding.
+    """
+    with torch.no_grad():
+        weights = torch.exp(engine_log_ratio(logprobs, engine_logprobs, mask, level)).clamp(max=cap)
+        return torch.where(mask.bool(), weights, torch.zeros_like(weights))
 
 
 @dataclass

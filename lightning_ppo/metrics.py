@@ -77,3 +77,19 @@ def reward_drowned(scores_std: float, kl_coef: float) -> bool:
     no scale problem: nothing varies yet, as with a sparse reward at the start.)
     """
     return 0 < scores_std < kl_coef
+
+
+def engine_metrics(
+    logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, level: F.ISLevel, cap: float
+) -> dict[str, Tensor]:
+    """How far the sampling engine's log-probs are from the trainer's on the sampled tokens.
+
+    ``engine/logp_abs_diff`` is the mean |logp_engine - logp_trainer| over real tokens;
+    ``engine/is_truncated_fraction`` the fraction of real tokens whose importance weight (at
+    ``level``, ``token`` when no correction is applied) would be truncated at ``cap``.
+    """
+    log_ratio = F.engine_log_ratio(logprobs, engine_logprobs, mask, level)
+    return {
+        "engine/logp_abs_diff": F.masked_mean((logprobs - engine_logprobs).abs(), mask),
+        "engine/is_truncated_fraction": F.masked_mean((log_ratio.exp() > cap).float(), mask),
+    }

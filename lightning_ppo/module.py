@@ -21,10 +21,11 @@ from lightning_ppo import functional as F
 from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
+from lightning_ppo.engines import GenerationEngine, Placement, make_engine
 from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.metrics import experience_metrics, reward_drowned, score_metrics
+from lightning_ppo.metrics import engine_metrics, experience_metrics, reward_drowned, score_metrics
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.preflight import check_sequence_fits
@@ -175,6 +176,8 @@ class PPOLightningModule(LightningModule):
             }
         )
         self.ppo, self.generation_config, self.seed = ppo, generation, seed
+        self.policy_path = policy
+        self._engine: GenerationEngine | None = None
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.tokenizer = load_tokenizer(tokenizer or policy, trust_remote_code)
         self.stop_token_id = resolve_stop_token(self.tokenizer, generation.stop_token)
@@ -293,12 +296,14 @@ class PPOLightningModule(LightningModule):
             scores.shaped,
             kl_coef,
             self.ppo,
+            self.engine_is_weights(rollout, forwards.logprobs),
         )
         stats = self.ppo_update(exp)
         self.iteration += 1
         self.episodes += len(batch) * self.trainer.world_size
         stats.update(experience_metrics(exp, forwards.entropy, rollout.ended, kl_coef, self.roles.has_critic))
         stats.update(score_metrics(scores.raw, scores.shaped, scores.dropped, self.ppo.shapes_scores))
+        stats.update(self.engine_mismatch(rollout, forwards.logprobs))
         stats["kl_coef"] = kl_coef
         self.warn_if_reward_is_drowned(scores.shaped[~scores.dropped], kl_coef)
         self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
@@ -351,7 +356,47 @@ class PPOLightningModule(LightningModule):
     def generate(self, batch: PromptBatch) -> Rollout:
         """Sample one response per (repeated) prompt with the current policy."""
         self._warn_if_prompts_end_with_stop(batch)
-        return generate(self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_generation)
+        self.engine.sync_weights(self.policy)
+        return self.engine.generate(batch.prompt_ids, batch.prompt_mask)
+
+    @property
+    def engine(self) -> GenerationEngine:
+        """The rollout's generation engine (``generation.engine``), built on first use: a vLLM
+        engine needs the world size, known only once the Trainer runs."""
+        if self._engine is None:
+            trainer = self._trainer
+            placement = (
+                Placement(trainer.world_size, trainer.global_rank, trainer.local_rank)
+                if trainer is not None
+                else Placement()
+            )
+            self._engine = make_engine(
+                self.generation_config,
+                self.hf_generation,
+                self.policy_path,
+                placement,
+                self.seed + placement.rank,
+                next(self.policy.parameters()).dtype,
+            )
+        return self._engine
+
+    def engine_is_weights(self, rollout: Rollout, logprobs: Tensor) -> Tensor | None:
+        """Truncated engine-vs-trainer importance weights of the policy loss, if configured."""
+        level = self.generation_config.engine_is_correction
+        if level is None or rollout.engine_logprobs is None:
+            return None
+        cap = self.generation_config.engine_is_cap
+        return F.truncated_is_weights(logprobs, rollout.engine_logprobs, rollout.response_mask, level, cap)
+
+    def engine_mismatch(self, rollout: Rollout, logprobs: Tensor) -> dict[str, Tensor]:
+        """``engine/*`` metrics when an engine other than the trainer sampled, else none."""
+        if rollout.engine_logprobs is None:
+            return {}
+        config = self.generation_config
+        level = config.engine_is_correction or "token"
+        return engine_metrics(
+            logprobs, rollout.engine_logprobs, rollout.response_mask, level, config.engine_is_cap
+        )
 
     def _warn_if_prompts_end_with_stop(self, batch: PromptBatch) -> None:
         """Once per run: a prompt ending with the stop token (a tokenizer's trailing ``[SEP]``) asks
@@ -550,7 +595,7 @@ class PPOLightningModule(LightningModule):
         logits, values = self.roles.policy_forward(mb.input_ids, mb.attention_mask, mb.position_ids, length)
         logprobs = self.token_logprobs(logits, mb.response_ids)
         pg = F.policy_loss(
-            logprobs, mb.logprobs, mb.advantages, mask, self.ppo.clip_range, self.ppo.dual_clip
+            logprobs, mb.logprobs, mb.advantages, mask, self.ppo.clip_range, self.ppo.dual_clip, mb.is_weights
         )
         loss = pg.loss
         stats = {

@@ -28,6 +28,9 @@ class Rollout:
     response_ids: Tensor  # (B, R) long, pad after the stop token
     response_mask: Tensor  # (B, R) bool
     ended: Tensor  # (B,) bool, whether the response emitted the stop token
+    # (B, R) the sampling engine's own log-probs of the response tokens, 0 past each response's
+    # end; None where the trainer's weights sampled (HF generate), so there is nothing to compare.
+    engine_logprobs: Tensor | None = None
 
     @property
     def input_ids(self) -> Tensor:

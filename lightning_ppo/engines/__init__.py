@@ -1,0 +1,59 @@
+"""Generation engines: what samples the rollout batch from the current policy.
+
+``hf`` (the default) is Hugging Face ``generate`` on the trained policy itself. ``vllm`` is an
+in-process vLLM engine colocated with training, whose weights are pushed from the policy once per
+iteration. Both return the same :class:`~lightning_ppo.rollout.Rollout`, so nothing downstream
+knows which one sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import transformers
+from torch import Tensor, nn
+
+from lightning_ppo.config import GenerationConfig
+from lightning_ppo.rollout import Rollout
+
+ENGINES = ("hf", "vllm")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this process sits among the training ranks (a colocated engine joins them)."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+
+
+class GenerationEngine(Protocol):
+    """Samples one response per left-padded prompt from the weights last synced."""
+
+    def sync_weights(self, policy: nn.Module) -> None:
+        """Make the next :meth:`generate` sample from ``policy``'s current weights."""
+
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor) -> Rollout:
+        """Responses masked at the first stop token; ``engine_logprobs`` set where the engine has them."""
+
+
+def make_engine(
+    config: GenerationConfig,
+    hf_generation: transformers.GenerationConfig,
+    policy_path: str,
+    placement: Placement,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+) -> GenerationEngine:
+    """The engine ``config.engine`` names, sampling as ``hf_generation`` says. vLLM (which loads
+    ``policy_path`` in ``dtype``) is imported only when asked for."""
+    if config.engine == "vllm":
+        from lightning_ppo.engines.vllm import VLLMEngine
+
+        return VLLMEngine(config, hf_generation, policy_path, placement, seed, dtype)
+    from lightning_ppo.engines.hf import HFEngine
+
+    return HFEngine(hf_generation)

@@ -1,0 +1,110 @@
+"""The generation-engine seam: the HF engine, the engine settings, and the truncated importance
+weights that correct the policy loss for an engine's log-prob mismatch (hand-computed numbers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from lightning_ppo import functional as F
+from lightning_ppo.config import GenerationConfig
+from lightning_ppo.engines import Placement, make_engine
+from lightning_ppo.engines.hf import HFEngine
+from lightning_ppo.errors import UsageError
+from lightning_ppo.metrics import engine_metrics
+from lightning_ppo.models import load_causal_lm
+from lightning_ppo.rollout import generate, hf_generation_config
+
+LOGPROBS = torch.tensor([[-1.0, -2.0, -0.5]])  # the trainer's
+ENGINE = torch.tensor([[-1.5, -1.0, -0.5]])  # the engine's: log-ratios 0.5, -1.0 (and padding)
+MASK = torch.tensor([[True, True, False]])
+
+
+def test_token_weights_are_exp_log_ratio_truncated_at_the_cap():
+    weights = F.truncated_is_weights(LOGPROBS, ENGINE, MASK, "token", cap=1.5)
+    # exp(0.5) = 1.6487 > 1.5 is truncated; exp(-1) = 0.3679 is kept; padding is 0
+    assert torch.allclose(weights, torch.tensor([[1.5, math.exp(-1.0), 0.0]]))
+
+
+def test_sequence_weights_use_the_sequence_log_ratio_on_every_token():
+    weights = F.truncated_is_weights(LOGPROBS, ENGINE, MASK, "sequence", cap=2.0)
+    expected = math.exp(0.5 - 1.0)  # 0.6065
+    assert torch.allclose(weights, torch.tensor([[expected, expected, 0.0]]))
+    truncated = F.truncated_is_weights(LOGPROBS, ENGINE, MASK, "sequence", cap=0.5)
+    assert torch.allclose(truncated, torch.tensor([[0.5, 0.5, 0.0]]))
+
+
+def test_weights_are_detached():
+    logprobs = LOGPROBS.clone().requires_grad_()
+    assert not F.truncated_is_weights(logprobs, ENGINE, MASK, "token", cap=2.0).requires_grad
+
+
+def test_policy_loss_multiplies_each_token_by_its_weight():
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    logprobs = old.clone().requires_grad_()
+    advantages = torch.ones(1, 3)
+    weights = torch.tensor([[2.0, 0.5, 0.0]])
+    out = F.policy_loss(logprobs, old, advantages, MASK, clip_range=0.2, is_weights=weights)
+    # ratio 1: per-token losses -1 x 2 and -1 x 0.5, averaged over the two real tokens
+    assert out.loss.item() == pytest.approx(-1.25)
+    out.loss.backward()
+    # d(-A w r)/d logp = -A w r / 2 tokens: the weights scale each token's gradient
+    assert torch.allclose(logprobs.grad, torch.tensor([[-1.0, -0.25, 0.0]]))
+
+
+def test_policy_loss_without_weights_is_unchanged_bit_for_bit():
+    torch.manual_seed(0)
+    logprobs, old, advantages = torch.randn(3, 4, 5).unbind(0)
+    mask = torch.rand(4, 5) > 0.3
+    plain = F.policy_loss(logprobs, old, advantages, mask, 0.2, 3.0)
+    none = F.policy_loss(logprobs, old, advantages, mask, 0.2, 3.0, is_weights=None)
+    assert torch.equal(plain.loss, none.loss) and torch.equal(plain.clipfrac, none.clipfrac)
+
+
+def test_engine_metrics_by_hand():
+    stats = engine_metrics(LOGPROBS, ENGINE, MASK, "token", cap=1.5)
+    assert stats["engine/logp_abs_diff"].item() == pytest.approx(0.75)  # (0.5 + 1.0) / 2
+    assert stats["engine/is_truncated_fraction"].item() == pytest.approx(0.5)  # exp(0.5) > 1.5 only
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"engine": "sglang"}, "generation.engine"),
+        ({"engine_is_correction": "token"}, "generation.engine_is_correction"),  # with engine hf
+        ({"engine": "vllm", "engine_is_correction": "batch"}, "generation.engine_is_correction"),
+        ({"engine": "vllm", "engine_is_cap": 0.0}, "generation.engine_is_cap"),
+        ({"gpu_memory_utilization": 1.5}, "generation.gpu_memory_utilization"),
+    ],
+)
+def test_bad_engine_settings_name_the_field(settings, field):
+    with pytest.raises(UsageError, match=field):
+        GenerationConfig(**settings)
+
+
+def test_hf_engine_generates_as_hf_generate(tiny_gpt2):
+    model = load_causal_lm(str(tiny_gpt2))
+    gen = hf_generation_config(GenerationConfig(max_new_tokens=6, temperature=0.7), 1, 0)
+    engine = make_engine(GenerationConfig(), gen, str(tiny_gpt2), Placement(), seed=0)
+    assert isinstance(engine, HFEngine)
+    prompt_ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    prompt_mask = prompt_ids != 0
+    engine.sync_weights(model)
+    torch.manual_seed(0)
+    rollout = engine.generate(prompt_ids, prompt_mask)
+    torch.manual_seed(0)
+    expected = generate(model, prompt_ids, prompt_mask, gen)
+    assert torch.equal(rollout.response_ids, expected.response_ids)
+    assert torch.equal(rollout.response_mask, expected.response_mask)
+    assert rollout.engine_logprobs is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_vllm_engine_without_vllm_says_how_to_install(tiny_gpt2):
+    config = GenerationConfig(engine="vllm")
+    gen = hf_generation_config(config, 1, 0)
+    with pytest.raises(UsageError, match=r"generation.engine 'vllm' needs the vllm package.*pip install"):
+        make_engine(config, gen, str(tiny_gpt2), Placement(), seed=0)
