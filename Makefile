@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install quickstart test test-vllm lint tiny clean bench
+.PHONY: install quickstart test test-vllm lint tiny clean bench bench-engines
 
 # Install CPU torch 2.13.0 first when no torch is present: an unpinned torch would pull CUDA wheels.
 $(STAMP): pyproject.toml
@@ -53,12 +53,23 @@ test-vllm: $(VLLM_STAMP)
 
 # PPO three ways (lightning_ppo, TRL 1.12.0, bare PyTorch), alternated: see benchmarks/bench.py.
 # BENCH_ARGS="--threads 1" on a machine shared with other jobs, "--quick" for a smoke run.
+# The lightning_ppo_vllm variant (generation.engine: vllm) runs with $(VLLM_VENV)'s interpreter
+# (`make test-vllm` builds it) and is skipped, saying why, where that cannot import vllm.
+# `make bench-engines`: hf vs vllm beside TRL and the floor, medium GPT-2, fp32, no scaling table;
+# the same as make bench BENCH_ARGS="--configs medium --precisions 32 --no-scaling
+# --variants lightning_ppo,lightning_ppo_vllm,trl,floor".
+BENCH_ENGINES_ARGS ?= --configs medium --precisions 32 --no-scaling \
+	--variants lightning_ppo,lightning_ppo_vllm,trl,floor
 $(VENV)/.bench-installed: $(STAMP) pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[bench]"
 	touch $@
 
 bench: $(VENV)/.bench-installed
-	$(BIN)/python -m benchmarks.bench $(BENCH_ARGS)
+	LIGHTNING_PPO_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m benchmarks.bench $(BENCH_ARGS)
+
+bench-engines: $(VENV)/.bench-installed
+	LIGHTNING_PPO_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m benchmarks.bench \
+		$(BENCH_ENGINES_ARGS) $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check lightning_ppo tests benchmarks

@@ -3,11 +3,18 @@
     python -m benchmarks.bench               # CPU: small and medium GPT-2, fp32 and bf16-mixed, + scaling
     python -m benchmarks.bench --threads 1   # the same on a machine shared with other jobs
     python -m benchmarks.bench --quick       # smoke run: tiny model, lightning_ppo (both critics), floor
+    python -m benchmarks.bench --configs medium --precisions 32 --no-scaling \
+        --variants lightning_ppo,lightning_ppo_vllm,trl,floor   # the generation engines, hf vs vllm
 
 Variants: ``lightning_ppo`` (the real Trainer and PPOLightningModule, ``run_lightning.py``), ``trl``
 (TRL 1.12.0's PPO trainer, ``run_trl.py``; skipped when TRL is not importable) and ``floor`` (bare
-PyTorch, ``floor.py``). For every (config, precision) the variants run one after another in a
-rotating order (``--rounds`` times), so that drift in the machine's speed hits all of them alike.
+PyTorch, ``floor.py``), plus ``lightning_ppo_shared`` (one backbone for policy and critic) and
+``lightning_ppo_vllm`` (``generation.engine: vllm``, run with the interpreter of a vLLM environment:
+``--vllm-python``, else ``$LIGHTNING_PPO_VLLM_PYTHON``, else ``.venv-vllm/bin/python``; skipped with
+the reason printed where that interpreter or ``import vllm`` is missing, and on CPU for a model
+preset whose head size vLLM's CPU attention has no kernel for). For every (config, precision)
+the variants run one after another in a rotating order (``--rounds`` times), so that drift in
+the machine's speed hits all of them alike.
 With CUDA (``--device auto`` finds it) the default is a ~0.5B Llama-style model in bf16-mixed, with
 peak GPU memory and model FLOPs utilisation; ``--device cuda`` without CUDA skips cleanly.
 Checkpoints are built from configs in a temporary folder: nothing is downloaded. The report
@@ -36,7 +43,14 @@ RUNNERS = {
     "trl": "benchmarks.run_trl",
     "floor": "benchmarks.floor",
     "lightning_ppo_shared": "benchmarks.run_lightning",
+    "lightning_ppo_vllm": "benchmarks.run_lightning",
 }
+# The generation engine of each lightning_ppo variant (RunSpec.engine); "hf" where not named.
+ENGINES = {"lightning_ppo_vllm": "vllm"}
+VLLM_VARIANT = "lightning_ppo_vllm"
+# The vLLM environment `make test-vllm` builds; --vllm-python or this variable name another.
+VLLM_PYTHON_ENV = "LIGHTNING_PPO_VLLM_PYTHON"
+DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 @dataclass
@@ -110,6 +124,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--retry-busy", type=int, default=0, help="rerun a run up to N times if others used its cores"
     )
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
+    p.add_argument(
+        "--vllm-python",
+        default=os.environ.get(VLLM_PYTHON_ENV) or str(DEFAULT_VLLM_PYTHON),
+        help=f"interpreter of the lightning_ppo_vllm variant, one that can import vllm "
+        f"(default: ${VLLM_PYTHON_ENV}, else {DEFAULT_VLLM_PYTHON.relative_to(ROOT)})",
+    )
     p.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="folder for the report, results, logs")
     args = p.parse_args(argv)
     if args.rounds is None:
@@ -130,9 +150,61 @@ def trl_available() -> bool:
         return False
 
 
+# Asked of the vLLM interpreter: that vllm imports, and the head sizes of its CPU attention.
+VLLM_PROBE = """
+import json, vllm
+try:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    sizes = sorted(CPUAttentionBackend.get_supported_head_sizes())
+except Exception:
+    sizes = None
+print(json.dumps({"version": vllm.__version__, "cpu_head_sizes": sizes}))
+"""
+
+
+def probe_vllm(python: str) -> tuple[dict | None, str | None]:
+    """(what the vLLM interpreter reports, None), or (None, why the vLLM variant cannot run)."""
+    if not (Path(python).is_file() and os.access(python, os.X_OK)):
+        return None, f"no interpreter at {python} (`make test-vllm` builds .venv-vllm; or --vllm-python)"
+    try:
+        proc = run([python, "-c", VLLM_PROBE], capture_output=True, text=True, timeout=300, check=False)
+    except (OSError, TimeoutExpired) as err:
+        return None, f"{python} could not be run: {err}"
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, f"`import vllm` fails with {python}: {last[:200]}"
+    return json.loads(lines[-1]), None
+
+
+def vllm_preset_skips(info: dict, presets: list[str], device: str) -> dict[str, str]:
+    """Model presets the vLLM variant cannot run here, with the reason: on CPU, a head size that
+    vLLM's CPU attention has no kernel for (16: the tiny presets)."""
+    sizes = info.get("cpu_head_sizes")
+    if device != "cpu" or not sizes:
+        return {}
+    skips = {}
+    for name in presets:
+        preset = common.PRESETS[name]
+        head = preset.n_embd // preset.n_head
+        if head not in sizes:
+            skips[name] = (
+                f"{VLLM_VARIANT} skipped for {report.model_label(name)}: head size {head}, and vLLM "
+                f"{info.get('version')}'s CPU attention has kernels for head sizes {sizes} only"
+            )
+    return skips
+
+
 # ----------------------------------------------------------------------------- planning
-def plan(args: argparse.Namespace, s: Settings, device: str, checkpoints: dict) -> list[report.Job]:
-    """The main table's runs in rotating variant order, then the scaling runs (lightning_ppo only)."""
+def plan(
+    args: argparse.Namespace,
+    s: Settings,
+    device: str,
+    checkpoints: dict,
+    skip: frozenset[tuple[str, str]] = frozenset(),
+) -> list[report.Job]:
+    """The main table's runs in rotating variant order, then the scaling runs (lightning_ppo only).
+    ``skip``: (variant, preset) pairs not run."""
 
     def spec(variant: str, preset: str, precision: str) -> common.RunSpec:
         policy, reward = checkpoints[preset]
@@ -150,11 +222,14 @@ def plan(args: argparse.Namespace, s: Settings, device: str, checkpoints: dict) 
             iterations=s.iterations,
             phases=not args.no_phases,
             threads=s.threads,
+            engine=ENGINES.get(variant, "hf"),
         )
 
-    variants = s.variants.split(",")
     jobs, rotation = [], 0
     for preset in s.configs.split(","):
+        variants = [v for v in s.variants.split(",") if (v, preset) not in skip]
+        if not variants:
+            continue
         for precision in s.precisions.split(","):
             for _ in range(args.rounds):
                 k = rotation % len(variants)
@@ -166,6 +241,8 @@ def plan(args: argparse.Namespace, s: Settings, device: str, checkpoints: dict) 
         planned = {report.point_key(job.spec) for job in jobs}
         for batch, length in points:
             for variant in args.scaling_variants.split(","):
+                if (variant, s.scaling_config) in skip or variant not in RUNNERS:
+                    continue
                 point = spec(variant, s.scaling_config, s.scaling_precision)
                 point = replace(
                     point, batch_size=batch, response_length=length, iterations=args.scaling_iterations
@@ -217,9 +294,15 @@ class CpuMeter:
 
 
 def run_job(
-    job: report.Job, index: int, work: Path, logs: Path, meter: CpuMeter, timeout: float
+    job: report.Job,
+    index: int,
+    work: Path,
+    logs: Path,
+    meter: CpuMeter,
+    timeout: float,
+    python: str = sys.executable,
 ) -> report.Done:
-    """Run one variant in a subprocess; a failure is recorded, not raised."""
+    """Run one variant in a subprocess of ``python``; a failure is recorded, not raised."""
     spec = job.spec
     name = (
         f"{index:02d}-{spec.variant}-{spec.preset}-{report.PRECISION_LABEL[spec.precision]}"
@@ -235,7 +318,10 @@ def run_job(
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
-    command = [sys.executable, "-m", RUNNERS[spec.variant], str(spec_path), str(result_path)]
+    if spec.engine == "vllm":
+        # The engine runs in this process (the policy's weights are pushed to it by reference).
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    command = [python, "-m", RUNNERS[spec.variant], str(spec_path), str(result_path)]
     busy, own, start = meter.busy_seconds(), meter.children_seconds(), time.perf_counter()
     with log_path.open("w") as log:
         try:
@@ -295,6 +381,21 @@ def main(argv: list[str] | None = None) -> int:
         print(notes[-1])
         if not s.variants:
             return 0
+    skip: set[tuple[str, str]] = set()
+    if VLLM_VARIANT in s.variants.split(","):
+        info, why = probe_vllm(args.vllm_python)
+        if why is not None:
+            s.variants = ",".join(v for v in s.variants.split(",") if v != VLLM_VARIANT)
+            notes.append(f"{VLLM_VARIANT} is skipped: {why}.")
+            print(notes[-1])
+            if not s.variants:
+                return 0
+        else:
+            notes.append(f"{VLLM_VARIANT}: vLLM {info['version']}, run with {args.vllm_python}")
+            for preset, reason in vllm_preset_skips(info, s.configs.split(","), device).items():
+                skip.add((VLLM_VARIANT, preset))
+                notes.append(reason + ".")
+                print(notes[-1])
     out, started, load_start = Path(args.out), time.strftime("%Y-%m-%d %H:%M %Z"), os.getloadavg()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -303,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         presets = set(s.configs.split(",")) | ({s.scaling_config} if s.scaling else set())
         checkpoints = {p: common.build_checkpoints(common.PRESETS[p], work / p) for p in sorted(presets)}
         flops = report.Flops(checkpoints, args.peak_tflops)
-        jobs = plan(args, s, device, checkpoints)
+        jobs = plan(args, s, device, checkpoints, frozenset(skip))
         print(f"{len(jobs)} runs on {device}; their logs go to {logs}", flush=True)
         dones, meter = [], CpuMeter()
         threads = s.threads or torch_threads()
@@ -311,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             for attempt in range(1 + args.retry_busy):
                 if args.wait_idle and meter.wait_for_idle(args.wait_idle, threads) >= 2:
                     print("waited for other processes to free the cores", flush=True)
-                done = run_job(job, i, work, logs, meter, args.timeout)
+                python = args.vllm_python if job.spec.engine == "vllm" else sys.executable
+                done = run_job(job, i, work, logs, meter, args.timeout, python)
                 print(f"[{i}/{len(jobs)}] {report.describe(done)}", flush=True)
                 busy = done.foreign_cores is not None and done.foreign_cores > meter.spare_cores(threads)
                 if not busy or attempt == args.retry_busy:

@@ -78,7 +78,7 @@ PRESETS = {
 class RunSpec:
     """One benchmark run of one variant (JSON-serialisable; it crosses a process boundary)."""
 
-    variant: str  # "lightning_ppo", "trl" or "floor"
+    variant: str  # "lightning_ppo", "trl", "floor", "lightning_ppo_shared" or "lightning_ppo_vllm"
     preset: str
     policy: str  # checkpoint folders written by build_checkpoints
     reward: str
@@ -92,6 +92,7 @@ class RunSpec:
     seed: int = 0
     phases: bool = True  # per-phase timers (synchronising on CUDA) in lightning_ppo and the floor
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default (one per physical core)
+    engine: str = "hf"  # lightning_ppo's generation.engine: "hf" or "vllm" (lightning_ppo_vllm)
 
 
 @dataclass

@@ -14,14 +14,17 @@ from typing import Any
 
 from benchmarks import common
 
-VARIANTS = ("lightning_ppo", "trl", "floor", "lightning_ppo_shared")
+VARIANTS = ("lightning_ppo", "trl", "floor", "lightning_ppo_shared", "lightning_ppo_vllm")
 # lightning_ppo with ``value_model: shared`` (one backbone for policy and critic): not the same
 # work as the others, so it is compared with TRL's fp32 time only.
 SHARED = "lightning_ppo_shared"
+# lightning_ppo with ``generation.engine: vllm``: the same work as lightning_ppo, another sampler.
+VLLM = "lightning_ppo_vllm"
 PRECISION_LABEL = {"32": "fp32", "bf16-mixed": "bf16-mixed"}
 # Phases in the order of an iteration; the floor has the first five, lightning_ppo all of them.
 PHASES = (
     "generate",
+    "weight_push",  # a part of generate: the engine's sync_weights
     "rollout_forwards",
     "reward",
     "experience",
@@ -244,7 +247,8 @@ def ratios_table(rows: dict[tuple, Row], s: Any) -> str:
         trl_fp32 = rows.get(("trl", preset, "32", s.batch_size, s.response_length))
         for precision in s.precisions.split(","):
             lit, trl, floor, shared = (
-                rows.get((v, preset, precision, s.batch_size, s.response_length)) for v in VARIANTS
+                rows.get((v, preset, precision, s.batch_size, s.response_length))
+                for v in ("lightning_ppo", "trl", "floor", SHARED)
             )
             body.append(
                 [
@@ -270,7 +274,7 @@ def phases_table(rows: dict[tuple, Row], s: Any) -> str:
         row
         for preset in s.configs.split(",")
         for precision in s.precisions.split(",")
-        for variant in ("lightning_ppo", "floor", SHARED)
+        for variant in ("lightning_ppo", VLLM, "floor", SHARED)
         if (row := rows.get((variant, preset, precision, s.batch_size, s.response_length))) and row.phases
     ]
     if not columns:
@@ -282,12 +286,62 @@ def phases_table(rows: dict[tuple, Row], s: Any) -> str:
     body = [line for line in body if any(cell != "-" for cell in line[1:])]
     body.append(["iteration (median)"] + [fmt(r.seconds) for r in columns])
     return table(header, body) + (
-        "\n\nMedian seconds per iteration in each phase. `reward`: the reward-model forward (inside "
+        "\n\nMedian seconds per iteration in each phase. `generate`: sampling the rollout, the "
+        "engine's weight push included (`weight_push`, a part of `generate`: nothing is copied for "
+        "`hf`, the policy's weights are reloaded into the vLLM engine for `lightning_ppo_vllm`). "
+        "`reward`: the reward-model forward (inside "
         "`score` for lightning_ppo); `rollout_forwards`: policy, reference and value forwards; "
         "`experience`: KL penalty, GAE, whitening; `train`: the PPO epochs (forward, backward, optimizer "
         "step). lightning_ppo only: `decode` (responses to text), `shape_scores`, `stats` and `log` "
         "(statistics and `self.log_dict`), `step_other` (the rest of `training_step`) and "
         "`lightning_loop` (the iteration's time outside `training_step`: batch fetch, hooks, loop)."
+    )
+
+
+def engines_table(rows: dict[tuple, Row], s: Any) -> str:
+    """Generation time and the whole iteration of lightning_ppo with ``hf`` and with ``vllm``,
+    beside TRL and the floor, at each (model, precision) of the main table."""
+    body = []
+    for preset in s.configs.split(","):
+        for precision in s.precisions.split(","):
+            found = {
+                v: rows.get((v, preset, precision, s.batch_size, s.response_length))
+                for v in ("lightning_ppo", VLLM, "trl", "floor")
+            }
+            hf = found["lightning_ppo"]
+            for variant, row in found.items():
+                if row is None:
+                    continue
+                engine = {"lightning_ppo": "hf", VLLM: "vllm", "trl": "TRL (HF generate)"}.get(
+                    variant, "floor (HF generate)"
+                )
+                cells = [model_label(preset), PRECISION_LABEL[precision], variant, engine]
+                if row.error:
+                    body.append(cells + ["failed"] + ["n/a"] * 5)
+                    continue
+                gen, push = row.phase("generate"), row.phase("weight_push")
+                ok_hf = hf is not None and not hf.error
+                hf_gen = hf.phase("generate") if ok_hf else None
+                cells += [
+                    fmt(gen),
+                    fmt(push).replace("n/a", "-"),
+                    fmt(row.seconds),
+                    pct(gen / row.seconds if gen is not None else None),
+                    f"{gen / hf_gen:.2f}" if gen is not None and hf_gen else "n/a",
+                    ratio(row, hf) if ok_hf else "n/a",
+                ]
+                body.append(cells)
+    if not body:
+        return ""
+    header = ["model", "precision", "variant", "engine", "generate s", "of which weight push s"]
+    header += ["s / iteration", "generate share", "generate / hf", "iteration / hf"]
+    return table(header, body) + (
+        "\n\nMedians over the counted iterations of the same alternated runs as the tables above. "
+        "`generate s`: sampling the rollout batch, the engine's weight push included (for `vllm` the "
+        "policy's weights reloaded into the engine before every rollout; the engine's start falls in "
+        "the first, uncounted iteration); TRL's is its `batch_generation` (HF `generate`, keeping the "
+        "logits); the floor's its HF `generate` call. `/ hf`: against lightning_ppo with `hf` (below 1 "
+        "is faster)."
     )
 
 
@@ -360,6 +414,10 @@ def render(dones: list[Done], s: Any, flops: Flops, facts: list[str]) -> str:
     if len(s.variants.split(",")) > 1:
         parts += ["## Ratios", ratios_table(rows, s)]
     parts += ["## Where the time goes", phases_table(rows, s)]
+    if VLLM in s.variants.split(","):
+        engines = engines_table(rows, s)
+        if engines:
+            parts += ["## Generation engines: hf vs vllm", engines]
     scaling = scaling_table(rows, dones, s, flops)
     if scaling:
         parts += ["## Scaling", scaling]

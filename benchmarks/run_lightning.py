@@ -2,7 +2,9 @@
 
 Logger, checkpointing, progress bar and model summary are off; ``ppo.advantage_estimator`` is
 ``gae`` with the default separate value model (built from the policy checkpoint), or a value head
-on the policy's backbone for the ``lightning_ppo_shared`` variant; the reward is
+on the policy's backbone for the ``lightning_ppo_shared`` variant; ``spec.engine`` is
+``generation.engine`` (``vllm`` for the ``lightning_ppo_vllm`` variant, which the driver runs with
+the vLLM environment's interpreter); the reward is
 the same reward-model checkpoint TRL and the floor use; gradient clipping is off because TRL's
 PPO does not clip either. Phase timers wrap the module's own methods on the instance (the class
 is not changed), so the breakdown shows where an iteration's time goes.
@@ -37,6 +39,8 @@ METHOD_PHASES = {
     "log_stats": "log",
 }
 FUNCTION_PHASES = {"make_experience": "experience", "experience_metrics": "stats"}
+# Phases timed inside another phase (``weight_push`` inside ``generate``): not summed again.
+NESTED_PHASES = ("weight_push",)
 
 
 class Clock(Callback):
@@ -67,7 +71,13 @@ def build_module(spec: common.RunSpec) -> PPOLightningModule:
         gae_lambda=common.GAE_LAMBDA,
         max_grad_norm=None,
     )
-    generation = GenerationConfig(max_new_tokens=spec.response_length, temperature=common.TEMPERATURE)
+    generation = GenerationConfig(
+        max_new_tokens=spec.response_length,
+        temperature=common.TEMPERATURE,
+        engine=spec.engine,
+        # On CPU vLLM sizes its KV cache from the machine's memory: 10 % is ample for the presets.
+        gpu_memory_utilization=0.3 if spec.device.startswith("cuda") else 0.1,
+    )
     optimizer = functools.partial(torch.optim.AdamW, lr=common.LEARNING_RATE, weight_decay=0.0)
     return PPOLightningModule(
         policy=spec.policy,
@@ -91,6 +101,15 @@ def instrument(module: PPOLightningModule, timer: common.PhaseTimer, result: com
             setattr(lightning_ppo.module, name, timer.wrap(phase, getattr(lightning_ppo.module, name)))
     module.training_step = timer.wrap("training_step", module.training_step)
 
+    make_engine = lightning_ppo.module.make_engine
+
+    def make_timed_engine(*args, **kwargs):
+        engine = make_engine(*args, **kwargs)
+        engine.sync_weights = timer.wrap("weight_push", engine.sync_weights)
+        return engine
+
+    lightning_ppo.module.make_engine = make_timed_engine
+
     generate = module.generate
 
     def generate_and_record_width(batch):
@@ -108,7 +127,7 @@ def split_overhead(phases: list[dict[str, float]], intervals: list[float]) -> li
     for phase, interval in zip(phases, intervals, strict=False):
         phase = dict(phase)
         step = phase.pop("training_step", 0.0)
-        phase["step_other"] = step - sum(phase.values())
+        phase["step_other"] = step - sum(v for k, v in phase.items() if k not in NESTED_PHASES)
         phase["lightning_loop"] = interval - step
         out.append(phase)
     return out

@@ -10,6 +10,8 @@ sample EOS, so every response has ``response_length`` tokens). ``bf16-mixed`` is
 plus ``ACCELERATE_MIXED_PRECISION=bf16`` (what ``accelerate launch --mixed_precision bf16`` sets):
 without the variable TRL's PPO silently trains in fp32. The console printer is
 removed, like the Lightning logger and progress bar; TRL still computes and ``.item()``s its metrics.
+One phase is timed, ``generate``: TRL's ``batch_generation`` (HF ``generate`` of the rollout,
+which also keeps the sampling logits), wrapped in the trainer module's namespace.
 
     python -m benchmarks.run_trl SPEC.json RESULT.json
 """
@@ -35,23 +37,29 @@ from benchmarks import common
 class Clock(TrainerCallback):
     """Marks the start of training and the end of every PPO iteration (TRL's ``on_step_end``)."""
 
-    def __init__(self, clock: common.IterationClock) -> None:
-        self.clock = clock
+    def __init__(self, clock: common.IterationClock, timer: common.PhaseTimer) -> None:
+        self.clock, self.timer = clock, timer
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.clock.mark()
+        self.timer.current.clear()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.clock.mark()
+        self.timer.end_iteration()
 
 
 def run(spec: common.RunSpec) -> common.RunResult:
     # Imported here, after benchmarks.common has silenced TRL's experimental-API notice.
+    import trl.experimental.ppo.ppo_trainer as ppo_trainer
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     torch.manual_seed(spec.seed)
     result = common.RunResult(spec=vars(spec))
     clock = common.IterationClock(spec.device)
+    timer = common.PhaseTimer(spec.device, spec.phases)
+    if hasattr(ppo_trainer, "batch_generation"):
+        ppo_trainer.batch_generation = timer.wrap("generate", ppo_trainer.batch_generation)
     on_cpu = not spec.device.startswith("cuda")
     bf16 = spec.precision == "bf16-mixed"
     if bf16:
@@ -103,7 +111,7 @@ def run(spec: common.RunSpec) -> common.RunResult:
             reward_model=reward,
             train_dataset=dataset,
             value_model=value,
-            callbacks=[Clock(clock)],
+            callbacks=[Clock(clock, timer)],
         )
         if trainer.accelerator.mixed_precision != ("bf16" if bf16 else "no"):
             raise RuntimeError(
@@ -113,6 +121,7 @@ def run(spec: common.RunSpec) -> common.RunResult:
         trainer.remove_callback(ProgressCallback)
         trainer.train()
     result.iteration_s, result.gc_s = clock.intervals(), clock.gc_intervals()
+    result.phases = timer.history if spec.phases else []
     result.response_width = spec.response_length
     return common.finish(result, spec.device)
 

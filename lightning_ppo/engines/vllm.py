@@ -83,6 +83,9 @@ class VLLMEngine:
             **kwargs,
         )
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        # A stop token past the model's output vocabulary can never be sampled, and vLLM rejects it
+        # as a stop id ("out-of-vocab token ids"): only stop ids the model can emit are passed.
+        self.stop_token_ids = [t for t in [self.stop_token_id] if t is not None and 0 <= t < self.vocab_size]
         self.hf_generation = hf_generation
         self.asleep = False
 
@@ -102,7 +105,7 @@ class VLLMEngine:
             top_p=gen.top_p if sampled else 1.0,
             max_tokens=self.max_new_tokens,
             # Only our stop token ends a response, as in HF generate with eos_token_id=stop.
-            stop_token_ids=[self.stop_token_id],
+            stop_token_ids=self.stop_token_ids,
             ignore_eos=True,
             allowed_token_ids=allowed,
             logprobs=0,
