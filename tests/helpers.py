@@ -6,6 +6,8 @@ import errno
 import io
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -267,3 +269,13 @@ def quickstart_fit_args(policy, root, callbacks: list[dict], *extra: str, prompt
         *("--data.init_args.batch_size", "8", "--data.init_args.num_prompts", str(prompts)),
         *extra,
     ]
+
+
+def cli_process(args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    """``python -m lightning_ppo.cli ARGS`` in a process of its own, from the repository root with
+    this checkout first on the path (Lightning's launcher re-runs that command for every rank);
+    W&B disabled unless ``env`` says otherwise. Output captured as text."""
+    root = Path(__file__).resolve().parents[1]
+    full_env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(root), **env}
+    command = [sys.executable, "-m", "lightning_ppo.cli", *args]
+    return subprocess.run(command, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)

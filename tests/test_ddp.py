@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.helpers import cli_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ddp_two_processes_keep_weights_identical_and_sample_differently(tiny_digits, tmp_path):
     recorder = {"class_path": "tests.helpers.RankRecorder", "init_args": {"out_dir": str(tmp_path)}}
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_ppo.cli",
+    args = [
         "fit",
         "--config",
         str(ROOT / "configs" / "quickstart.yaml"),
@@ -43,8 +39,7 @@ def test_ddp_two_processes_keep_weights_identical_and_sample_differently(tiny_di
         "--data.init_args.batch_size",
         "8",
     ]
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = cli_process(args)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert len(ranks[0]) == len(ranks[1]) == 2

@@ -14,9 +14,7 @@ of up to ~lr: that slice only has to stay within steps x lr (measured: 6.7e-6).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_ppo.export import export_policy
+from tests.helpers import cli_process
 
 ROOT = Path(__file__).resolve().parents[1]
 FSDP2 = {
@@ -39,10 +38,7 @@ def run_cli(
     policy: Path, out: Path, strategy: str | dict, *extra: str, config: str = "quickstart.yaml"
 ) -> subprocess.CompletedProcess:
     recorder = {"class_path": "tests.helpers.TrainedWeightsRecorder", "init_args": {"out_dir": str(out)}}
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_ppo.cli",
+    args = [
         "fit",
         "--config",
         str(ROOT / "configs" / config),
@@ -74,8 +70,7 @@ def run_cli(
         "2",
         *extra,
     ]
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return cli_process(args)
 
 
 def trained(out: Path, rank: int) -> dict[str, torch.Tensor]:

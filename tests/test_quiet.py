@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.helpers import cli_process
 
 ROOT = Path(__file__).resolve().parents[1]
 SILENCED = (
@@ -18,19 +17,16 @@ SILENCED = (
 
 
 def _fit(policy: Path, root: Path, **env: str) -> str:
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_ppo.cli",
+    args = [
         "fit",
         "--config",
         str(ROOT / "configs" / "quickstart.yaml"),
+        "--model.init_args.policy",
+        str(policy),
     ]
-    cmd += ["--model.init_args.policy", str(policy), "--trainer.default_root_dir", str(root)]
-    cmd += ["--trainer.limit_train_batches", "3", "--trainer.val_check_interval", "2"]
-    cmd += ["--data.init_args.batch_size", "8", "--trainer.enable_progress_bar", "false"]
-    full_env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT), **env}
-    done = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=300)
+    args += ["--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false"]
+    args += ["--trainer.limit_train_batches", "3", "--trainer.val_check_interval", "2"]
+    done = cli_process([*args, "--data.init_args.batch_size", "8"], WANDB_MODE="offline", **env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout + done.stderr
 
