@@ -228,7 +228,7 @@ class PPOLightningModule(LightningModule):
         self.last_samples: Samples | None = None
         self.consecutive_skips = 0
         self._warned_drowned = False
-        self._score_spreads: list[float] = []
+        self._spread_sum, self._spread_count = 0.0, 0
         self._warned_prompt_stop = False
 
     def _default_critic_source(self, policy: str, reward_model: str | None) -> str:
@@ -314,14 +314,16 @@ class PPOLightningModule(LightningModule):
         """Warn once, after a few iterations, when the scores vary by less than ``kl_coef``."""
         if self._warned_drowned or self.ppo.kl_placement != "reward" or len(update_scores) < 2:
             return
-        self._score_spreads.append(float(update_scores.std(correction=0)))
-        spread = sum(self._score_spreads) / len(self._score_spreads)
-        if len(self._score_spreads) >= 5 and reward_drowned(spread, kl_coef):
+        # A running sum, not a list of every iteration's spread: a run that never warns keeps no history.
+        self._spread_sum += float(update_scores.std(correction=0))
+        self._spread_count += 1
+        spread = self._spread_sum / self._spread_count
+        if self._spread_count >= 5 and reward_drowned(spread, kl_coef):
             self._warned_drowned = True
             gain = spread**2 / kl_coef
             rank_zero_warn(
                 f"the scores the update uses vary by {spread:.3g} (batch std, mean of "
-                f"{len(self._score_spreads)} iterations), less than the KL coefficient {kl_coef:.3g}: the "
+                f"{self._spread_count} iterations), less than the KL coefficient {kl_coef:.3g}: the "
                 f"KL-regularised optimum lies within about {gain:.2g} of the reference's mean score, so the "
                 "score will stay flat. Scale the reward up, set ppo.score_norm: true, or lower ppo.kl_coef "
                 "(README: reward scale and KL)"
