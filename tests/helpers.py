@@ -258,11 +258,14 @@ def saver(**init_args) -> dict:
     return {"class_path": "lightning_ppo.checkpoint.PPOCheckpoint", "init_args": init_args}
 
 
-def quickstart_fit_args(policy, root, callbacks: list[dict], *extra: str, prompts: int = 400) -> list[str]:
-    """``fit`` on the quickstart config, small and quiet: batch 8 of ``prompts`` digit prompts, no
-    logger, bar or validation, the given callbacks, everything under ``root``; ``extra`` last."""
+def quickstart_fit_args(
+    policy, root, callbacks: list[dict], *extra: str, prompts: int = 400, config: Path = QUICKSTART
+) -> list[str]:
+    """``fit`` on the quickstart config (or ``config``), small and quiet: batch 8 of ``prompts`` digit
+    prompts, no logger, bar or validation, the given callbacks, everything under ``root``; ``extra``
+    last."""
     return [
-        *("fit", "--config", str(QUICKSTART), "--model.init_args.policy", str(policy)),
+        *("fit", "--config", str(config), "--model.init_args.policy", str(policy)),
         *("--trainer.logger", "false", "--trainer.enable_progress_bar", "false"),
         *("--trainer.default_root_dir", str(root), "--trainer.callbacks", json.dumps(callbacks)),
         *("--trainer.val_check_interval", "null", "--trainer.limit_val_batches", "0"),
@@ -279,3 +282,13 @@ def cli_process(args: list[str], timeout: int = 300, **env: str) -> subprocess.C
     full_env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(root), **env}
     command = [sys.executable, "-m", "lightning_ppo.cli", *args]
     return subprocess.run(command, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def two_cpu_ranks(strategy: str | dict, iterations: int = 2) -> tuple[str, ...]:
+    """Command-line options for ``iterations`` iterations on 2 CPU processes under ``strategy``
+    (a registered name or a class_path spec), without checkpoints."""
+    spec = strategy if isinstance(strategy, str) else json.dumps(strategy)
+    return (
+        *("--trainer.strategy", spec, "--trainer.devices", "2", "--trainer.accelerator", "cpu"),
+        *("--trainer.limit_train_batches", str(iterations), "--trainer.enable_checkpointing", "false"),
+    )

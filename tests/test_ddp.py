@@ -5,40 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.helpers import cli_process
+from tests.helpers import cli_process, quickstart_fit_args, two_cpu_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ddp_two_processes_keep_weights_identical_and_sample_differently(tiny_digits, tmp_path):
     recorder = {"class_path": "tests.helpers.RankRecorder", "init_args": {"out_dir": str(tmp_path)}}
-    args = [
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "quickstart.yaml"),
-        "--model.init_args.policy",
-        str(tiny_digits),
-        "--trainer.strategy",
-        "ddp",
-        "--trainer.devices",
-        "2",
-        "--trainer.accelerator",
-        "cpu",
-        "--trainer.limit_train_batches",
-        "2",
-        "--trainer.logger",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.enable_checkpointing",
-        "false",
-        "--trainer.default_root_dir",
-        str(tmp_path),
-        "--trainer.callbacks",
-        json.dumps([recorder]),
-        "--data.init_args.batch_size",
-        "8",
-    ]
+    # the quickstart's own 40000 prompts: the same data the FSDP2 tests compare against
+    args = quickstart_fit_args(tiny_digits, tmp_path, [recorder], *two_cpu_ranks("ddp"), prompts=40000)
     done = cli_process(args)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_ppo.export import export_policy
-from tests.helpers import cli_process
+from tests.helpers import cli_process, quickstart_fit_args, two_cpu_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 FSDP2 = {
@@ -38,38 +38,19 @@ def run_cli(
     policy: Path, out: Path, strategy: str | dict, *extra: str, config: str = "quickstart.yaml"
 ) -> subprocess.CompletedProcess:
     recorder = {"class_path": "tests.helpers.TrainedWeightsRecorder", "init_args": {"out_dir": str(out)}}
-    args = [
-        "fit",
-        "--config",
-        str(ROOT / "configs" / config),
-        "--model.init_args.policy",
-        str(policy),
-        "--trainer.strategy",
-        strategy if isinstance(strategy, str) else json.dumps(strategy),
-        "--trainer.devices",
-        "2",
-        "--trainer.accelerator",
-        "cpu",
-        "--trainer.limit_train_batches",
-        "2",
-        "--trainer.logger",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.enable_checkpointing",
-        "false",
-        "--trainer.default_root_dir",
-        str(out),
-        "--trainer.callbacks",
-        json.dumps([recorder]),
-        "--data.init_args.batch_size",
-        "8",
-        "--model.init_args.generation.max_new_tokens",
-        str(MAX_NEW_TOKENS),
-        "--model.init_args.ppo.gradient_accumulation_steps",
-        "2",
+    recorded = ("--model.init_args.generation.max_new_tokens", str(MAX_NEW_TOKENS))
+    accumulated = ("--model.init_args.ppo.gradient_accumulation_steps", "2")
+    args = quickstart_fit_args(
+        policy,
+        out,
+        [recorder],
+        *two_cpu_ranks(strategy),
+        *recorded,
+        *accumulated,
         *extra,
-    ]
+        prompts=40000,  # the configs' own: the data the tolerance was measured on
+        config=ROOT / "configs" / config,
+    )
     return cli_process(args)
 
 
