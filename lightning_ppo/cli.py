@@ -29,7 +29,7 @@ from lightning_ppo.roles import LoraSettings
 from lightning_ppo.samples import find_latest_samples, format_samples, read_samples
 from lightning_ppo.sharding import reject_fsdp1
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
-from lightning_ppo.writable import check_configured_folders
+from lightning_ppo.writable import check_configured_folders, class_configs
 
 DESCRIPTION = (
     "PPO for RLHF of Hugging Face causal LMs on PyTorch Lightning. "
@@ -87,10 +87,9 @@ def _as_dict(value: Namespace | dict[str, Any] | None) -> dict[str, Any]:
 
 def _loggers_follow_root(config: Namespace) -> None:
     """Loggers configured with ``save_dir: null`` write under ``trainer.default_root_dir``."""
-    loggers = config.get("trainer.logger")
     root = config.get("trainer.default_root_dir") or os.getcwd()
-    for spec in loggers if isinstance(loggers, list) else [loggers]:
-        init_args = spec.get("init_args") if isinstance(spec, Namespace) else None
+    for _, spec in class_configs("trainer.logger", config.get("trainer.logger")):
+        init_args = spec.get("init_args")
         if init_args is not None and "save_dir" in init_args and init_args.save_dir is None:
             init_args.save_dir = str(root)
 

@@ -45,7 +45,7 @@ def configured_folders(config: Namespace) -> Iterator[tuple[str, str]]:
     if root is not None:
         yield "trainer.default_root_dir", str(root)
     for field, key in (("trainer.logger", "save_dir"), ("trainer.callbacks", "dirpath")):
-        for name, item in _class_configs(field, config.get(field)):
+        for name, item in class_configs(field, config.get(field)):
             folder = item.get(f"init_args.{key}")
             if folder is not None:
                 yield f"{name}.init_args.{key}", str(folder)
@@ -57,7 +57,7 @@ def check_configured_folders(config: Namespace) -> None:
         ensure_writable(folder, setting)
 
 
-def _class_configs(field: str, value: object) -> Iterator[tuple[str, Namespace]]:
+def class_configs(field: str, value: object) -> Iterator[tuple[str, Namespace]]:
     """The ``class_path``/``init_args`` entries of a field that holds one of them or a list of them
     (``trainer.logger`` may also be a bool)."""
     if isinstance(value, Namespace):
