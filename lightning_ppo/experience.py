@@ -79,11 +79,13 @@ def make_experience(
     kl_coef: float,
     config: PPOConfig,
     is_weights: Tensor | None = None,
+    reduce: F.Reduce | None = None,
 ) -> Experience:
     """Turn a rollout, its log-probs, values and scores into per-token rewards, advantages, returns.
 
     With a critic-free estimator pass ``values`` as zeros: they are neither read nor trained.
     ``is_weights`` (engine-vs-trainer importance weights) are carried to the policy loss.
+    ``reduce`` sums over the data-parallel ranks: whitening then uses the global batch's statistics.
     """
     mask = rollout.response_mask
     if config.missing_eos_penalty is not None:
@@ -95,7 +97,7 @@ def make_experience(
     # The score is earned by the whole response, so it lands on its last real token.
     rewards[rows, last_token_index(mask)] += scores
     values = torch.where(mask, values, 0.0)
-    advantages, returns = estimate_advantages(rewards, values, mask, config)
+    advantages, returns = estimate_advantages(rewards, values, mask, config, reduce)
     return Experience(
         input_ids=rollout.input_ids,
         attention_mask=rollout.attention_mask,
@@ -115,23 +117,28 @@ def make_experience(
 
 
 def estimate_advantages(
-    rewards: Tensor, values: Tensor, mask: Tensor, config: PPOConfig
+    rewards: Tensor, values: Tensor, mask: Tensor, config: PPOConfig, reduce: F.Reduce | None = None
 ) -> tuple[Tensor, Tensor]:
-    """(advantages, returns), both (B, R) and 0 on padding, by ``config.advantage_estimator``."""
+    """(advantages, returns), both (B, R) and 0 on padding, by ``config.advantage_estimator``.
+
+    Whitening and REINFORCE++'s normalisation use every rank's tokens when ``reduce`` is given.
+    """
     estimator = config.advantage_estimator
     if estimator == "gae":
         if config.whiten_rewards:
-            rewards = F.masked_whiten(rewards, mask, shift_mean=False)
+            rewards = F.masked_whiten(rewards, mask, shift_mean=False, reduce=reduce)
         advantages, returns = F.gae(rewards, values, mask, config.gamma, config.gae_lambda)
         if config.whiten_advantages:
-            advantages = F.masked_whiten(advantages, mask)
+            advantages = F.masked_whiten(advantages, mask, reduce=reduce)
         return advantages, returns
     if estimator == "reinforce_pp":
-        # REINFORCE++: token-level reward-to-go (KL included), normalised over the whole batch.
+        # REINFORCE++: token-level reward-to-go (KL included), normalised over the global batch.
         returns = F.discounted_returns(rewards, mask, config.gamma)
-        return F.masked_whiten(returns, mask), returns
+        return F.masked_whiten(returns, mask, reduce=reduce), returns
     # grpo / rloo: one return per sequence (score plus its KL part), compared within its group.
+    # A dropped sample's mask is empty: it leaves its group's baseline instead of counting as 0.
     sequence_return = rewards.sum(dim=1)
-    advantage = F.group_advantages(sequence_return, config.num_generations, estimator)
+    valid = mask.any(dim=1)
+    advantage = F.group_advantages(sequence_return, config.num_generations, estimator, valid=valid)
     zero = torch.zeros_like(rewards)
     return torch.where(mask, advantage[:, None], zero), torch.where(mask, sequence_return[:, None], zero)

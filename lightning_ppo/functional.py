@@ -10,7 +10,7 @@ False never contribute to a mean and always come out as 0, whatever garbage they
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,6 +20,10 @@ from torch import Tensor
 KLEstimator = Literal["k1", "k2", "k3"]
 ISLevel = Literal["token", "sequence"]
 GroupEstimator = Literal["grpo", "rloo"]
+# Sums a tensor over every data-parallel rank (torch.distributed's all-reduce, through the
+# Trainer's strategy). Statistics that steer training take one, so that every rank whitens,
+# normalises and decides from the same global numbers; ``None`` means this process's data only.
+Reduce = Callable[[Tensor], Tensor]
 
 # Rows of a (B, T, V) logits tensor processed at once by the vocabulary-wide reductions: bounds
 # the temporary (rows, T, V) float32 buffer that log_softmax/softmax would otherwise allocate for
@@ -27,36 +31,51 @@ GroupEstimator = Literal["grpo", "rloo"]
 _ROWS_PER_CHUNK = 8
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of ``x`` over positions where ``mask`` is True (0 where nothing is masked in)."""
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None, reduce: Reduce | None = None) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is True (0 where nothing is masked in).
+
+    With ``reduce``, the mean over every rank's masked-in positions (``dim`` must be None).
+    """
     mask = mask.bool()
     total = torch.where(mask, x, torch.zeros_like(x))
-    if dim is None:
+    if dim is not None:
+        if reduce is not None:
+            raise ValueError("masked_mean: a per-row mean (dim) is never reduced across ranks")
+        return total.sum(dim) / mask.sum(dim).clamp(min=1)
+    if reduce is None:
         return total.sum() / mask.sum().clamp(min=1)
-    return total.sum(dim) / mask.sum(dim).clamp(min=1)
+    sums = reduce(torch.stack([total.sum(), mask.sum().to(total.dtype)]))
+    return sums[0] / sums[1].clamp(min=1)
 
 
-def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
-    """Variance of ``x`` over the masked-in positions (a scalar)."""
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True, reduce: Reduce | None = None) -> Tensor:
+    """Variance of ``x`` over the masked-in positions (a scalar); with ``reduce``, of every rank's.
+
+    Two passes (mean, then squared deviations from it), as numerically safe across ranks as in one.
+    """
     mask = mask.bool()
-    mean = masked_mean(x, mask)
+    mean = masked_mean(x, mask, reduce=reduce)
     centered = torch.where(mask, x - mean, torch.zeros_like(x))
-    var = masked_mean(centered.square(), mask)
+    var = masked_mean(centered.square(), mask, reduce=reduce)
     if unbiased:
-        count = mask.sum()
+        count = mask.sum() if reduce is None else reduce(mask.sum().to(var.dtype))
         # Bessel's correction; a single element has no spread to correct.
         var = torch.where(count > 1, var * count / (count - 1).clamp(min=1), var)
     return var
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(
+    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, reduce: Reduce | None = None
+) -> Tensor:
     """Normalise ``x`` to unit variance (and zero mean if ``shift_mean``) over the mask.
 
-    Masked-out positions are returned as 0 so that they cannot leak into a later sum.
+    With ``reduce`` the mean and variance are those of every rank's masked-in positions (the
+    global batch, as verl and OpenRLHF normalise): per-rank statistics would give each rank its
+    own baseline. Masked-out positions are returned as 0 so that they cannot leak into a later sum.
     """
     mask = mask.bool()
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
+    mean = masked_mean(x, mask, reduce=reduce)
+    var = masked_var(x, mask, reduce=reduce)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
@@ -272,27 +291,43 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     return 1.0 - var_residual / var_returns.clamp(min=1e-8)
 
 
-def group_advantages(scores: Tensor, group_size: int, estimator: GroupEstimator, eps: float = 1e-6) -> Tensor:
+def group_advantages(
+    scores: Tensor,
+    group_size: int,
+    estimator: GroupEstimator,
+    eps: float = 1e-6,
+    valid: Tensor | None = None,
+) -> Tensor:
     """Critic-free sequence advantages from groups of completions of the same prompt.
 
     ``scores`` is (B,) with the ``group_size`` completions of each prompt next to each other.
     ``grpo``: (s - group mean) / (group std + eps), the std unbiased (Shao et al., 2024).
     ``rloo``: s minus the mean of the *other* completions of its prompt (Ahmadian et al., 2024).
+    ``valid`` (B,) bool: completions to learn from; the others (a reward's NaN, dropped) are left
+    out of their group's mean and std, as TRL's nanmean/nanstd do, and get advantage 0. A group
+    with fewer than two valid completions has no baseline: its advantages are 0.
     """
     if scores.numel() % group_size:
         raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
     if group_size < 2:
         raise ValueError(f"advantage_estimator {estimator!r} needs num_generations >= 2, got {group_size}")
-    groups = scores.reshape(-1, group_size)
-    mean = groups.mean(dim=1, keepdim=True)
-    if estimator == "grpo":
-        advantages = (groups - mean) / (groups.std(dim=1, keepdim=True) + eps)
-    elif estimator == "rloo":
-        others_mean = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
-        advantages = groups - others_mean
-    else:
+    if estimator not in ("grpo", "rloo"):
         raise ValueError(f"group estimator must be 'grpo' or 'rloo', got {estimator!r}")
-    return advantages.reshape(-1)
+    if valid is None:
+        valid = torch.ones_like(scores, dtype=torch.bool)
+    groups = torch.where(valid, scores, torch.zeros_like(scores)).reshape(-1, group_size)
+    kept = valid.reshape(-1, group_size)
+    count = kept.sum(dim=1, keepdim=True)
+    total = groups.sum(dim=1, keepdim=True)
+    mean = total / count.clamp(min=1)
+    if estimator == "grpo":
+        squares = torch.where(kept, groups - mean, torch.zeros_like(groups)).square().sum(dim=1, keepdim=True)
+        std = (squares / (count - 1).clamp(min=1)).sqrt()
+        advantages = (groups - mean) / (std + eps)
+    else:
+        advantages = groups - (total - groups) / (count - 1).clamp(min=1)
+    usable = kept & (count >= 2)
+    return torch.where(usable, advantages, torch.zeros_like(advantages)).reshape(-1)
 
 
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:

@@ -19,7 +19,12 @@ from lightning_ppo.experience import Experience
 
 
 def experience_metrics(
-    exp: Experience, entropy: Tensor, ended: Tensor, kl_coef: float, with_critic: bool
+    exp: Experience,
+    entropy: Tensor,
+    ended: Tensor,
+    kl_coef: float,
+    with_critic: bool,
+    reduce: F.Reduce | None = None,
 ) -> dict[str, Tensor]:
     """Statistics of one iteration's experience.
 
@@ -29,12 +34,15 @@ def experience_metrics(
         ended: (B,) whether each response emitted the stop token.
         kl_coef: The KL coefficient the rewards were built with.
         with_critic: Report ``val/explained_variance`` (only meaningful with a value model).
+        reduce: Sums over the data-parallel ranks. ``objective/kl``, which steers the adaptive KL
+            controller, is then the mean over every rank's kept responses, the same on all ranks.
     """
     mask = exp.response_mask
     kl_per_response = exp.kl.sum(dim=1)
     non_score = -kl_coef * kl_per_response
+    kept = mask.any(dim=1)  # a dropped sample's mask is empty: it has no KL to average
     metrics = {
-        "objective/kl": kl_per_response.mean(),
+        "objective/kl": F.masked_mean(kl_per_response, kept, reduce=reduce),
         "objective/entropy": entropy.masked_fill(~mask, 0.0).sum(dim=1).mean(),
         "objective/non_score_reward": non_score.mean(),
         "objective/rlhf_reward": (exp.scores + non_score).mean(),
@@ -49,22 +57,25 @@ def experience_metrics(
     return metrics
 
 
-def score_metrics(raw: Tensor, shaped: Tensor, dropped: Tensor, shaping: bool) -> dict[str, Tensor]:
-    """Mean and spread of the reward's own scores over the samples kept (not ``dropped``).
+def score_metrics(
+    raw: Tensor, shaped: Tensor, dropped: Tensor, shaping: bool, reduce: F.Reduce | None = None
+) -> dict[str, Tensor]:
+    """Mean and spread of the reward's own scores over the samples kept (not ``dropped``), over every
+    rank's with ``reduce`` (a rank whose samples were all dropped then reports the others', not NaN).
 
     ``objective/scores_std`` next to ``objective/non_score_reward`` shows whether the reward's
     spread, which is all the policy can learn from, is small against the KL penalty.
     ``objective/scores_normalized`` (the clipped/normalised scores the update uses) only when
     ``shaping``.
     """
-    kept = raw[~dropped]
+    kept = ~dropped
     metrics = {
-        "objective/scores": kept.mean(),
-        "objective/scores_std": kept.std(correction=0),
+        "objective/scores": F.masked_mean(raw, kept, reduce=reduce),
+        "objective/scores_std": F.masked_var(raw, kept, unbiased=False, reduce=reduce).sqrt(),
         "reward/dropped": dropped.float().sum(),
     }
     if shaping:
-        metrics["objective/scores_normalized"] = shaped[~dropped].mean()
+        metrics["objective/scores_normalized"] = F.masked_mean(shaped, kept, reduce=reduce)
     return metrics
 
 

@@ -283,7 +283,7 @@ class PPOLightningModule(LightningModule):
         completions = self.decode_responses(rollout)
         scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
         scores = self.shape_scores(scores, rollout)
-        if scores.dropped.all():
+        if self.nothing_to_learn(scores.dropped):
             self._skip_iteration(len(batch))
             return
         forwards = self.rollout_forwards(rollout)
@@ -297,12 +297,16 @@ class PPOLightningModule(LightningModule):
             kl_coef,
             self.ppo,
             self.engine_is_weights(rollout, forwards.logprobs),
+            self.sum_over_ranks,
         )
         stats = self.ppo_update(exp)
         self.iteration += 1
         self.episodes += len(batch) * self.trainer.world_size
-        stats.update(experience_metrics(exp, forwards.entropy, rollout.ended, kl_coef, self.roles.has_critic))
-        stats.update(score_metrics(scores.raw, scores.shaped, scores.dropped, self.ppo.shapes_scores))
+        reduce = self.sum_over_ranks
+        stats.update(
+            experience_metrics(exp, forwards.entropy, rollout.ended, kl_coef, self.roles.has_critic, reduce)
+        )
+        stats.update(score_metrics(scores.raw, scores.shaped, scores.dropped, self.ppo.shapes_scores, reduce))
         stats.update(self.engine_mismatch(rollout, forwards.logprobs))
         stats["kl_coef"] = kl_coef
         self.warn_if_reward_is_drowned(scores.shaped[~scores.dropped], kl_coef)
@@ -343,8 +347,25 @@ class PPOLightningModule(LightningModule):
         # The same x-axis as the training rows: a CSV eval row otherwise has an empty iteration.
         self.log("iteration", float(self.iteration), batch_size=len(batch), sync_dist=True)
 
+    @property
+    def sum_over_ranks(self) -> F.Reduce | None:
+        """Sums a tensor over the data-parallel ranks (the strategy's all-reduce); ``None`` in one
+        process. What steers training (whitening, score moments, the KL controller, skipping) uses it."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return None
+        return lambda x: self.trainer.strategy.reduce(x.clone(), reduce_op="sum")
+
+    def nothing_to_learn(self, dropped: Tensor) -> bool:
+        """Whether every sample of every rank was dropped. Decided together: a rank that skipped alone
+        would leave the others waiting in the update's collectives. A rank with nothing of its own
+        to learn still runs the update (its masks are empty, its gradients zero)."""
+        kept = (~dropped).sum().float()
+        if self.sum_over_ranks is not None:
+            kept = self.sum_over_ranks(kept)
+        return bool(kept == 0)
+
     def _skip_iteration(self, batch_size: int) -> None:
-        """Every score of this batch was NaN/inf and dropped: nothing to learn from, count it."""
+        """Every score of every rank's batch was NaN/inf and dropped: nothing to learn from, count it."""
         self.iteration += 1
         self.consecutive_skips += 1
         if self.consecutive_skips >= self.ppo.max_consecutive_skips:
@@ -460,7 +481,7 @@ class PPOLightningModule(LightningModule):
         if self.ppo.score_clip is not None:
             shaped = shaped.clamp(-self.ppo.score_clip, self.ppo.score_clip)
         if self.ppo.score_norm:
-            self.score_moments.update(shaped[~dropped])
+            self.score_moments.update(shaped[~dropped], self.sum_over_ranks)
             shaped = torch.where(dropped, shaped, self.score_moments.normalize(shaped))
         return ShapedScores(raw, shaped, dropped)
 

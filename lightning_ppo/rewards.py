@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_ppo.errors import UsageError
+from lightning_ppo.functional import Reduce, masked_mean, masked_var
 from lightning_ppo.models import FROZEN_DTYPES, classifier_head, freeze, load_config, load_tokenizer
 from lightning_ppo.rollout import Rollout, position_ids_from_mask
 
@@ -259,17 +260,25 @@ class RewardModel(nn.Module):
 
 
 class RunningMoments:
-    """Running mean and variance of every score seen so far (Chan et al.'s parallel update)."""
+    """Running mean and variance of every score seen so far (Chan et al.'s parallel update).
+
+    Under several ranks :meth:`update` is given ``reduce`` and merges every rank's batch, so all
+    ranks hold the same moments (and normalise, and checkpoint, the same).
+    """
 
     def __init__(self) -> None:
         self.mean, self.var, self.count = 0.0, 1.0, 0
 
-    def update(self, values: Tensor) -> None:
-        values = values[torch.isfinite(values)].double()
-        n = values.numel()
+    def update(self, values: Tensor, reduce: Reduce | None = None) -> None:
+        """Merge a batch of scores (non-finite ones ignored); every rank calls it when ``reduce`` is set."""
+        finite = torch.isfinite(values)
+        values = values.double()
+        batch_mean = masked_mean(values, finite, reduce=reduce)
+        batch_var = masked_var(values, finite, unbiased=False, reduce=reduce)
+        n = int(finite.sum() if reduce is None else reduce(finite.sum().double()))
         if n == 0:
             return
-        batch_mean, batch_var = values.mean().item(), values.var(unbiased=False).item()
+        batch_mean, batch_var = batch_mean.item(), batch_var.item()
         total = self.count + n
         delta = batch_mean - self.mean
         m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from lightning_ppo import PPOLightningModule, PromptDataModule
 from lightning_ppo.checkpoint_io import AtomicCheckpointIO
 from lightning_ppo.rewards import RewardFunction
+from lightning_ppo.tasks.digits import DigitsReward
 
 # 28 prompts of 4 characters ("012=", ...), for module tests on the char-tokenizer checkpoints.
 PROMPTS = [f"{i}{i + 1}{i + 2}=" for i in range(7)] * 4
@@ -97,9 +98,26 @@ class NaNFromIteration:
         return [float("nan") if self.calls > self.start else 0.5] * len(completions)
 
 
+class NaNOnRankZeroAtFirst(DigitsReward):
+    """The digits reward, except that rank 0's first batch scores NaN throughout (a rank that alone
+    has nothing to learn from in one iteration)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __call__(self, prompts, completions, batch):
+        self.calls += 1
+        scores = super().__call__(prompts, completions, batch)
+        if self.calls == 1 and torch.distributed.get_rank() == 0:
+            return torch.full_like(scores, float("nan"))
+        return scores
+
+
 class RankRecorder(Callback):
-    """Writes, per rank, a checksum of the policy weights and the sampled completions of every
-    iteration to ``<out_dir>/rank<k>.json`` (for the DDP test)."""
+    """Writes, per rank, a checksum of the policy weights, the sampled completions and the state
+    that steers training (KL coefficient, score moments) of every iteration to
+    ``<out_dir>/rank<k>.json`` (for the DDP tests)."""
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir
@@ -115,6 +133,8 @@ class RankRecorder(Callback):
                 "completions": pl_module.last_samples.completions,
                 "prompts": pl_module.last_samples.prompts,
                 "scores_logged": float(trainer.callback_metrics["objective/scores"]),
+                "kl_coef": pl_module.kl_ctl.value,
+                "score_moments": pl_module.score_moments.state_dict(),
             }
         )
         path = Path(self.out_dir) / f"rank{trainer.global_rank}.json"
