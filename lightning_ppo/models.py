@@ -119,7 +119,9 @@ class ValueModel(nn.Module):
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state
-        return self.v_head(hidden).squeeze(-1).float()
+        # A new tensor, not a view of the head's output (``.float()`` of fp32 is a no-op): torch warns
+        # that a view returned through FSDP2's output hooks "can produce wrong gradients".
+        return self.v_head(hidden).squeeze(-1).to(torch.float32, copy=True)
 
 
 def response_logits(

@@ -21,7 +21,7 @@ from lightning_ppo import functional as F
 from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
-from lightning_ppo.engines import GenerationEngine, Placement, make_engine
+from lightning_ppo.engines import GenerationEngine, Placement, compute_dtype, make_engine
 from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.kl import make_kl_controller
@@ -399,7 +399,7 @@ class PPOLightningModule(LightningModule):
                 self.policy_path,
                 placement,
                 self.seed + placement.rank,
-                next(self.policy.parameters()).dtype,
+                compute_dtype(str(trainer.precision) if trainer else "32-true", self.policy.dtype),
             )
         return self._engine
 

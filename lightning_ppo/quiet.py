@@ -10,6 +10,14 @@ Each of these appeared in every ``lightning-ppo fit`` and says nothing the user 
   pass it; transformers drops an all-ones mask itself and then warns when a finished response
   emits the pad token (see :func:`quiet_generation`).
 
+With ``generation.engine: vllm`` (see :func:`quiet_vllm`): vLLM logs at WARNING and above unless
+``VLLM_LOGGING_LEVEL`` says otherwise, and its warnings about choices this package makes on
+purpose are dropped: the tied LM head's "Failed to load weights" on every push (the head is
+repacked from the loaded weights), the chat-template warm-up traceback (no tokenizer is loaded:
+prompts are token ids), "Using None for EOS token id" (the stop token is passed per request),
+the global-seed warning (every vLLM call runs in a fork of the process's RNGs) and the two
+about ``enforce_eager``.
+
 Every other warning is kept. ``LIGHTNING_PPO_VERBOSE=1`` keeps these too.
 """
 
@@ -28,13 +36,21 @@ _WARNINGS = (
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
 )
 _LIGHTNING_TIP = ("lightning.pytorch.utilities.rank_zero", "💡 Tip:")
+_VLLM_OURS = (
+    "ParallelLMHead: Failed to load weights",
+    "Chat template warmup failed",
+    "Using None for EOS token id because tokenizer is not initialized",
+    "The global random seed is set to",
+    "Enforce eager set, disabling torch.compile",
+    "Inductor compilation was disabled by user settings",
+)
 _MISSING_MASK = ("transformers.modeling_utils", "We strongly recommend passing in an `attention_mask`")
 
 
 class DropMessages(logging.Filter):
-    """A logging filter that drops records whose message starts with ``prefix``."""
+    """A logging filter that drops records whose message starts with ``prefix`` (or one of them)."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str | tuple[str, ...]) -> None:
         super().__init__()
         self.prefix = prefix
 
@@ -74,3 +90,19 @@ def quiet_generation() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(dropper)
+
+
+def quiet_vllm_before_import() -> None:
+    """vLLM's INFO lines (dozens at start-up, two per weight push) off unless asked for."""
+    if not verbose():
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def quiet_vllm() -> None:
+    """Drop vLLM's warnings about this package's own choices (above) at vLLM's log handlers, which
+    every ``vllm.*`` logger's records reach."""
+    if verbose():
+        return
+    for handler in logging.getLogger("vllm").handlers:
+        if not any(isinstance(f, DropMessages) for f in handler.filters):
+            handler.addFilter(DropMessages(_VLLM_OURS))

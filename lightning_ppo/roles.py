@@ -148,7 +148,8 @@ class Roles(nn.Module):
                 output_hidden_states=True,
             )
             hidden = out.hidden_states[-1][:, -length - 1 : -1]
-            return out.logits[:, :-1], self.value_head(hidden).squeeze(-1).float()
+            # not a view (see ValueModel.forward)
+            return out.logits[:, :-1], self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)
         logits = response_logits(self.policy, ids, mask, pos, length)
         if self.value_model is None or not with_values:
             return logits, None

@@ -3,6 +3,7 @@ weights that correct the policy loss for an engine's log-prob mismatch (hand-com
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 
@@ -11,11 +12,13 @@ import torch
 
 from lightning_ppo import functional as F
 from lightning_ppo.config import GenerationConfig
-from lightning_ppo.engines import Placement, make_engine
+from lightning_ppo.engines import Placement, compute_dtype, make_engine
 from lightning_ppo.engines.hf import HFEngine
+from lightning_ppo.engines.weights import hf_weights
 from lightning_ppo.errors import UsageError
 from lightning_ppo.metrics import engine_metrics
 from lightning_ppo.models import load_causal_lm
+from lightning_ppo.roles import LoraSettings, apply_lora
 from lightning_ppo.rollout import generate, hf_generation_config
 
 LOGPROBS = torch.tensor([[-1.0, -2.0, -0.5]])  # the trainer's
@@ -78,6 +81,9 @@ def test_engine_metrics_by_hand():
         ({"engine": "vllm", "engine_is_correction": "batch"}, "generation.engine_is_correction"),
         ({"engine": "vllm", "engine_is_cap": 0.0}, "generation.engine_is_cap"),
         ({"gpu_memory_utilization": 1.5}, "generation.gpu_memory_utilization"),
+        # the engine's log-probs are renormalised over the kept tokens, the trainer's are not
+        ({"engine": "vllm", "engine_is_correction": "token", "top_p": 0.9}, "generation.top_p 0.9"),
+        ({"engine": "vllm", "engine_is_correction": "sequence", "top_k": 5}, "generation.top_k 5"),
     ],
 )
 def test_bad_engine_settings_name_the_field(settings, field):
@@ -108,3 +114,40 @@ def test_vllm_engine_without_vllm_says_how_to_install(tiny_gpt2):
     gen = hf_generation_config(config, 1, 0)
     with pytest.raises(UsageError, match=r"generation.engine 'vllm' needs the vllm package.*pip install"):
         make_engine(config, gen, str(tiny_gpt2), Placement(), seed=0)
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [
+        ("bf16-mixed", torch.bfloat16),
+        ("bf16-true", torch.bfloat16),
+        ("16-mixed", torch.float16),
+        ("32-true", torch.float32),
+    ],
+)
+def test_a_colocated_engine_samples_in_the_trainers_compute_dtype(precision, dtype):
+    """Under bf16-mixed the trained weights are fp32, but the engine needs no fp32 copy of them."""
+    assert compute_dtype(precision, torch.float32) == dtype
+
+
+def test_lora_pushes_base_plus_delta_and_never_writes_the_base(tiny_gpt2):
+    """Merge -> push -> unmerge drifted a bf16 base (the reference, too) with every push; the push
+    now computes base + delta out of place. 200 pushes: the base bitwise unchanged, and each pushed
+    weight equal to PEFT's own merge (done in fp32 on a copy)."""
+    policy = apply_lora(load_causal_lm(str(tiny_gpt2), dtype=torch.bfloat16), LoraSettings(r=4))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p))  # PEFT starts B at 0: make the adapter matter
+    base = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" not in n}
+    for _ in range(200):
+        pushed = dict(hf_weights(policy))
+    assert all(torch.equal(p, base[n]) for n, p in policy.named_parameters() if "lora_" not in n)
+    expected = dict(copy.deepcopy(policy).float().merge_and_unload().named_parameters())
+    assert pushed.keys() == expected.keys()
+    initial = dict(load_causal_lm(str(tiny_gpt2), dtype=torch.bfloat16).named_parameters())
+    for name, weight in pushed.items():
+        torch.testing.assert_close(weight.float(), expected[name], rtol=0, atol=1e-5, msg=name)
+    adapted = [n for n, w in pushed.items() if not torch.equal(w.float(), initial[n].float())]
+    assert len(adapted) == policy.config.n_layer  # each block's c_attn carries its adapter

@@ -33,6 +33,33 @@ def test_rloo_leave_one_out_hand_computed():
     assert adv.reshape(2, 4).sum(1).tolist() == pytest.approx([0.0, 0.0], abs=1e-6)
 
 
+def test_a_dropped_completion_leaves_its_groups_baseline():
+    """Scores [1, 1, 0.8, NaN] with the NaN dropped: before, it counted as a score of 0 and the worst
+    kept completion got +0.21 (reinforced). Without it: mean 14/15, unbiased std sqrt(1/75)."""
+    scores = torch.tensor([1.0, 1.0, 0.8, 0.0, 0.0, 1.0, 0.0, 0.0])  # dropped rows hold 0
+    valid = torch.tensor([True, True, True, False, True, True, False, False])
+    grpo = F.group_advantages(scores, 4, "grpo", eps=0.0, valid=valid)
+    mean, std = 14 / 15, math.sqrt(1 / 75)
+    kept = [(1 - mean) / std, (1 - mean) / std, (0.8 - mean) / std]
+    # group 2 has two valid completions (0 and 1): mean 0.5, std sqrt(0.5)
+    assert grpo.tolist() == pytest.approx([*kept, 0.0, -0.5 / math.sqrt(0.5), 0.5 / math.sqrt(0.5), 0.0, 0.0])
+    assert grpo[2] < 0  # the worst kept completion is discouraged
+    rloo = F.group_advantages(scores, 4, "rloo", valid=valid)
+    assert rloo.tolist() == pytest.approx([0.1, 0.1, -0.2, 0.0, -1.0, 1.0, 0.0, 0.0])
+    # a group with one valid completion has no baseline: advantage 0
+    lone = torch.tensor([True, False, False, False] * 2)
+    assert F.group_advantages(scores, 4, "grpo", valid=lone).tolist() == [0.0] * 8
+
+
+def test_dropped_rows_leave_the_group_baseline_in_make_experience():
+    config = PPOConfig(advantage_estimator="grpo", num_generations=4, kl_placement="loss", kl_estimator="k3")
+    rollout = _rollout(4)
+    rollout.response_mask[3] = False  # how shape_scores marks a dropped sample
+    zeros = torch.zeros(4, 2)
+    exp = make_experience(rollout, zeros, zeros, zeros, torch.tensor([1.0, 1.0, 0.8, 0.0]), 0.1, config)
+    assert exp.advantages[:, 0].tolist() == pytest.approx([0.577, 0.577, -1.155, 0.0], abs=1e-3)
+
+
 def test_group_estimators_reject_groups_of_one():
     with pytest.raises(ValueError, match="num_generations >= 2"):
         F.group_advantages(SCORES, 1, "grpo")
@@ -62,7 +89,9 @@ def _rollout(batch: int) -> Rollout:
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])
 def test_group_estimators_in_make_experience_broadcast_over_real_tokens(estimator):
-    config = PPOConfig(advantage_estimator=estimator, num_generations=4, kl_placement="loss")
+    config = PPOConfig(
+        advantage_estimator=estimator, num_generations=4, kl_placement="loss", kl_estimator="k3"
+    )
     zeros = torch.zeros(8, 2)
     exp = make_experience(_rollout(8), zeros, zeros, zeros, SCORES, kl_coef=0.1, config=config)
     expected = F.group_advantages(SCORES, 4, estimator)
@@ -114,3 +143,26 @@ def test_adaptive_kl_moves_toward_the_target():
     fixed = FixedKLController(0.1)
     fixed.update(5.0, 10)
     assert fixed.value == 0.1
+
+
+def _estimated_kl_gradient(estimator: str, samples: int = 200_000) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gradient of the sampled KL estimate in the loss, gradient of the exact KL(pi || ref)) for a
+    5-token categorical policy, with the tokens sampled from the policy (as in a rollout)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0], requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([0.0, 0.2, 0.4, 0.6, 0.8]), -1)
+    logp = torch.log_softmax(logits, -1)
+    tokens = torch.multinomial(logp.detach().exp(), samples, replacement=True, generator=gen)
+    estimate = F.kl_penalty(logp[tokens], ref[tokens], estimator).mean()
+    (grad,) = torch.autograd.grad(estimate, logits, retain_graph=True)
+    (exact,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), logits)
+    return grad, exact
+
+
+def test_k1_in_the_loss_has_zero_expected_gradient_and_is_refused():
+    k1, exact = _estimated_kl_gradient("k1")
+    k2, _ = _estimated_kl_gradient("k2")
+    assert k1.norm() < 0.02 * exact.norm()  # E[grad log pi] = 0: no pull toward the reference
+    torch.testing.assert_close(k2, exact, rtol=0, atol=0.02 * exact.norm().item())  # k2's is the KL's
+    with pytest.raises(ValueError, match=r"ppo.kl_estimator must be k2 or k3 with ppo.kl_placement 'loss'"):
+        PPOConfig(kl_placement="loss", kl_estimator="k1")

@@ -40,6 +40,20 @@ class GenerationEngine(Protocol):
         """Responses masked at the first stop token; ``engine_logprobs`` set where the engine has them."""
 
 
+def compute_dtype(precision: str, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the trainer computes in under the Trainer's ``precision``: bf16 or fp16 under
+    mixed (autocast, FSDP2's ``param_dtype``) or true half precision, else the parameters'.
+
+    A colocated engine samples in it, so that ``bf16-mixed`` does not hold an fp32 copy of the
+    policy (twice the memory planned for) and samples from what the trainer computes.
+    """
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return param_dtype
+
+
 def make_engine(
     config: GenerationConfig,
     hf_generation: transformers.GenerationConfig,

@@ -3,27 +3,29 @@
 The pattern is TRL's colocate mode: each training process owns one engine (under several ranks
 vLLM's ``external_launcher`` backend, so vLLM joins the ranks torch.distributed already runs),
 generation reads prompts as token ids, and before each rollout the trained weights are loaded
-into the engine's model in place (merged LoRA weights; FSDP2 shards gathered with
-``full_tensor()``). The engine's own log-probs come back with the rollout; PPO still recomputes
+into the engine's model in place (LoRA as base + delta computed out of place; FSDP2 shards
+gathered with ``full_tensor()``). The engine's own log-probs come back with the rollout; PPO still recomputes
 old log-probs with the trainer, and the two are compared every iteration.
 """
 
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
-from peft import PeftModel
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from lightning_ppo.config import GenerationConfig
 from lightning_ppo.engines import Placement
+from lightning_ppo.engines.weights import hf_weights
 from lightning_ppo.errors import UsageError
+from lightning_ppo.quiet import quiet_vllm, quiet_vllm_before_import
 from lightning_ppo.rollout import Rollout, truncate_at_stop
 
 INSTALL_HINT = (
@@ -32,14 +34,35 @@ INSTALL_HINT = (
 )
 
 
+@contextmanager
+def untouched_global_rng() -> Iterator[None]:
+    """Run vLLM without it changing the process's random state.
+
+    vLLM 0.32 seeds Python's ``random``, NumPy and torch (``set_random_seed``) when its worker
+    starts, which happens lazily, inside a later call: the per-rank offset of ``seed_everything``
+    and the RNG states a resumed run restored would be overwritten, and a resumed run would draw
+    iteration 0's seeds again. Every call into vLLM runs inside this fork of all three generators
+    (and CUDA's). Sampling does not need them: each request carries its own seed.
+    """
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
 def import_vllm() -> Any:
     """vLLM, in-process: its V1 engine otherwise runs the model in a child process, where the
     policy's weights could not be loaded by reference."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    quiet_vllm_before_import()
     try:
         import vllm
     except ImportError as err:
         raise UsageError(f"generation.engine 'vllm' needs the vllm package ({err}): {INSTALL_HINT}") from err
+    quiet_vllm()
     return vllm
 
 
@@ -67,8 +90,20 @@ class VLLMEngine:
             # The external launcher reads torchrun's variables; Lightning's launcher sets no RANK.
             os.environ.setdefault("RANK", str(placement.rank))
             os.environ.setdefault("LOCAL_RANK", str(placement.local_rank))
-        self.llm = vllm.LLM(
-            model=policy_path,
+        with untouched_global_rng():
+            self.llm = self._build(vllm, policy_path, dtype, config, seed, kwargs)
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        # A stop token past the model's output vocabulary can never be sampled, and vLLM rejects it
+        # as a stop id ("out-of-vocab token ids"): only stop ids the model can emit are passed.
+        self.stop_token_ids = [t for t in [self.stop_token_id] if t is not None and 0 <= t < self.vocab_size]
+        self.hf_generation = hf_generation
+        self.asleep = False
+
+    def _build(
+        self, vllm: Any, path: str, dtype: torch.dtype, config: GenerationConfig, seed: int, kwargs: dict
+    ) -> Any:
+        return vllm.LLM(
+            model=path,
             dtype=str(dtype).removeprefix("torch."),
             enforce_eager=True,
             gpu_memory_utilization=config.gpu_memory_utilization,
@@ -82,12 +117,6 @@ class VLLMEngine:
             enable_sleep_mode=self.on_gpu,
             **kwargs,
         )
-        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        # A stop token past the model's output vocabulary can never be sampled, and vLLM rejects it
-        # as a stop id ("out-of-vocab token ids"): only stop ids the model can emit are passed.
-        self.stop_token_ids = [t for t in [self.stop_token_id] if t is not None and 0 <= t < self.vocab_size]
-        self.hf_generation = hf_generation
-        self.asleep = False
 
     def allowed_token_ids(self) -> list[int] | None:
         """Every id but ``suppress_tokens`` (vLLM masks the others to -inf), or None for all."""
@@ -115,17 +144,25 @@ class VLLMEngine:
 
     @torch.no_grad()
     def sync_weights(self, policy: nn.Module) -> None:
-        """Load the policy's current weights into the engine's model, in place."""
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
-        # vLLM's in-place reload (0.32): plain ``model.load_weights`` fails on layers whose weights
-        # the CPU backend repacked after the first load; the reload redoes that processing.
-        with merged_lora(policy) as model:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(model)})
-        self.llm.apply_model(repack_embedding_gemms)
-        # Cached KV blocks were computed with the old weights.
-        self.llm.reset_prefix_cache()
+        """Load the policy's current weights into the engine's model, in place.
+
+        On GPUs the engine slept at level 2 since the last rollout (weights and KV cache freed, not
+        copied to the host: the weights are overwritten here anyway); its weights' memory wakes
+        first, the KV cache only after the push, so the two never peak together (as TRL does).
+        Untested on CPU, where there is no sleep mode.
+        """
+        with untouched_global_rng():
+            if self.asleep:
+                self.llm.wake_up(tags=["weights"])
+            # vLLM's in-place reload (0.32): plain ``model.load_weights`` fails on layers whose
+            # weights the CPU backend repacked after the first load; the reload redoes that processing.
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(policy)})
+            self.llm.apply_model(repack_embedding_gemms)
+            if self.asleep:
+                self.llm.wake_up(tags=["kv_cache"])
+                self.asleep = False
+            # Cached KV blocks were computed with the old weights.
+            self.llm.reset_prefix_cache()
 
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor) -> Rollout:
         prompts = [
@@ -137,10 +174,11 @@ class VLLMEngine:
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         allowed = self.allowed_token_ids()
         params = [self.sampling_params(seed, allowed) for seed in seeds]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        if self.on_gpu:
-            self.llm.sleep(level=1)  # frees the KV cache for the PPO epochs
-            self.asleep = True
+        with untouched_global_rng():
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            if self.on_gpu:
+                self.llm.sleep(level=2)  # frees weights and KV cache for the PPO epochs
+                self.asleep = True
         return self.to_rollout(prompt_ids, prompt_mask, [o.outputs[0] for o in outputs])
 
     def to_rollout(self, prompt_ids: Tensor, prompt_mask: Tensor, completions: list[Any]) -> Rollout:
@@ -179,33 +217,3 @@ def repack_embedding_gemms(model: nn.Module) -> None:
         method = getattr(module, "quant_method", None)
         if isinstance(method, UnquantizedEmbeddingMethod):
             method.process_weights_after_loading(module)
-
-
-@contextmanager
-def merged_lora(policy: nn.Module) -> Iterator[nn.Module]:
-    """The policy with its LoRA adapter merged into the base weights for the duration, else as is."""
-    if not isinstance(policy, PeftModel):
-        yield policy
-        return
-    policy.merge_adapter()
-    try:
-        yield policy
-    finally:
-        policy.unmerge_adapter()
-
-
-def hf_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """(Hugging Face name, full tensor) of every weight the engine's model loads.
-
-    A merged PEFT model's names lose PEFT's prefixes and its adapter tensors are skipped; DTensor
-    shards are gathered (a collective: every rank pushes its engine in the same order).
-    """
-    peft = isinstance(model, PeftModel)
-    for name, param in model.named_parameters():
-        if peft:
-            if "lora_" in name or "original_module" in name:
-                continue
-            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            name = name.replace(".modules_to_save.default", "")
-        tensor = param.full_tensor() if isinstance(param, DTensor) else param
-        yield name, tensor.detach()
