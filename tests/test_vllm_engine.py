@@ -7,6 +7,7 @@ One engine serves every test: vLLM sets up process-wide state once per process.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -171,12 +172,19 @@ def test_lora_policy_is_pushed_merged_and_left_unmerged(module, policy_dir):
     assert not any(getattr(m, "merged", False) for m in policy.modules())
 
 
-def _fit_in_a_process(tmp_path: Path, overrides: dict[str, str]) -> list[dict[str, str]]:
+# vLLM's messages about this package's own choices (lightning_ppo.quiet): none may reach the log.
+OURS = ("Failed to load weights", "Chat template warmup failed", "The global random seed is set to")
+
+
+def _fit_in_a_process(
+    tmp_path: Path, overrides: dict[str, str], policy: Path | None = None
+) -> list[dict[str, str]]:
     """``lightning-ppo fit`` of the quickstart config with ``engine: vllm`` in a process of its own
     (one engine per process, as in a real run: a second in-process vLLM engine miscounts the CPU
     memory left for its KV cache); the CSV rows of its iterations. The checkpoint has one head of
     64: the quickstart's four heads of 16 have no vLLM CPU attention kernel."""
-    policy = make_tiny_checkpoint(tmp_path / "digits", TinyModelSpec(n_head=1), alphabet="0123456789=")
+    if policy is None:
+        policy = make_tiny_checkpoint(tmp_path / "digits", TinyModelSpec(n_head=1), alphabet="0123456789=")
     args = {
         "--config": str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
         "--model.init_args.policy": str(policy),
@@ -197,6 +205,7 @@ def _fit_in_a_process(tmp_path: Path, overrides: dict[str, str]) -> list[dict[st
         command + [part for pair in args.items() for part in pair], capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    assert not [text for text in OURS if text in run.stderr], run.stderr[-3000:]
     with open(next(tmp_path.glob("csv/version_*/metrics.csv"))) as file:
         return [row for row in csv.DictReader(file) if row.get("objective/scores")]
 
@@ -244,6 +253,34 @@ def test_quickstart_task_score_rises_with_the_vllm_engine(tmp_path):
     assert summary.final_kl < 20.0
     # every iteration logged the engine-vs-trainer mismatch
     assert all(float(r["engine/logp_abs_diff"]) < 10 * LOGPROB_TOLERANCE for r in rows)
+
+
+@pytest.mark.slow
+def test_a_vllm_run_resumes_exactly(tmp_path):
+    """2N == N + N with the vLLM engine: vLLM reseeds Python, NumPy and torch when its worker
+    starts (lazily, at the first generate), which overwrote the RNG state a resumed run restored,
+    so the resumed run drew iteration 0's sampling seeds again. Every vLLM call now runs inside a
+    fork of the process's RNGs."""
+    policy = make_tiny_checkpoint(tmp_path / "digits", TinyModelSpec(n_head=1), alphabet="0123456789=")
+    saver = {
+        "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
+        "init_args": {"every_n_iterations": 2, "save_top_k": -1, "dirpath": str(tmp_path / "ckpt")},
+    }
+    saving = {"--trainer.enable_checkpointing": "true", "--trainer.callbacks": json.dumps([saver])}
+    whole = _fit_in_a_process(
+        tmp_path / "whole", {**saving, "--trainer.limit_train_batches": "4"}, policy=policy
+    )
+    resumed = _fit_in_a_process(
+        tmp_path / "resumed",
+        {
+            "--trainer.limit_train_batches": "4",
+            "--ckpt_path": str(tmp_path / "ckpt" / "iteration=2.ckpt"),
+        },
+        policy=policy,
+    )
+    assert [r["iteration"] for r in resumed] == ["3.0", "4.0"]
+    for key in ("objective/scores", "objective/kl", "response/length_mean", "loss/policy_avg"):
+        assert [r[key] for r in resumed] == [r[key] for r in whole[2:]], key
 
 
 def test_suppressed_tokens_are_never_sampled_and_logprobs_use_the_same_mask(module):
