@@ -36,13 +36,15 @@ _WARNINGS = (
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
 )
 _LIGHTNING_TIP = ("lightning.pytorch.utilities.rank_zero", "💡 Tip:")
+# (logger, message prefix): a filter on the logger that emits the record drops it before any
+# handler sees it, whenever vLLM (re)configures its handlers.
 _VLLM_OURS = (
-    "ParallelLMHead: Failed to load weights",
-    "Chat template warmup failed",
-    "Using None for EOS token id because tokenizer is not initialized",
-    "The global random seed is set to",
-    "Enforce eager set, disabling torch.compile",
-    "Inductor compilation was disabled by user settings",
+    ("vllm.model_executor.model_loader.reload.layerwise", "ParallelLMHead: Failed to load weights"),
+    ("vllm.renderers.base", "Chat template warmup failed"),
+    ("vllm.renderers.base", "Using None for EOS token id because tokenizer is not initialized"),
+    ("vllm.engine.arg_utils", "The global random seed is set to"),
+    ("vllm.config.vllm", "Enforce eager set, disabling torch.compile"),
+    ("vllm.config.vllm", "Inductor compilation was disabled by user settings"),
 )
 _MISSING_MASK = ("transformers.modeling_utils", "We strongly recommend passing in an `attention_mask`")
 
@@ -92,17 +94,16 @@ def quiet_generation() -> Iterator[None]:
         logger.removeFilter(dropper)
 
 
-def quiet_vllm_before_import() -> None:
-    """vLLM's INFO lines (dozens at start-up, two per weight push) off unless asked for."""
-    if not verbose():
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
 def quiet_vllm() -> None:
-    """Drop vLLM's warnings about this package's own choices (above) at vLLM's log handlers, which
-    every ``vllm.*`` logger's records reach."""
-    if verbose():
+    """Before vLLM is imported: its INFO lines (dozens at start-up, two per weight push) off unless
+    asked for, and its warnings about this package's own choices (above) dropped."""
+    global _vllm_quiet
+    if _vllm_quiet or verbose():
         return
-    for handler in logging.getLogger("vllm").handlers:
-        if not any(isinstance(f, DropMessages) for f in handler.filters):
-            handler.addFilter(DropMessages(_VLLM_OURS))
+    _vllm_quiet = True
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for name, prefix in _VLLM_OURS:
+        logging.getLogger(name).addFilter(DropMessages(prefix))
+
+
+_vllm_quiet = False

@@ -25,7 +25,7 @@ from lightning_ppo.config import GenerationConfig
 from lightning_ppo.engines import Placement
 from lightning_ppo.engines.weights import hf_weights
 from lightning_ppo.errors import UsageError
-from lightning_ppo.quiet import quiet_vllm, quiet_vllm_before_import
+from lightning_ppo.quiet import quiet_vllm
 from lightning_ppo.rollout import Rollout, truncate_at_stop
 
 INSTALL_HINT = (
@@ -57,12 +57,11 @@ def import_vllm() -> Any:
     """vLLM, in-process: its V1 engine otherwise runs the model in a child process, where the
     policy's weights could not be loaded by reference."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    quiet_vllm_before_import()
+    quiet_vllm()
     try:
         import vllm
     except ImportError as err:
         raise UsageError(f"generation.engine 'vllm' needs the vllm package ({err}): {INSTALL_HINT}") from err
-    quiet_vllm()
     return vllm
 
 
