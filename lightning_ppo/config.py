@@ -127,6 +127,9 @@ class PPOConfig:
             ``loss``: kl_coef x KL is added to the loss, recomputed each minibatch (GRPO).
         kl_target: If set, the KL coefficient adapts toward this per-sequence KL (Ziegler et al.).
         kl_horizon: Horizon of the adaptive KL controller, in episodes (> 0).
+        kl_coef_min: Lower bound of the adaptive KL coefficient (>= 0).
+        kl_coef_max: Upper bound of the adaptive KL coefficient (> kl_coef_min); a run whose
+            coefficient reaches a bound is warned once.
         gamma: Discount factor in [0, 1].
         gae_lambda: GAE lambda in [0, 1].
         whiten_advantages: Normalise advantages over the real response tokens of the batch.
@@ -159,6 +162,8 @@ class PPOConfig:
     kl_placement: str = "reward"
     kl_target: float | None = None
     kl_horizon: float = 10000.0
+    kl_coef_min: float = 0.001
+    kl_coef_max: float = 10.0
     gamma: float = 1.0
     gae_lambda: float = 0.95
     whiten_advantages: bool = True
@@ -245,6 +250,20 @@ class PPOConfig:
         )
         _check(self.kl_target is None or self.kl_target > 0, "ppo.kl_target", "> 0 or null", self.kl_target)
         _check(self.kl_horizon > 0, "ppo.kl_horizon", "> 0", self.kl_horizon)
+        _check(self.kl_coef_min >= 0, "ppo.kl_coef_min", ">= 0", self.kl_coef_min)
+        _check(
+            self.kl_coef_max > self.kl_coef_min,
+            "ppo.kl_coef_max",
+            f"> ppo.kl_coef_min ({self.kl_coef_min})",
+            self.kl_coef_max,
+        )
+        _check(
+            self.kl_target is None or self.kl_coef_min <= self.kl_coef <= self.kl_coef_max,
+            "ppo.kl_coef",
+            f"within [ppo.kl_coef_min, ppo.kl_coef_max] = [{self.kl_coef_min}, {self.kl_coef_max}]"
+            " with kl_target",
+            self.kl_coef,
+        )
         _check(0 <= self.gamma <= 1, "ppo.gamma", "in [0, 1]", self.gamma)
         _check(0 <= self.gae_lambda <= 1, "ppo.gae_lambda", "in [0, 1]", self.gae_lambda)
         _check(

@@ -24,8 +24,9 @@ from lightning_ppo.data import PromptBatch
 from lightning_ppo.engines import GenerationEngine, Placement, compute_dtype, make_engine
 from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
+from lightning_ppo.guardrails import Guardrails, IterationView
 from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.metrics import engine_metrics, experience_metrics, reward_drowned, score_metrics
+from lightning_ppo.metrics import engine_metrics, experience_metrics, score_metrics
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.preflight import check_sequence_fits
@@ -221,14 +222,15 @@ class PPOLightningModule(LightningModule):
         self.reward_weights = reward_weights or [1.0] * (
             len(self.reward_fns) + (reward_model is not None) + (reward_adapter is not None)
         )
-        self.kl_ctl = make_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
+        self.kl_ctl = make_kl_controller(
+            ppo.kl_coef, ppo.kl_target, ppo.kl_horizon, ppo.kl_coef_min, ppo.kl_coef_max
+        )
         self.score_moments = RunningMoments()
         self.iteration = 0
         self.episodes = 0
         self.last_samples: Samples | None = None
         self.consecutive_skips = 0
-        self._warned_drowned = False
-        self._spread_sum, self._spread_count = 0.0, 0
+        self.guardrails: Guardrails | None = None
         self._warned_prompt_stop = False
 
     def _default_critic_source(self, policy: str, reward_model: str | None) -> str:
@@ -309,29 +311,27 @@ class PPOLightningModule(LightningModule):
         stats.update(score_metrics(scores.raw, scores.shaped, scores.dropped, self.ppo.shapes_scores, reduce))
         stats.update(self.engine_mismatch(rollout, forwards.logprobs))
         stats["kl_coef"] = kl_coef
-        self.warn_if_reward_is_drowned(scores.shaped[~scores.dropped], kl_coef)
         self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
+        self.heed_guardrails(completions, stats, scores.shaped[~scores.dropped])
         self.log_stats(stats, len(batch))
         self.last_samples = Samples(batch.prompts, completions, scores.raw.tolist(), exp.kl.sum(1).tolist())
 
-    def warn_if_reward_is_drowned(self, update_scores: Tensor, kl_coef: float) -> None:
-        """Warn once, after a few iterations, when the scores vary by less than ``kl_coef``."""
-        if self._warned_drowned or self.ppo.kl_placement != "reward" or len(update_scores) < 2:
-            return
-        # A running sum, not a list of every iteration's spread: a run that never warns keeps no history.
-        self._spread_sum += float(update_scores.std(correction=0))
-        self._spread_count += 1
-        spread = self._spread_sum / self._spread_count
-        if self._spread_count >= 5 and reward_drowned(spread, kl_coef):
-            self._warned_drowned = True
-            gain = spread**2 / kl_coef
-            rank_zero_warn(
-                f"the scores the update uses vary by {spread:.3g} (batch std, mean of "
-                f"{self._spread_count} iterations), less than the KL coefficient {kl_coef:.3g}: the "
-                f"KL-regularised optimum lies within about {gain:.2g} of the reference's mean score, so the "
-                "score will stay flat. Scale the reward up, set ppo.score_norm: true, or lower ppo.kl_coef "
-                "(README: reward scale and KL)"
-            )
+    def heed_guardrails(self, completions: list[str], stats: dict[str, Any], update_scores: Tensor) -> None:
+        """The guardrails' one-time warnings (lightning_ppo.guardrails), spoken by rank 0."""
+        if self.guardrails is None:  # the learning rate is known once the optimizer exists
+            self.guardrails = Guardrails(self.ppo, float(self.optimizers().param_groups[0]["lr"]))
+        view = IterationView(
+            iteration=self.iteration,
+            completions=completions,
+            approx_kl=float(stats["policy/approxkl_avg"]),
+            clipfrac=float(stats["policy/clipfrac_avg"]),
+            kl=float(stats["objective/kl"]),
+            kl_coef=self.kl_ctl.value,
+            kl_coef_pinned=self.kl_ctl.pinned,
+            scores_std=float(update_scores.std(correction=0)) if len(update_scores) >= 2 else None,
+        )
+        for message in self.guardrails.observe(view):
+            rank_zero_warn(message)
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""

@@ -48,6 +48,7 @@ def test_quickstart_task_score_rises(estimator, tiny_digits, tmp_path):
     assert cli.model.ppo.advantage_estimator == estimator
     summary = next(cb for cb in cli.trainer.callbacks if isinstance(cb, TrainingSummary)).summary
     assert summary.iterations == 60
+    assert cli.model.guardrails.fired == set()  # no guardrail speaks on a healthy run
     # a random policy earns about 0.25; the first 6 iterations average below 0.4
     assert summary.first_score < 0.4
     assert summary.last_score > summary.first_score + 0.15

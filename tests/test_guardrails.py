@@ -1,0 +1,104 @@
+"""Guardrails: each one-time warning against hand-made iterations, a forced collapse end to end,
+and the bounded adaptive KL controller."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+from lightning_ppo.guardrails import Guardrails, IterationView
+from lightning_ppo.kl import AdaptiveKLController
+from lightning_ppo.tasks.digits import DigitsDataModule
+from tests.helpers import quiet_trainer
+
+CALM = {"approx_kl": 0.02, "clipfrac": 0.1, "kl": 3.0, "kl_coef": 0.05, "kl_coef_pinned": False}
+
+
+def _view(iteration=1, completions=("12", "34", "56", "78"), scores_std=0.3, **stats) -> IterationView:
+    return IterationView(iteration, list(completions), scores_std=scores_std, **{**CALM, **stats})
+
+
+def test_a_step_far_outside_the_trust_region_names_the_learning_rate_once():
+    rails = Guardrails(PPOConfig(), lr=1e-3)
+    assert rails.observe(_view()) == []
+    (message,) = rails.observe(_view(2, approx_kl=4.5, clipfrac=0.55))  # the user's warm-started run
+    assert message.startswith("policy/approxkl_avg 4.5 and policy/clipfrac_avg 0.55 at iteration 2")
+    assert "learning rate 0.001 is too large" in message and "model.optimizer.init_args.lr" in message
+    assert rails.observe(_view(3, approx_kl=4.5)) == []  # once
+    late = Guardrails(PPOConfig(), lr=1e-3)
+    assert late.observe(_view(11, approx_kl=4.5)) == []  # only the first iterations judge the step size
+
+
+def test_collapse_fires_after_three_identical_or_empty_batches_in_a_row():
+    rails = Guardrails(PPOConfig(kl_target=4.0), lr=1e-3)
+    empty = ("",) * 8
+    assert rails.observe(_view(1, empty)) == []
+    assert rails.observe(_view(2, empty)) == []
+    assert rails.observe(_view(3)) == []  # a varied batch starts the count again
+    assert rails.observe(_view(4, empty)) == [] and rails.observe(_view(5, empty)) == []
+    (message,) = rails.observe(_view(6, empty))
+    assert message.startswith("response collapse: all 8 responses of each of the last 3 iterations were")
+    assert "were empty" in message
+    assert "smaller learning rate (now 0.001" in message
+    assert "kl_target" not in message.split("model.optimizer.init_args.lr")[1]  # it is set already
+    same = Guardrails(PPOConfig(), lr=1e-3)
+    messages = [same.observe(_view(i, ("admin.",) * 4)) for i in range(3)]
+    assert messages[:2] == [[], []] and "the same text 'admin.'" in messages[2][0]
+
+
+def test_kl_coef_at_its_bound_or_grown_tenfold_is_reported_with_advice_that_fits():
+    config = PPOConfig(kl_target=4.0, kl_coef=0.05, score_norm=True)
+    (message,) = Guardrails(config, lr=1e-3).observe(_view(kl=25.0, kl_coef=0.6))
+    assert message.startswith("kl_coef 0.6 is 12x its start (0.05 at the start; bounds ppo.kl_coef_min")
+    assert "objective/kl is 25 against ppo.kl_target 4.0: the policy moves faster" in message
+    (low,) = Guardrails(config, lr=1e-3).observe(_view(kl=0.5, kl_coef=0.001, kl_coef_pinned=True))
+    assert "is at its bound" in low and "score_norm" not in low  # it is on already
+    off = Guardrails(PPOConfig(kl_target=4.0), lr=1e-3).observe(_view(kl=0.5, kl_coef=0.004))
+    assert "set ppo.score_norm: true" in off[0]
+    assert Guardrails(PPOConfig(), lr=1e-3).observe(_view(kl_coef=5.0)) == []  # fixed kl_coef: not watched
+
+
+def test_reward_scale_advice_never_names_a_setting_that_is_on():
+    for config, advised in ((PPOConfig(), True), (PPOConfig(score_norm=True, kl_coef=2.0), False)):
+        rails = Guardrails(config, lr=1e-3)
+        views = [_view(i + 20, scores_std=0.006, kl_coef=config.kl_coef) for i in range(5)]
+        messages = [m for view in views for m in rails.observe(view)]
+        (message,) = messages
+        assert "so the score will stay flat" in message
+        assert ("score_norm" in message) == advised
+
+
+def test_the_adaptive_controller_stays_within_its_bounds():
+    up = AdaptiveKLController(0.05, target=4.0, horizon=64, min_value=0.001, max_value=0.08)
+    for _ in range(3):  # KL far above target: x1.2 per iteration of 64 episodes, 0.05 -> 0.06 -> 0.072
+        up.update(current_kl=60.0, n_episodes=64)
+    assert up.value == 0.08 and up.pinned  # 0.0864 capped
+    down = AdaptiveKLController(0.0012, target=4.0, horizon=64, min_value=0.001, max_value=10.0)
+    down.update(current_kl=0.0, n_episodes=64)  # 0.0012 x 0.8 = 0.00096, raised to the bound
+    assert down.value == 0.001 and down.pinned
+
+
+class EmptyAnswerReward:
+    """Pays only for the empty answer: a collapse the guardrails must name."""
+
+    def __call__(self, prompts, completions, batch):
+        return [1.0 if c == "" else 0.0 for c in completions]
+
+
+def test_a_forced_collapse_is_named(tiny_digits, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    module = PPOLightningModule(
+        policy=str(tiny_digits),
+        reward_fn=EmptyAnswerReward(),
+        ppo=PPOConfig(ppo_epochs=4, num_minibatches=1, kl_coef=0.0),
+        generation=GenerationConfig(max_new_tokens=6),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-1),
+    )
+    data = DigitsDataModule(num_prompts=512, num_digits=3, batch_size=16, max_prompt_length=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer("unused", iterations=30).fit(module, datamodule=data)
+    assert "collapse" in module.guardrails.fired, module.last_samples.completions
+    assert any(str(w.message).startswith("response collapse: all 16 responses") for w in caught)
