@@ -91,7 +91,9 @@ def test_fsdp2_trains_as_ddp_does_and_ranks_stop_generating_apart(tiny_digits, t
         done = run_cli(tiny_digits, out[name], strategy, *LAYOUTS[layout])
         assert done.returncode == 0, done.stderr[-3000:]
         # the critic returns a new tensor: FSDP2 warned that its view "can ... produce wrong gradients"
-        assert "returned a view tensor" not in done.stderr
+        # (transformers' own logits_to_keep slice of the policy's output still is one; nothing
+        # writes into it)
+        assert "module (ValueModel) returned a view tensor" not in done.stderr
     ddp, fsdp2 = trained(out["ddp"], 0), trained(out["fsdp2"], 0)
     critic = {"full-separate": "roles.value_model.", "full-shared": "roles.value_head."}.get(layout)
     if critic is not None:  # the critic's gradients, too, match DDP's: its weights are compared
