@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import IO, Any
 
@@ -195,6 +196,14 @@ def quiet_trainer(root, iterations: int, callbacks=(), plugins=()) -> pl.Trainer
         default_root_dir=root,
         callbacks=list(callbacks),
     )
+
+
+def fit_warnings(module: PPOLightningModule, data, iterations: int) -> list[str]:
+    """Fit ``module`` on ``data`` for ``iterations`` quiet iterations; the warnings it raised, as text."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer("unused", iterations=iterations).fit(module, datamodule=data)
+    return [str(w.message) for w in caught]
 
 
 class _FaultyCheckpointIO(AtomicCheckpointIO):

@@ -3,15 +3,13 @@ and the bounded adaptive KL controller."""
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.guardrails import Guardrails, IterationView
 from lightning_ppo.kl import AdaptiveKLController
 from lightning_ppo.tasks.digits import DigitsDataModule
-from tests.helpers import quiet_trainer
+from tests.helpers import fit_warnings
 
 CALM = {"approx_kl": 0.02, "clipfrac": 0.1, "kl": 3.0, "kl_coef": 0.05, "kl_coef_pinned": False}
 
@@ -97,8 +95,6 @@ def test_a_forced_collapse_is_named(tiny_digits, tmp_path, monkeypatch):
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-1),
     )
     data = DigitsDataModule(num_prompts=512, num_digits=3, batch_size=16, max_prompt_length=8)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        quiet_trainer("unused", iterations=30).fit(module, datamodule=data)
+    caught = fit_warnings(module, data, iterations=30)
     assert "collapse" in module.guardrails.fired, module.last_samples.completions
-    assert any(str(w.message).startswith("response collapse: all 16 responses") for w in caught)
+    assert any(message.startswith("response collapse: all 16 responses") for message in caught)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.metrics import reward_drowned
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
-from tests.helpers import quiet_trainer
+from tests.helpers import fit_warnings
 
 MESSAGE = "so the score will stay flat"
 
@@ -32,10 +30,7 @@ def _fit(policy, weight: float, **ppo) -> list[str]:
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
     )
     data = DigitsDataModule(num_prompts=64, num_digits=3, batch_size=8, max_prompt_length=8)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        quiet_trainer("unused", iterations=6).fit(module, datamodule=data)
-    return [str(w.message) for w in caught if MESSAGE in str(w.message)]
+    return [message for message in fit_warnings(module, data, iterations=6) if MESSAGE in message]
 
 
 @pytest.mark.parametrize(
