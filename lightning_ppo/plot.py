@@ -1,6 +1,9 @@
 """Training curves from a run's ``CSVLogger`` log, drawn to a PNG (``lightning-ppo plot RUN_DIR``).
 
-The x-axis is the logger's ``step`` column, which counts PPO iterations. Drawing uses the Agg
+The x-axis is the logger's ``step`` column, which counts PPO iterations, except in the frontier
+panel (:data:`FRONTIER`): score against KL, the reward-KL trade-off the run has made so far, which
+answers "which KL should I allow?" (where the curve flattens, more KL buys no more score). Drawing
+uses the Agg
 canvas directly, never ``pyplot``, so plotting changes no global matplotlib state (a notebook's
 inline backend keeps working) and needs no display.
 """
@@ -20,10 +23,14 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.csv"
 STEP_COLUMN = "step"
+FRONTIER = "frontier"  # not a logged column: objective/scores drawn against objective/kl
+FRONTIER_AXES = ("objective/kl", "objective/scores")
 DEFAULT_KEYS = (
     "objective/scores",
     "eval/scores",
     "objective/kl",
+    FRONTIER,
+    "kl_coef",
     "objective/entropy",
     "returns/mean",
     "policy/approxkl_avg",
@@ -98,12 +105,40 @@ def _number(text: str | None) -> float | None:
 def panel_keys(
     series: dict[str, tuple[list[float], list[float]]], keys: Sequence[str] | None = None
 ) -> list[str]:
-    """The metrics drawn: ``keys`` (default :data:`DEFAULT_KEYS`) that have values in ``series``."""
+    """The panels drawn: ``keys`` (default :data:`DEFAULT_KEYS`) that have values in ``series``.
+
+    By default ``kl_coef`` is drawn only when it moved (an adaptive controller, ``kl_target``): a
+    fixed coefficient is a flat line that takes a panel to say what the config says.
+    """
     wanted = list(keys) if keys else list(DEFAULT_KEYS)
-    skipped = [key for key in wanted if key not in series]
+    if not keys and "kl_coef" in series and len(set(series["kl_coef"][1])) <= 1:
+        wanted.remove("kl_coef")
+    present = [key for key in wanted if _has_values(series, key)]
+    skipped = [key for key in wanted if key not in present]
     if skipped:
         log.info("no values for %s, skipped", skipped)
-    return [key for key in wanted if key in series]
+    return present
+
+
+def _has_values(series: dict[str, tuple[list[float], list[float]]], key: str) -> bool:
+    if key == FRONTIER:
+        return all(axis in series for axis in FRONTIER_AXES)
+    return key in series
+
+
+def frontier(
+    series: dict[str, tuple[list[float], list[float]]], window: int
+) -> tuple[list[float], list[float], list[float]]:
+    """``(kl, score, step)`` of the frontier panel: both smoothed over ``window`` iterations, on
+    the steps that logged both (one noisy batch is not where the run stood)."""
+    kl_steps, kl_values = series[FRONTIER_AXES[0]]
+    score_steps, score_values = series[FRONTIER_AXES[1]]
+    kl_at = dict(zip(kl_steps, kl_values, strict=True))
+    steps = [step for step in score_steps if step in kl_at]
+    scores_at = dict(zip(score_steps, score_values, strict=True))
+    kl = moving_average([kl_at[step] for step in steps], window)
+    score = moving_average([scores_at[step] for step in steps], window)
+    return kl, score, steps
 
 
 def run_name(run_dir: str | Path, metrics_csv: Path) -> str:
@@ -158,17 +193,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, keys: Sequence[
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).flatten()
     for ax, key in zip(axes, present, strict=False):
-        steps, values = series[key]
-        window = max(1, len(values) // 20)
-        ax.plot(steps, values, color="tab:blue", alpha=0.35 if window > 1 else 1.0, linewidth=1.0)
-        if window > 1:
-            ax.plot(steps, moving_average(values, window), color="tab:blue", linewidth=1.8)
-        ax.set_title(key, fontsize=10)
-        ax.set_xlabel("PPO iteration")
+        if key == FRONTIER:
+            _draw_frontier(fig, ax, series)
+        else:
+            _draw_curve(ax, key, *series[key])
         ax.grid(alpha=0.3)
     for ax in axes[len(present) :]:
         ax.set_axis_off()
-    iterations = len(series[present[0]][0])
+    iterations = max(len(series[key][0]) for key in (*present, *FRONTIER_AXES) if key in series)
     fig.suptitle(f"{run_name(run_dir, path)}: {iterations} iterations ({path})", fontsize=9)
 
     if out is None:
@@ -178,3 +210,23 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, keys: Sequence[
     fig.savefig(target, dpi=110)
     log.info("wrote %s", target)
     return target
+
+
+def _draw_curve(ax, key: str, steps: list[float], values: list[float]) -> None:
+    """One metric over PPO iterations: raw (faint) and a trailing mean over a 20th of the run."""
+    window = max(1, len(values) // 20)
+    ax.plot(steps, values, color="tab:blue", alpha=0.35 if window > 1 else 1.0, linewidth=1.0)
+    if window > 1:
+        ax.plot(steps, moving_average(values, window), color="tab:blue", linewidth=1.8)
+    ax.set_title(key, fontsize=10)
+    ax.set_xlabel("PPO iteration")
+
+
+def _draw_frontier(fig: Figure, ax, series: dict[str, tuple[list[float], list[float]]]) -> None:
+    """Smoothed score against smoothed KL, coloured by iteration: the trade-off made so far."""
+    kl, score, steps = frontier(series, max(1, len(series[FRONTIER_AXES[1]][0]) // 20))
+    ax.plot(kl, score, color="0.7", linewidth=0.8)
+    points = ax.scatter(kl, score, c=steps, cmap="viridis", s=6)
+    fig.colorbar(points, ax=ax, label="PPO iteration")
+    ax.set_title("objective/scores against objective/kl", fontsize=10)
+    ax.set_xlabel("objective/kl (KL per response)")

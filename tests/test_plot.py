@@ -10,7 +10,15 @@ import matplotlib.image
 import pytest
 
 from lightning_ppo.cli import main
-from lightning_ppo.plot import find_metrics_csv, panel_keys, plot_run, read_metrics, run_name
+from lightning_ppo.plot import (
+    FRONTIER,
+    find_metrics_csv,
+    frontier,
+    panel_keys,
+    plot_run,
+    read_metrics,
+    run_name,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +60,8 @@ def test_plot_command_draws_a_png_from_a_real_run(tiny_digits, tmp_path):
     # eval rows carry the iteration too: one x-axis for training and evaluation
     rows = list(csv.DictReader(csv_path.open()))
     assert [row["iteration"] for row in rows if row["eval/scores"]] == ["2.0"]
-    assert panel_keys(series)[:2] == ["objective/scores", "eval/scores"]
+    assert panel_keys(series)[:4] == ["objective/scores", "eval/scores", "objective/kl", FRONTIER]
+    assert "kl_coef" not in panel_keys(series)  # fixed coefficient: a flat line, not drawn by default
     assert run_name(tmp_path / "run", csv_path) == run_name(csv_path, csv_path) == "run"
     out = tmp_path / "curves.png"
     main(["plot", str(tmp_path / "run"), "--out", str(out)])
@@ -77,3 +86,16 @@ def test_plot_command_reports_a_bad_folder_without_a_traceback(tmp_path, capsys)
         main(["plot", str(tmp_path)])
     assert exit_info.value.code == 2
     assert f"no metrics.csv found under {tmp_path}" in capsys.readouterr().err
+
+
+def test_the_frontier_pairs_smoothed_score_and_kl_by_iteration_and_kl_coef_shows_when_it_moves():
+    series = {
+        "objective/kl": ([1.0, 2.0, 3.0, 4.0], [0.0, 2.0, 4.0, 6.0]),
+        "objective/scores": ([1.0, 2.0, 4.0], [0.1, 0.3, 0.9]),  # step 3 logged no score
+        "kl_coef": ([1.0, 2.0, 3.0, 4.0], [0.05, 0.06, 0.07, 0.08]),
+    }
+    kl, score, steps = frontier(series, window=2)
+    assert steps == [1.0, 2.0, 4.0]
+    assert kl == pytest.approx([0.0, 1.0, 4.0])  # trailing means of KL 0, 2, 6
+    assert score == pytest.approx([0.1, 0.2, 0.6])
+    assert panel_keys(series) == ["objective/scores", "objective/kl", FRONTIER, "kl_coef"]
