@@ -14,36 +14,52 @@ from lightning_ppo.samples import COLUMNS, sample_rows, write_samples
 
 @dataclass
 class RunSummary:
-    """First vs last mean score of a run (over the first and last 10 % of its iterations)."""
+    """A run's mean score at its first iteration, over its first tenth, over its best window and over
+    its last tenth (windows of a tenth of the iterations, at least one).
+
+    The best window says what the run reached even when it lost it again (a KL pull-back, a
+    collapse); first vs last alone hid that.
+    """
 
     iterations: int
+    start_score: float  # the first iteration's
     first_score: float
+    best_score: float
+    best_window: tuple[int, int]  # first and last iteration of the best window, 1-based
     last_score: float
     final_kl: float
     wall_seconds: float
 
     def __str__(self) -> str:
+        start, end = self.best_window
         return (
             f"{self.iterations} PPO iterations in {self.wall_seconds:.0f} s: mean score "
-            f"{self.first_score:.3f} (first 10 %) -> {self.last_score:.3f} (last 10 %), "
-            f"final KL {self.final_kl:.3f}"
+            f"{self.start_score:.3f} (iteration 1), {self.first_score:.3f} (first 10 %), "
+            f"{self.best_score:.3f} (best 10 %, iterations {start}-{end}), "
+            f"{self.last_score:.3f} (last 10 %); final KL {self.final_kl:.3f}"
         )
 
 
 def summarise(scores: list[float], final_kl: float, wall_seconds: float) -> RunSummary:
-    """Means over the first and last tenth (at least one iteration each) of ``scores``."""
+    """The first score, and the means over the first, best and last tenth (at least one
+    iteration each) of ``scores``."""
     tenth = max(1, len(scores) // 10)
+    windows = [sum(scores[i : i + tenth]) / tenth for i in range(len(scores) - tenth + 1)]
+    best = max(range(len(windows)), key=windows.__getitem__)
     return RunSummary(
         iterations=len(scores),
-        first_score=sum(scores[:tenth]) / tenth,
-        last_score=sum(scores[-tenth:]) / tenth,
+        start_score=scores[0],
+        first_score=windows[0],
+        best_score=windows[best],
+        best_window=(best + 1, best + tenth),
+        last_score=windows[-1],
         final_kl=final_kl,
         wall_seconds=wall_seconds,
     )
 
 
 class TrainingSummary(Callback):
-    """Prints where the logs go when training starts, and a first-vs-last score summary at the end."""
+    """Prints where the logs go when training starts, and the run's :class:`RunSummary` at the end."""
 
     def __init__(self) -> None:
         self.scores: list[float] = []

@@ -70,7 +70,8 @@ class PPOCheckpoint(ModelCheckpoint):
     Under manual optimization Lightning counts optimizer steps (``ppo_epochs x minibatches`` per
     iteration), which makes ``every_n_train_steps`` awkward; this counts iterations. Everything
     else is ``ModelCheckpoint``: ``save_last=True`` keeps ``last.ckpt`` for ``fit --ckpt_path
-    last``, ``monitor="objective/scores", mode="max", save_top_k=1`` keeps the best by score.
+    last``, ``monitor="objective/scores_smoothed", mode="max", save_top_k=1`` keeps the best by the mean score
+    of the last 10 iterations (one batch's mean is noisy: the best single batch is mostly luck).
 
     The folder defaults to ``<trainer.default_root_dir>/checkpoints``, the same for every run in
     that root, so ``--ckpt_path last`` finds it. A new run (no ``ckpt_path``) refuses to start

@@ -104,3 +104,33 @@ def engine_metrics(
         "engine/logp_abs_diff": F.masked_mean((logprobs - engine_logprobs).abs(), mask),
         "engine/is_truncated_fraction": F.masked_mean((log_ratio.exp() > cap).float(), mask),
     }
+
+
+# Iterations ``objective/scores_smoothed`` averages over: long enough that a lucky batch does not
+# pick the best checkpoint, short enough to follow a run of a few hundred iterations.
+SMOOTHING_WINDOW = 10
+
+
+class TrailingMean:
+    """Mean of the last ``window`` values added: ``objective/scores_smoothed``, the score a best
+    checkpoint is chosen on (one batch's mean is noisy: the best single batch is mostly luck).
+
+    Its values are saved with checkpoints, so a resumed run smooths as the uninterrupted one does.
+    """
+
+    def __init__(self, window: int = SMOOTHING_WINDOW) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.values: list[float] = []
+
+    def add(self, value: float) -> float:
+        """Add ``value``; the mean of the last ``window`` values (fewer at the start)."""
+        self.values = [*self.values, value][-self.window :]
+        return sum(self.values) / len(self.values)
+
+    def state_dict(self) -> dict[str, list[float]]:
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        self.values = list(state["values"])[-self.window :]

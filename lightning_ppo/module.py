@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_ppo import functional as F
+from lightning_ppo import optim
 from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
@@ -26,7 +28,7 @@ from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.guardrails import Guardrails, IterationView
 from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.metrics import engine_metrics, experience_metrics, score_metrics
+from lightning_ppo.metrics import TrailingMean, engine_metrics, experience_metrics, score_metrics
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.preflight import check_sequence_fits
@@ -124,7 +126,8 @@ class PPOLightningModule(LightningModule):
         tokenizer: Tokenizer path (default: the policy's).
         ppo: PPO hyper-parameters.
         generation: Sampling settings for rollouts.
-        optimizer: Optimizer over the policy and the critic (one optimizer for both).
+        optimizer: Optimizer over the policy and the critic (one for both). ``None``: AdamW at lr 1e-5,
+            1e-4 with ``lora`` (``optim.default_optimizer``), not torch's 1e-3 that wrecks a pretrained LM.
         lr_scheduler: Optional scheduler, stepped after every optimizer step.
         seed: Seed of the minibatch shuffling (the Trainer's ``seed_everything`` seeds sampling).
         trust_remote_code: Allow checkpoints to run their own code. Off unless you trust them.
@@ -148,7 +151,7 @@ class PPOLightningModule(LightningModule):
         tokenizer: str | None = None,
         ppo: PPOConfig = PPOConfig(),
         generation: GenerationConfig = GenerationConfig(),
-        optimizer: OptimizerCallable = torch.optim.AdamW,
+        optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
         seed: int = 0,
         trust_remote_code: bool = False,
@@ -179,7 +182,8 @@ class PPOLightningModule(LightningModule):
         self.ppo, self.generation_config, self.seed = ppo, generation, seed
         self.policy_path = policy
         self._engine: GenerationEngine | None = None
-        self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
+        self.optimizer_factory = optimizer or partial(optim.default_optimizer, lora=lora is not None)
+        self.scheduler_factory = lr_scheduler
         self.tokenizer = load_tokenizer(tokenizer or policy, trust_remote_code)
         self.stop_token_id = resolve_stop_token(self.tokenizer, generation.stop_token)
         self.suppressed_ids = resolve_suppressed_tokens(self.tokenizer, generation.suppress_tokens)
@@ -226,6 +230,7 @@ class PPOLightningModule(LightningModule):
             ppo.kl_coef, ppo.kl_target, ppo.kl_horizon, ppo.kl_coef_min, ppo.kl_coef_max
         )
         self.score_moments = RunningMoments()
+        self.smoothed_score = TrailingMean()
         self.iteration = 0
         self.episodes = 0
         self.last_samples: Samples | None = None
@@ -310,6 +315,7 @@ class PPOLightningModule(LightningModule):
         )
         stats.update(score_metrics(scores.raw, scores.shaped, scores.dropped, self.ppo.shapes_scores, reduce))
         stats.update(self.engine_mismatch(rollout, forwards.logprobs))
+        stats["objective/scores_smoothed"] = self.smoothed_score.add(float(stats["objective/scores"]))
         stats["kl_coef"] = kl_coef
         self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
         self.heed_guardrails(completions, stats, scores.shaped[~scores.dropped])
@@ -700,9 +706,11 @@ class PPOLightningModule(LightningModule):
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
         checkpoint["ppo_state"] = {
             "kl_coef": float(self.kl_ctl.value),
+            "kl_controller": self.kl_ctl.state_dict(),
             "iteration": self.iteration,
             "episodes": self.episodes,
             "score_moments": self.score_moments.state_dict(),
+            "smoothed_score": self.smoothed_score.state_dict(),
             "consecutive_skips": self.consecutive_skips,
             "rng_states": gather_rng_states(self),
         }
@@ -710,12 +718,15 @@ class PPOLightningModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._check_resumable(checkpoint)
         state = checkpoint.get("ppo_state", {})
-        self.kl_ctl.value = state.get("kl_coef", self.kl_ctl.value)
+        saved_kl = state.get("kl_controller", {"value": state.get("kl_coef", self.kl_ctl.value)})
+        self.kl_ctl.load_state_dict(saved_kl)  # checkpoints before the controller had state: kl_coef
         self.iteration = state.get("iteration", 0)
         self.episodes = state.get("episodes", 0)
         self.consecutive_skips = state.get("consecutive_skips", 0)
         if "score_moments" in state:
             self.score_moments.load_state_dict(state["score_moments"])
+        if "smoothed_score" in state:
+            self.smoothed_score.load_state_dict(state["smoothed_score"])
         if "rng_states" in state and self._trainer is not None:
             restore_rng_states(self, state["rng_states"])
 

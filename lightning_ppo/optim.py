@@ -16,6 +16,20 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+# The default learning rates: what peers use to fine-tune language models with PPO (TRL's PPO 3e-6,
+# OpenRLHF and verl 1e-6 for the actor and 9e-6 / 1e-5 for the critic; LoRA adapters ~1e-4), not
+# torch's 1e-3, which moved a warm-started policy far outside PPO's trust region in one iteration
+# (approxkl 4.5, clipfrac 0.55; benchmarks/learning.py measures it on a tiny model). Tiny models from
+# random weights learn faster at larger rates, which their configs set (configs/quickstart.yaml).
+DEFAULT_LR = 1e-5
+DEFAULT_LORA_LR = 1e-4
+
+
+def default_optimizer(params: Any, lora: bool = False) -> Optimizer:
+    """AdamW at :data:`DEFAULT_LR` (:data:`DEFAULT_LORA_LR` when only LoRA adapters train)."""
+    return torch.optim.AdamW(params, lr=DEFAULT_LORA_LR if lora else DEFAULT_LR)
+
+
 # Optimizers whose fused kernels compute the same update as their default loops.
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW)
 # Devices with fused Adam kernels in every torch this package supports (>= 2.4).
