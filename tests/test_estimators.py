@@ -10,7 +10,6 @@ import torch
 from lightning_ppo import functional as F
 from lightning_ppo.config import PPOConfig
 from lightning_ppo.experience import make_experience
-from lightning_ppo.kl import AdaptiveKLController, FixedKLController
 from lightning_ppo.rollout import Rollout
 
 # 2 prompts x 4 completions, each group contiguous
@@ -131,18 +130,6 @@ def test_dual_clip_caps_the_loss_of_negative_advantages():
     # token 0: max(10, 1.2) = 10 without dual clip, min(10, 3) = 3 with it; token 1: max(-10, -1.2) = -1.2
     assert plain.loss.item() == pytest.approx((10.0 - 1.2) / 2)
     assert dual.loss.item() == pytest.approx((3.0 - 1.2) / 2)
-
-
-def test_adaptive_kl_moves_toward_the_target():
-    above = AdaptiveKLController(0.1, target=1.0, horizon=100)
-    above.update(current_kl=5.0, n_episodes=10)  # too much KL: raise the coefficient
-    assert above.value == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))
-    below = AdaptiveKLController(0.1, target=1.0, horizon=100)
-    below.update(current_kl=0.5, n_episodes=10)  # too little KL: lower it (error -0.5 clipped to -0.2)
-    assert below.value == pytest.approx(0.1 * (1 - 0.2 * 10 / 100))
-    fixed = FixedKLController(0.1)
-    fixed.update(5.0, 10)
-    assert fixed.value == 0.1
 
 
 def _estimated_kl_gradient(estimator: str, samples: int = 200_000) -> tuple[torch.Tensor, torch.Tensor]:
