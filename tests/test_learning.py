@@ -8,6 +8,7 @@ import pytest
 
 from lightning_ppo.callbacks import TrainingSummary
 from lightning_ppo.cli import main
+from lightning_ppo.plot import find_metrics_csv, moving_average, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,3 +54,53 @@ def test_quickstart_task_score_rises(estimator, tiny_digits, tmp_path):
     assert summary.first_score < 0.4
     assert summary.last_score > summary.first_score + 0.15
     assert summary.final_kl < 20.0
+
+
+def test_a_small_spread_reward_learns_with_the_readme_recipe_and_the_kl_holds_the_target(
+    tiny_digits, tmp_path
+):
+    """The quickstart reward x 0.03 (spread like a similarity score) with score_norm and kl_target 4,
+    kl_horizon by the README's rule (64 episodes x 150 iterations / 35): the score rises and the
+    KL neither overshoots (10-iteration mean <= 1.5 x target) nor ends far from the target."""
+    iterations, target = 150, 4.0
+    cli = main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "quickstart.yaml"),
+            "--model.init_args.policy",
+            str(tiny_digits),
+            "--trainer.limit_train_batches",
+            str(iterations),
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.logger",
+            '[{"class_path": "lightning_ppo.loggers.CSVLogger"}]',
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.callbacks",
+            '[{"class_path": "lightning_ppo.callbacks.TrainingSummary"}]',
+            "--trainer.val_check_interval",
+            "null",
+            "--trainer.limit_val_batches",
+            "0",
+            "--model.init_args.reward_weights",
+            "[0.03]",
+            "--model.init_args.ppo.score_norm",
+            "true",
+            "--model.init_args.ppo.kl_target",
+            str(target),
+            "--model.init_args.ppo.kl_horizon",
+            str(64 * iterations // 35),
+        ]
+    )
+    _, series = read_metrics(find_metrics_csv(tmp_path))
+    kl = series["objective/kl"][1]
+    smoothed = moving_average(kl, 10)
+    summary = next(cb for cb in cli.trainer.callbacks if isinstance(cb, TrainingSummary)).summary
+    assert summary.last_score / 0.03 > summary.first_score / 0.03 + 0.15
+    assert max(smoothed) <= 1.5 * target
+    assert 0.5 * target <= sum(kl[-15:]) / 15 <= 1.5 * target
+    assert cli.model.guardrails.fired == set()
