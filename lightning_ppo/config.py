@@ -284,3 +284,36 @@ class PPOConfig:
                 f"ppo.gradient_accumulation_steps = {self.num_minibatches} x "
                 f"{self.gradient_accumulation_steps} = {parts} equal parts"
             )
+
+
+_ENV_ERROR_POLICIES = ("error", "drop")
+
+
+@dataclass
+class EpisodeConfig:
+    """Multi-turn episodes, used with ``model.environment`` (``lightning_ppo.episodes``).
+
+    Args:
+        max_turns: Policy turns per episode at most (>= 1); the environment can end one earlier.
+        max_tokens: Token budget of an episode after its prompt, the policy's turns and the
+            observations together (>= 1). An episode that reaches it is cut there, ends, and is
+            counted (``episode/truncated``). The model's positions must hold the longest prompt
+            plus this budget; that is checked before any model loads.
+        on_error: ``error``: an environment that raises stops training with one line naming its
+            class, the turn and the prompt (checkpoints already written stay as they were);
+            ``drop``: that episode is left out of the update and counted (``episode/env_errors``).
+    """
+
+    max_turns: int = 4
+    max_tokens: int = 256
+    on_error: str = "error"
+
+    def __post_init__(self) -> None:
+        _check(self.max_turns >= 1, "episode.max_turns", ">= 1", self.max_turns)
+        _check(self.max_tokens >= 1, "episode.max_tokens", ">= 1", self.max_tokens)
+        _check(
+            self.on_error in _ENV_ERROR_POLICIES,
+            "episode.on_error",
+            f"one of {_ENV_ERROR_POLICIES}",
+            self.on_error,
+        )

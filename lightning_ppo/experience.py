@@ -66,8 +66,10 @@ class Experience:
 
 
 def last_token_index(response_mask: Tensor) -> Tensor:
-    """(B,) index of the last real response token (the stop token, or the last of a truncated one)."""
-    return (response_mask.long().sum(dim=1) - 1).clamp(min=0)
+    """(B,) index of the last True of each row (the stop token, or the last of a truncated response;
+    the last action of a multi-turn episode, whose mask has gaps); 0 for an empty row."""
+    positions = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
+    return ((response_mask.long() * positions).amax(dim=1) - 1).clamp(min=0)
 
 
 def make_experience(
@@ -96,6 +98,8 @@ def make_experience(
     rows = torch.arange(len(scores), device=scores.device)
     # The score is earned by the whole response, so it lands on its last real token.
     rewards[rows, last_token_index(mask)] += scores
+    if rollout.turn_rewards is not None:  # an environment's per-turn rewards, on each turn's last token
+        rewards = rewards + torch.where(mask, rollout.turn_rewards, 0.0)
     values = torch.where(mask, values, 0.0)
     advantages, returns = estimate_advantages(rewards, values, mask, config, reduce)
     return Experience(

@@ -13,6 +13,7 @@ kl_coef driven from 0.05 to 690) against the quickstart run, which stays below t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_ppo.config import PPOConfig
 from lightning_ppo.metrics import reward_drowned
@@ -42,6 +43,22 @@ class IterationView:
     kl_coef: float
     kl_coef_pinned: bool
     scores_std: float | None  # batch std of the scores the update uses; None with fewer than 2
+
+    @classmethod
+    def of(
+        cls, iteration: int, completions: list[str], stats: dict[str, Any], kl_ctl: Any, update_scores: Any
+    ) -> IterationView:
+        """The view of an iteration from its logged ``stats``, KL controller and the update's scores."""
+        return cls(
+            iteration=iteration,
+            completions=completions,
+            approx_kl=float(stats["policy/approxkl_avg"]),
+            clipfrac=float(stats["policy/clipfrac_avg"]),
+            kl=float(stats["objective/kl"]),
+            kl_coef=kl_ctl.value,
+            kl_coef_pinned=kl_ctl.pinned,
+            scores_std=float(update_scores.std(correction=0)) if len(update_scores) >= 2 else None,
+        )
 
 
 @dataclass

@@ -12,10 +12,16 @@ response tokens. Padding never counts. The update's own statistics (``policy/*``
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
 from torch import Tensor
 
 from lightning_ppo import functional as F
 from lightning_ppo.experience import Experience
+
+if TYPE_CHECKING:
+    from lightning_ppo.episodes import EpisodeStats
 
 
 def experience_metrics(
@@ -134,3 +140,26 @@ class TrailingMean:
 
     def load_state_dict(self, state: dict[str, list[float]]) -> None:
         self.values = list(state["values"])[-self.window :]
+
+
+def episode_metrics(stats: EpisodeStats, reduce: F.Reduce | None = None) -> dict[str, Tensor]:
+    """Multi-turn episodes: turns and tokens per episode (means), truncated and failed episodes
+    (counts), over every rank's episodes when ``reduce`` sums over the ranks."""
+    sums = torch.stack(
+        [
+            stats.turns.float().sum(),
+            stats.tokens.float().sum(),
+            stats.truncated.float().sum(),
+            stats.failed.float().sum(),
+            torch.tensor(float(len(stats.turns)), device=stats.turns.device),
+        ]
+    )
+    if reduce is not None:
+        sums = reduce(sums)
+    turns, tokens, truncated, failed, count = sums
+    return {
+        "episode/turns_mean": turns / count,
+        "episode/tokens_mean": tokens / count,
+        "episode/truncated": truncated,
+        "episode/env_errors": failed,
+    }

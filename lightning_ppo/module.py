@@ -21,19 +21,26 @@ from torch import Tensor
 from lightning_ppo import functional as F
 from lightning_ppo import optim
 from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
-from lightning_ppo.config import GenerationConfig, PPOConfig
+from lightning_ppo.config import EpisodeConfig, GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.engines import GenerationEngine, Placement, compute_dtype, make_engine
+from lightning_ppo.episodes import Environment, EpisodeRunner
 from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.guardrails import Guardrails, IterationView
 from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.metrics import TrailingMean, engine_metrics, experience_metrics, score_metrics
+from lightning_ppo.metrics import (
+    TrailingMean,
+    engine_metrics,
+    episode_metrics,
+    experience_metrics,
+    score_metrics,
+)
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
-from lightning_ppo.preflight import check_sequence_fits
+from lightning_ppo.preflight import check_sequence_fits, response_budget
 from lightning_ppo.quiet import silence_intended_warnings
-from lightning_ppo.resume import setting_changes, weight_mismatch
+from lightning_ppo.resume import check_resumable
 from lightning_ppo.rewards import (
     AdapterReward,
     RewardCall,
@@ -126,6 +133,8 @@ class PPOLightningModule(LightningModule):
         tokenizer: Tokenizer path (default: the policy's).
         ppo: PPO hyper-parameters.
         generation: Sampling settings for rollouts.
+        environment: Multi-turn episodes: what answers the policy's turns (``lightning_ppo.episodes``).
+        episode: Turns and token budget of multi-turn episodes (with ``environment``).
         optimizer: Optimizer over the policy and the critic (one for both). ``None``: AdamW at lr 1e-5,
             1e-4 with ``lora`` (``optim.default_optimizer``), not torch's 1e-3 that wrecks a pretrained LM.
         lr_scheduler: Optional scheduler, stepped after every optimizer step.
@@ -151,6 +160,8 @@ class PPOLightningModule(LightningModule):
         tokenizer: str | None = None,
         ppo: PPOConfig = PPOConfig(),
         generation: GenerationConfig = GenerationConfig(),
+        environment: Environment | None = None,
+        episode: EpisodeConfig = EpisodeConfig(),
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
         seed: int = 0,
@@ -163,7 +174,7 @@ class PPOLightningModule(LightningModule):
         self.reward_fns = (
             [] if reward_fn is None else list(reward_fn) if isinstance(reward_fn, list) else [reward_fn]
         )
-        self._check_rewards(reward_weights, [reward_model, reward_adapter])
+        self._check_rewards(reward_weights, [reward_model, reward_adapter], environment is not None)
         self.save_hyperparameters(
             {
                 "policy": policy,
@@ -176,6 +187,7 @@ class PPOLightningModule(LightningModule):
                 "policy_tokenizer": tokenizer or policy,
                 "ppo": asdict(ppo),
                 "generation": asdict(generation),
+                "episode": asdict(episode) if environment is not None else None,
                 "seed": seed,
             }
         )
@@ -193,6 +205,11 @@ class PPOLightningModule(LightningModule):
         )
         self.hf_eval_generation = hf_generation_config(
             generation, self.stop_token_id, pad_id, generation.eval_do_sample, self.suppressed_ids
+        )
+        self.episode_runner = (
+            EpisodeRunner(environment, episode, self.tokenizer, pad_id, seed)
+            if environment is not None
+            else None
         )
         self.reward_model = (
             RewardModel.from_pretrained(
@@ -244,12 +261,13 @@ class PPOLightningModule(LightningModule):
             return reward_model
         return policy
 
-    def _check_rewards(self, weights: list[float] | None, reward_paths: list[str | None]) -> None:
+    def _check_rewards(self, weights: list[float] | None, reward_paths: list[str | None], env: bool) -> None:
         models = sum(path is not None for path in reward_paths)
         count = len(self.reward_fns) + models
-        if count == 0 and type(self).score is PPOLightningModule.score:
+        if count == 0 and not env and type(self).score is PPOLightningModule.score:
             raise UsageError(
-                "no reward: set reward_fn, reward_model or reward_adapter, or override score() in a subclass"
+                "no reward: set reward_fn, reward_model, reward_adapter or an environment, or override "
+                "score() in a subclass"
             )
         for fn in self.reward_fns:
             if not callable(fn):
@@ -267,9 +285,14 @@ class PPOLightningModule(LightningModule):
         silence_intended_warnings()  # e.g. the frozen roles are in eval mode on purpose
         # Before the first rollout: past the model's positions generation fails with an IndexError.
         max_prompt_length = getattr(self.trainer.datamodule, "max_prompt_length", None)
-        check_sequence_fits(
-            self.policy.config, "model.policy", max_prompt_length, self.generation_config.max_new_tokens
+        budget = response_budget(
+            {
+                "environment": self.episode_runner,
+                "episode": self.hparams.episode,
+                "generation": self.hparams.generation,
+            }
         )
+        check_sequence_fits(self.policy.config, "model.policy", max_prompt_length, budget[1], budget[0])
         # seed_everything gives every rank the same generator: offset it so ranks sample differently.
         # A resumed run then overwrites this with each rank's saved state (on_load_checkpoint).
         if self.trainer.world_size > 1:
@@ -313,29 +336,23 @@ class PPOLightningModule(LightningModule):
         stats.update(
             experience_metrics(exp, forwards.entropy, rollout.ended, kl_coef, self.roles.has_critic, reduce)
         )
-        stats.update(score_metrics(scores.raw, scores.shaped, scores.dropped, self.ppo.shapes_scores, reduce))
+        raw = scores.raw if rollout.turn_rewards is None else scores.raw + rollout.turn_rewards.sum(1)
+        stats.update(score_metrics(raw, scores.shaped, scores.dropped, self.ppo.shapes_scores, reduce))
         stats.update(self.engine_mismatch(rollout, forwards.logprobs))
+        if self.episode_runner is not None:
+            stats.update(episode_metrics(self.episode_runner.last_stats, reduce))
         stats["objective/scores_smoothed"] = self.smoothed_score.add(float(stats["objective/scores"]))
         stats["kl_coef"] = kl_coef
         self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
         self.heed_guardrails(completions, stats, scores.shaped[~scores.dropped])
         self.log_stats(stats, len(batch))
-        self.last_samples = Samples(batch.prompts, completions, scores.raw.tolist(), exp.kl.sum(1).tolist())
+        self.last_samples = Samples(batch.prompts, completions, raw.tolist(), exp.kl.sum(1).tolist())
 
     def heed_guardrails(self, completions: list[str], stats: dict[str, Any], update_scores: Tensor) -> None:
         """The guardrails' one-time warnings (lightning_ppo.guardrails), spoken by rank 0."""
         if self.guardrails is None:  # the learning rate is known once the optimizer exists
             self.guardrails = Guardrails(self.ppo, float(self.optimizers().param_groups[0]["lr"]))
-        view = IterationView(
-            iteration=self.iteration,
-            completions=completions,
-            approx_kl=float(stats["policy/approxkl_avg"]),
-            clipfrac=float(stats["policy/clipfrac_avg"]),
-            kl=float(stats["objective/kl"]),
-            kl_coef=self.kl_ctl.value,
-            kl_coef_pinned=self.kl_ctl.pinned,
-            scores_std=float(update_scores.std(correction=0)) if len(update_scores) >= 2 else None,
-        )
+        view = IterationView.of(self.iteration, completions, stats, self.kl_ctl, update_scores)
         for message in self.guardrails.observe(view):
             rank_zero_warn(message)
 
@@ -383,9 +400,11 @@ class PPOLightningModule(LightningModule):
         self.log("reward/dropped", float(batch_size), on_step=True, batch_size=batch_size)
 
     def generate(self, batch: PromptBatch) -> Rollout:
-        """Sample one response per (repeated) prompt with the current policy."""
+        """Sample one response (or, with an environment, one episode) per (repeated) prompt."""
         self._warn_if_prompts_end_with_stop(batch)
         self.engine.sync_weights(self.policy)
+        if self.episode_runner is not None:  # multi-turn: one generate per turn, the environment between
+            return self.episode_runner.run(self.engine, batch, self.iteration, self.global_rank)
         return self.engine.generate(batch.prompt_ids, batch.prompt_mask)
 
     @property
@@ -440,10 +459,9 @@ class PPOLightningModule(LightningModule):
         )
 
     def decode_responses(self, rollout: Rollout) -> list[str]:
-        """Response text without the stop token or padding."""
-        lengths = rollout.response_lengths.tolist()
-        ids = [row[:n] for row, n in zip(rollout.response_ids.tolist(), lengths, strict=True)]
-        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        """Response text without the stop token or padding (a multi-turn episode: every turn and
+        observation after the prompt)."""
+        return self.tokenizer.batch_decode(rollout.episode_token_ids(), skip_special_tokens=True)
 
     def score(self, prompts: list[str], completions: list[str], batch: ScoreInputs) -> Tensor | list[float]:
         """One score per completion: the weighted sum of the configured rewards. Override for your own.
@@ -716,7 +734,10 @@ class PPOLightningModule(LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._check_resumable(checkpoint)
+        frozen = self._frozen_names()
+        check_resumable(
+            checkpoint, dict(self.hparams), {k: v for k, v in self.state_dict().items() if k not in frozen}
+        )
         state = checkpoint.get("ppo_state", {})
         saved_kl = state.get("kl_controller", {"value": state.get("kl_coef", self.kl_ctl.value)})
         self.kl_ctl.load_state_dict(saved_kl)  # checkpoints before the controller had state: kl_coef
@@ -729,29 +750,3 @@ class PPOLightningModule(LightningModule):
             self.smoothed_score.load_state_dict(state["smoothed_score"])
         if "rng_states" in state and self._trainer is not None:
             restore_rng_states(self, state["rng_states"])
-
-    def _check_resumable(self, checkpoint: dict[str, Any]) -> None:
-        """Error if the saved trained weights cannot load into this model; warn about other changes.
-
-        Runs before Lightning loads weights and optimizer state (whose own errors name no setting;
-        frozen roles are left out of checkpoints, so the weights load non-strictly).
-        """
-        changes = setting_changes(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
-        frozen = self._frozen_names()
-        trained = {k: v for k, v in self.state_dict().items() if k not in frozen}
-        # A sharded checkpoint's weights are not in ``checkpoint``: the strategy loaded them already
-        # (its distributed load fails on any missing or reshaped tensor).
-        mismatch = weight_mismatch(checkpoint["state_dict"], trained) if "state_dict" in checkpoint else []
-        if mismatch:
-            raise UsageError(
-                "the checkpoint's trained weights do not fit this model"
-                + (f" ({'; '.join(map(str, changes))})" if changes else "")
-                + ": "
-                + "; ".join(mismatch)
-                + ". Resume with the checkpoint's settings, or start a new run from its exported policy."
-            )
-        if changes:
-            rank_zero_warn(
-                "resuming with settings that differ from the checkpoint's; the run goes on with the "
-                "config's values: " + "; ".join(map(str, changes))
-            )

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.errors import MissingPathError, UsageError
 
 # Checkpoint-holding roles of PPOLightningModule, by argument name.
@@ -92,9 +93,16 @@ def position_limit(config: PretrainedConfig) -> tuple[str, int] | None:
 
 
 def check_sequence_fits(
-    config: PretrainedConfig, field: str, max_prompt_length: int | None, max_new_tokens: int | None
+    config: PretrainedConfig,
+    field: str,
+    max_prompt_length: int | None,
+    max_new_tokens: int | None,
+    budget_field: str = "model.generation.max_new_tokens",
 ) -> None:
     """Fail when the longest prompt plus response has more tokens than the model has positions.
+
+    ``max_new_tokens`` is the tokens after the prompt: one reply's, or a multi-turn episode's whole
+    budget (``budget_field`` names which setting it came from).
 
     Past them a learned position table is indexed out of range mid-generation (``IndexError: index
     out of range in self``) and a rotary model runs beyond the lengths it was trained on.
@@ -106,7 +114,7 @@ def check_sequence_fits(
     total = max_prompt_length + max_new_tokens
     if total > positions:
         raise UsageError(
-            f"data.max_prompt_length ({max_prompt_length}) + model.generation.max_new_tokens "
+            f"data.max_prompt_length ({max_prompt_length}) + {budget_field} "
             f"({max_new_tokens}) = {total} tokens, more than the {positions} positions of {field} "
             f"{config.name_or_path!r} ({name} in its config): lower one of them"
         )
@@ -160,7 +168,19 @@ def check_run_inputs(model: Mapping[str, Any], data: Mapping[str, Any]) -> None:
     for field, source in tokenizers.items():
         if isinstance(source, str):
             check_tokenizer_source(field, source)
-    max_new_tokens = (model.get("generation") or {}).get("max_new_tokens")
+    budget_field, budget = response_budget(model)
     for name in SAME_TOKEN_FIELDS:
         if name in configs:
-            check_sequence_fits(configs[name], f"model.{name}", data.get("max_prompt_length"), max_new_tokens)
+            check_sequence_fits(
+                configs[name], f"model.{name}", data.get("max_prompt_length"), budget, budget_field
+            )
+
+
+def response_budget(model: dict[str, Any]) -> tuple[str, int | None]:
+    """The setting that bounds the tokens after a prompt, and its value: one reply's
+    ``generation.max_new_tokens``, or with an environment the episode's ``episode.max_tokens``."""
+    if model.get("environment") is not None:
+        return "model.episode.max_tokens", (model.get("episode") or {}).get(
+            "max_tokens", EpisodeConfig.max_tokens
+        )
+    return "model.generation.max_new_tokens", (model.get("generation") or {}).get("max_new_tokens")

@@ -14,7 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+
+from lightning_ppo.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -64,3 +67,31 @@ def weight_mismatch(saved: Mapping[str, Tensor], expected: Mapping[str, Tensor])
     if reshaped:
         lines.append(f"{len(reshaped)} with another shape: {', '.join(reshaped[:3])}")
     return lines
+
+
+def check_resumable(
+    checkpoint: Mapping[str, Any], hparams: Mapping[str, Any], trained: Mapping[str, Tensor]
+) -> None:
+    """Error if the saved trained weights cannot load into a model that trains ``trained``; warn
+    about other setting changes.
+
+    Runs before Lightning loads weights and optimizer state (whose own errors name no setting;
+    frozen roles are left out of checkpoints, so the weights load non-strictly).
+    """
+    changes = setting_changes(checkpoint.get("hyper_parameters", {}), hparams)
+    # A sharded checkpoint's weights are not in ``checkpoint``: the strategy loaded them already
+    # (its distributed load fails on any missing or reshaped tensor).
+    mismatch = weight_mismatch(checkpoint["state_dict"], trained) if "state_dict" in checkpoint else []
+    if mismatch:
+        raise UsageError(
+            "the checkpoint's trained weights do not fit this model"
+            + (f" ({'; '.join(map(str, changes))})" if changes else "")
+            + ": "
+            + "; ".join(mismatch)
+            + ". Resume with the checkpoint's settings, or start a new run from its exported policy."
+        )
+    if changes:
+        rank_zero_warn(
+            "resuming with settings that differ from the checkpoint's; the run goes on with the "
+            "config's values: " + "; ".join(map(str, changes))
+        )

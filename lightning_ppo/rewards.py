@@ -155,9 +155,9 @@ def uses_trl_convention(fn: RewardLike) -> bool | None:
 
 
 def completion_ids(rollout: Rollout) -> list[list[int]]:
-    """Each response's token ids up to and including its stop token, without padding."""
-    lengths = rollout.response_lengths.tolist()
-    return [row[:n] for row, n in zip(rollout.response_ids.tolist(), lengths, strict=True)]
+    """Each response's token ids up to and including its stop token, without padding (a multi-turn
+    episode's: every turn and observation)."""
+    return rollout.episode_token_ids()
 
 
 def check_scores(

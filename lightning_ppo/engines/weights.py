@@ -73,4 +73,3 @@ def hf_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
             tensor = tensor.float() + delta.detach()
         name = name.removeprefix("base_model.model.").replace(".base_layer", "")
         yield name.replace(".modules_to_save.default", ""), tensor
-

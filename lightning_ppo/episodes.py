@@ -1,0 +1,259 @@
+"""Multi-turn episodes: the policy acts, an environment answers, the policy acts again.
+
+An :class:`Environment` is a small Python class named in the config by ``class_path``
+(``model.environment``). Each episode runs on its own copy of it (``copy.deepcopy`` of the
+configured instance, so it may keep the episode's state in ``self``): :meth:`Environment.reset`
+receives the dataset row, :meth:`Environment.step` each turn of the policy, and answers with a
+:class:`StepResult`: an observation to append, an optional reward for that turn, and whether the
+episode is done.
+
+:class:`EpisodeRunner` advances the episodes of one batch together: one batched ``generate`` per
+turn over the episodes still running, with whichever engine samples (``hf`` or ``vllm``). The
+policy's tokens are kept exactly as sampled, never decoded and re-encoded; only observations are
+tokenized. The result is one :class:`~lightning_ppo.rollout.Rollout` whose response region holds
+every turn and observation in order, so the rest of PPO runs unchanged on it: the observations
+are context (``context_mask``), never actions, and each turn's reward sits on the turn's last
+token (``turn_rewards``). An episode whose environment is done after the first reply is exactly
+today's single-turn rollout (the same tensors, bit for bit).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_ppo.config import EpisodeConfig
+from lightning_ppo.data import PromptBatch
+from lightning_ppo.engines import GenerationEngine
+from lightning_ppo.errors import UsageError
+from lightning_ppo.rollout import Rollout
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One reply of the policy, as the environment receives it."""
+
+    index: int  # 0 for the first reply
+    text: str  # decoded, without the stop token
+    token_ids: list[int]  # as sampled, the stop token included when the reply has one
+    ended: bool  # whether the reply emitted the stop token (False: cut at max_new_tokens)
+
+
+@dataclass
+class StepResult:
+    """The environment's answer to a turn.
+
+    Attributes:
+        observation: Text appended after the turn for the policy to read (tokenized without special
+            tokens); ``None`` or ``""`` appends nothing.
+        reward: This turn's reward, added on the turn's last token; ``None`` for none.
+        done: The episode ends here (it also ends after ``episode.max_turns`` turns).
+    """
+
+    observation: str | None = None
+    reward: float | None = None
+    done: bool = False
+
+
+class Environment:
+    """What the policy talks to in a multi-turn episode. Subclass it and override both methods.
+
+    Each episode gets its own deep copy of the configured instance, so ``self`` can hold the
+    episode's state. Randomness should come from the ``rng`` given to :meth:`reset`: it is seeded
+    from the run's seed, the iteration, the rank and the episode, so runs (and resumed runs) repeat.
+    """
+
+    def reset(self, prompt: str, row: dict[str, Any], rng: random.Random) -> None:
+        """Start an episode on ``prompt`` (as the policy reads it) and its dataset ``row`` (the other
+        columns). The default keeps nothing."""
+
+    def step(self, turn: Turn) -> StepResult:
+        """Answer the policy's turn."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step(turn) -> StepResult")
+
+
+@dataclass
+class _Episode:
+    """One episode under construction: its tokens after the prompt, and what each one is."""
+
+    environment: Environment
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    is_action: list[bool] = field(default_factory=list)
+    engine_logprobs: list[float] = field(default_factory=list)
+    rewards: dict[int, float] = field(default_factory=dict)  # token index -> turn reward
+    turns: int = 0
+    ended: bool = False  # the last reply emitted the stop token
+    truncated: bool = False  # cut by the token budget
+    failed: bool = False  # its environment raised (episode.on_error: drop): nothing to learn from it
+    done: bool = False
+
+
+@dataclass
+class EpisodeStats:
+    """What the runner counted in one batch (this rank's episodes)."""
+
+    turns: Tensor  # (B,) policy turns per episode
+    tokens: Tensor  # (B,) tokens after the prompt, observations included
+    truncated: Tensor  # (B,) bool: cut by episode.max_tokens
+    failed: Tensor  # (B,) bool: the environment raised and the episode was dropped
+
+
+class EpisodeRunner:
+    """Runs the batch's episodes turn by turn with a generation engine.
+
+    Args:
+        environment: The configured environment; every episode runs on a deep copy.
+        config: Turns and token budget.
+        tokenizer: Decodes the policy's turns for the environment and tokenizes observations.
+        pad_token_id: Fills the response region past each episode's end.
+        seed: The run's seed; with the iteration, rank and episode it seeds each episode's ``rng``.
+    """
+
+    def __init__(
+        self, environment: Environment, config: EpisodeConfig, tokenizer: Any, pad_token_id: int, seed: int
+    ) -> None:
+        if not callable(getattr(environment, "step", None)):
+            raise UsageError(
+                f"model.environment: {type(environment).__name__} has no step(turn) method; subclass "
+                "lightning_ppo.episodes.Environment"
+            )
+        self.environment, self.config = environment, config
+        self.tokenizer, self.pad_token_id, self.seed = tokenizer, pad_token_id, seed
+        self.last_stats: EpisodeStats | None = None
+        self._engine_logprobs = False
+
+    def run(self, engine: GenerationEngine, batch: PromptBatch, iteration: int, rank: int) -> Rollout:
+        """Sample every episode of ``batch`` to its end; one ``engine.generate`` per turn."""
+        episodes = [self._start(batch, i, iteration, rank) for i in range(len(batch))]
+        for turn in range(self.config.max_turns):
+            running = [i for i, episode in enumerate(episodes) if not episode.done]
+            if not running:
+                break
+            if turn == 0:  # the batch's own tensors: one turn is today's rollout exactly
+                rollout = engine.generate(batch.prompt_ids, batch.prompt_mask)
+            else:
+                rollout = engine.generate(*self._contexts([episodes[i] for i in running], batch))
+            self._engine_logprobs = rollout.engine_logprobs is not None
+            for row, i in enumerate(running):
+                try:
+                    self._advance(episodes[i], rollout, row, turn, batch.prompts[i])
+                except EnvironmentFailure:
+                    if self.config.on_error == "error":
+                        raise
+                    episodes[i].failed = episodes[i].done = True
+        return self._rollout(episodes, batch)
+
+    def _start(self, batch: PromptBatch, i: int, iteration: int, rank: int) -> _Episode:
+        environment = copy.deepcopy(self.environment)
+        episode = _Episode(environment, batch.prompt_ids[i][batch.prompt_mask[i]].tolist())
+        rng = random.Random(f"{self.seed}/{iteration}/{rank}/{i}")
+        row = {name: values[i] for name, values in batch.extras.items()}
+        try:
+            self._call(environment.reset, "reset", 0, batch.prompts[i], batch.prompts[i], row, rng)
+        except EnvironmentFailure:
+            if self.config.on_error == "error":
+                raise
+            episode.failed = episode.done = True
+        return episode
+
+    def _contexts(self, episodes: list[_Episode], batch: PromptBatch) -> tuple[Tensor, Tensor]:
+        """Prompt plus everything so far of each episode, left padded (generation continues it)."""
+        contexts = [episode.prompt + episode.tokens for episode in episodes]
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(contexts), width), dtype=torch.bool)
+        for row, context in enumerate(contexts):
+            ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
+            mask[row, width - len(context) :] = True
+        return ids.to(batch.prompt_ids.device), mask.to(batch.prompt_mask.device)
+
+    def _advance(self, episode: _Episode, rollout: Rollout, row: int, turn: int, prompt: str) -> None:
+        """Append the policy's reply (cut at the budget), ask the environment, append its observation."""
+        keep = rollout.response_mask[row]
+        reply = rollout.response_ids[row][keep].tolist()
+        logprobs = rollout.engine_logprobs[row][keep].tolist() if rollout.engine_logprobs is not None else []
+        room = self.config.max_tokens - len(episode.tokens)
+        episode.truncated = len(reply) > room
+        reply, logprobs = reply[:room], logprobs[:room]
+        episode.ended = bool(rollout.ended[row]) and not episode.truncated
+        self._append(episode, reply, True, logprobs)
+        episode.turns += 1
+        text = self.tokenizer.decode(reply, skip_special_tokens=True)
+        result = self._call(
+            episode.environment.step, "step", turn, prompt, Turn(turn, text, reply, episode.ended)
+        )
+        if not isinstance(result, StepResult):
+            raise UsageError(
+                f"model.environment: {type(episode.environment).__name__}.step must return a StepResult, "
+                f"got {type(result).__name__}"
+            )
+        if result.reward is not None and reply:
+            episode.rewards[len(episode.tokens) - 1] = float(result.reward)
+        episode.done = result.done or episode.truncated or turn + 1 >= self.config.max_turns
+        if not episode.done and result.observation:
+            observation = self.tokenizer(result.observation, add_special_tokens=False)["input_ids"]
+            room = self.config.max_tokens - len(episode.tokens)
+            episode.truncated = len(observation) >= room  # no room left for another reply
+            episode.done = episode.truncated
+            self._append(episode, observation[:room], False, [0.0] * min(room, len(observation)))
+
+    @staticmethod
+    def _append(episode: _Episode, tokens: list[int], action: bool, logprobs: list[float]) -> None:
+        episode.tokens += tokens
+        episode.is_action += [action] * len(tokens)
+        episode.engine_logprobs += logprobs if logprobs else [0.0] * len(tokens)
+
+    def _call(self, method: Any, name: str, turn: int, prompt: str, *args: Any) -> Any:
+        """Call the environment; its exception becomes an error naming the class, turn and prompt."""
+        try:
+            return method(*args)
+        except Exception as err:
+            owner = type(getattr(method, "__self__", method)).__name__
+            raise EnvironmentFailure(
+                f"model.environment: {owner}.{name} raised {type(err).__name__}: {err} (turn {turn}, "
+                f"prompt {prompt[:60]!r})"
+            ) from err
+
+    def _rollout(self, episodes: list[_Episode], batch: PromptBatch) -> Rollout:
+        """The episodes as one rollout: every turn and observation in the response region."""
+        width = max(max(len(e.tokens) for e in episodes), 1)
+        device = batch.prompt_ids.device
+        ids = torch.full((len(episodes), width), self.pad_token_id, dtype=torch.long)
+        action = torch.zeros((len(episodes), width), dtype=torch.bool)
+        context = torch.zeros_like(action)
+        rewards = torch.zeros((len(episodes), width))
+        logprobs = torch.zeros((len(episodes), width))
+        for row, e in enumerate(episodes):
+            n = len(e.tokens)
+            ids[row, :n] = torch.tensor(e.tokens, dtype=torch.long)
+            action[row, :n] = torch.tensor(e.is_action) & (not e.failed)
+            context[row, :n] = ~torch.tensor(e.is_action)
+            logprobs[row, :n] = torch.tensor(e.engine_logprobs)
+            for index, reward in e.rewards.items():
+                rewards[row, index] = reward
+        self.last_stats = EpisodeStats(
+            turns=torch.tensor([e.turns for e in episodes], device=device),
+            tokens=torch.tensor([len(e.tokens) for e in episodes], device=device),
+            truncated=torch.tensor([e.truncated for e in episodes], device=device),
+            failed=torch.tensor([e.failed for e in episodes], device=device),
+        )
+        return Rollout(
+            batch.prompt_ids,
+            batch.prompt_mask.bool(),
+            ids.to(device),
+            action.to(device),
+            torch.tensor([e.ended for e in episodes], device=device),
+            engine_logprobs=logprobs.to(device) if self._engine_logprobs else None,
+            context_mask=context.to(device) if context.any() else None,
+            turn_rewards=rewards.to(device) if any(e.rewards for e in episodes) else None,
+        )
+
+
+class EnvironmentFailure(UsageError, RuntimeError):
+    """An environment's ``reset`` or ``step`` raised: named with its class, turn and prompt."""

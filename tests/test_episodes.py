@@ -1,0 +1,205 @@
+"""Multi-turn episodes: token continuity, masks, turn rewards, GAE across observations, budgets,
+environment failures, and a one-turn environment that reproduces today's single-turn run bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+from lightning_ppo import functional as F
+from lightning_ppo.config import EpisodeConfig
+from lightning_ppo.episodes import Environment, EnvironmentFailure, StepResult, Turn
+from lightning_ppo.experience import make_experience
+from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
+from lightning_ppo.tasks.reveal import RevealDigits, RevealDigitsDataModule
+from tests.helpers import quiet_trainer
+
+
+class Echo(Environment):
+    """Answers every turn with "=12=", rewards 0.5 per turn, and records what it was given."""
+
+    def __init__(self) -> None:
+        self.seen: list[Turn] = []
+
+    def step(self, turn: Turn) -> StepResult:
+        self.seen.append(turn)
+        return StepResult(observation="=12=", reward=0.5)
+
+
+class OneTurn(Environment):
+    """Done after the first reply, with nothing to add: today's single-turn episode."""
+
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(done=True)
+
+
+class Raises(Environment):
+    def step(self, turn: Turn) -> StepResult:
+        if turn.index == 1:
+            raise ValueError("the tool is down")
+        return StepResult(observation="7=")
+
+
+def _module(path, environment=None, episode=None, **kwargs) -> PPOLightningModule:
+    return PPOLightningModule(
+        policy=str(path),
+        reward_fn=kwargs.pop("reward_fn", DigitsReward()),
+        environment=environment,
+        episode=episode or EpisodeConfig(max_turns=3, max_tokens=40),
+        ppo=PPOConfig(ppo_epochs=2, num_minibatches=2, kl_coef=0.05),
+        generation=GenerationConfig(max_new_tokens=6),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        **kwargs,
+    )
+
+
+def _batch(module: PPOLightningModule, data=None):
+    data = data or DigitsDataModule(num_prompts=64, batch_size=8, max_prompt_length=16)
+    data.set_tokenizer(module.tokenizer)
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+def _turn_logprobs(module: PPOLightningModule, context: list[int], reply: list[int]) -> torch.Tensor:
+    """The policy's log-probs of ``reply`` after ``context``, one unpadded sequence: what sampling saw."""
+    ids = torch.tensor([context + reply])
+    logits = module.policy(input_ids=ids).logits[:, len(context) - 1 : -1]
+    return module.token_logprobs(logits, torch.tensor([reply]))[0]
+
+
+def test_turns_keep_the_sampled_tokens_and_their_log_probs_across_turns(tiny_digits):
+    torch.manual_seed(0)
+    module = _module(tiny_digits, Echo())
+    batch = _batch(module)
+    rollout = module.generate(batch)
+    observation = module.tokenizer("=12=", add_special_tokens=False)["input_ids"]
+    forwards = module.rollout_forwards(rollout)
+    for row in range(len(batch)):
+        prompt = batch.prompt_ids[row][batch.prompt_mask[row]].tolist()
+        tokens = rollout.response_ids[row][rollout.episode_mask[row]].tolist()
+        actions = rollout.response_mask[row][rollout.episode_mask[row]].tolist()
+        # replies and observations alternate: every observation is "=12=" exactly, tokenized once
+        start, turns = 0, 0
+        while start < len(tokens):
+            end = start
+            while end < len(tokens) and actions[end]:
+                end += 1
+            reply = tokens[start:end]
+            recomputed = _turn_logprobs(module, prompt + tokens[:start], reply)
+            trained = forwards.logprobs[row][rollout.episode_mask[row]][start:end]
+            torch.testing.assert_close(trained, recomputed, atol=1e-5, rtol=1e-5)
+            turns += 1
+            if end < len(tokens):
+                assert tokens[end : end + len(observation)] == observation
+            start = end + len(observation)
+        assert turns == 3  # max_turns: Echo never says done
+    # observations are context: no log-prob, KL or value there; turn rewards on each turn's last token
+    context = rollout.context_mask
+    assert context is not None and (forwards.logprobs[context] == 0).all()
+    assert rollout.turn_rewards.sum(1).tolist() == [1.5] * len(batch)
+    action = rollout.response_mask
+    following = torch.cat([action[:, 1:], torch.zeros_like(action[:, :1])], dim=1)
+    assert torch.equal(rollout.turn_rewards != 0, action & ~following)
+
+
+class Recorder(Echo):
+    """Echo that also writes every turn it sees to a list shared by all its copies."""
+
+    log: list[Turn] = []
+
+    def step(self, turn: Turn) -> StepResult:
+        Recorder.log.append(turn)
+        return super().step(turn)
+
+
+def test_each_episode_runs_on_its_own_copy_and_reads_its_turns_as_sampled(tiny_digits):
+    torch.manual_seed(1)
+    template = Recorder()
+    Recorder.log.clear()
+    module = _module(tiny_digits, template, EpisodeConfig(max_turns=2, max_tokens=40))
+    rollout = module.generate(_batch(module))
+    assert template.seen == []  # the configured instance itself is never stepped
+    first_turns = [turn for turn in Recorder.log if turn.index == 0]
+    assert len(first_turns) == len(rollout.response_ids) == 8
+    for row, turn in enumerate(first_turns):
+        tokens = rollout.response_ids[row][: len(turn.token_ids)].tolist()
+        assert turn.token_ids == tokens and rollout.response_mask[row][: len(tokens)].all()
+        assert turn.text == module.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert turn.ended == (tokens[-1] == module.stop_token_id)
+
+
+def test_gae_bootstraps_across_an_observation_from_the_next_action():
+    # tokens: a0 a1 [obs obs] a2; rewards 1 at a1 (turn reward) and 2 at a2 (score); gamma 1, lambda 1
+    mask = torch.tensor([[True, True, False, False, True]])
+    rewards = torch.tensor([[0.0, 1.0, 9.0, 9.0, 2.0]])  # observation rewards are never read
+    values = torch.tensor([[0.5, 0.25, 7.0, 7.0, 1.0]])
+    advantages, returns = F.gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert returns[0].tolist() == [3.0, 3.0, 0.0, 0.0, 2.0]
+    assert advantages[0, 1].item() == pytest.approx(3.0 - 0.25)  # the return from a1 minus V(a1)
+    advantages, _ = F.gae(rewards, values, mask, gamma=1.0, lam=0.0)
+    assert advantages[0, 1].item() == pytest.approx(1.0 + 1.0 - 0.25)  # one-step: bootstraps from V(a2)
+
+
+def test_turn_rewards_and_the_score_land_on_their_tokens(tiny_digits):
+    torch.manual_seed(2)
+    module = _module(tiny_digits, Echo())
+    rollout = module.generate(_batch(module))
+    zeros = torch.zeros_like(rollout.response_ids, dtype=torch.float32)
+    scores = torch.arange(len(rollout.response_ids), dtype=torch.float32)
+    exp = make_experience(rollout, zeros, zeros, zeros, scores, 0.0, PPOConfig(whiten_advantages=False))
+    last_action = rollout.response_mask.long().cumsum(1).argmax(1)
+    expected = rollout.turn_rewards.clone()
+    expected[torch.arange(len(scores)), last_action] += scores
+    torch.testing.assert_close(exp.rewards, expected)
+
+
+def test_an_episode_over_its_token_budget_is_cut_and_counted(tiny_digits):
+    torch.manual_seed(3)
+    module = _module(tiny_digits, Echo(), EpisodeConfig(max_turns=5, max_tokens=9))
+    rollout = module.generate(_batch(module))
+    stats = module.episode_runner.last_stats
+    assert rollout.response_ids.shape[1] <= 9 and stats.tokens.max().item() <= 9
+    assert stats.truncated.any() and (stats.turns < 5).all()
+
+
+def test_an_environment_that_raises_is_named_or_its_episode_dropped(tiny_digits):
+    torch.manual_seed(4)
+    module = _module(tiny_digits, Raises())
+    batch = _batch(module)
+    with pytest.raises(
+        EnvironmentFailure,
+        match=r"model.environment: Raises.step raised ValueError: the tool is down \(turn 1, prompt '\d+='\)",
+    ):
+        module.generate(batch)
+    dropping = _module(tiny_digits, Raises(), EpisodeConfig(max_turns=3, max_tokens=40, on_error="drop"))
+    rollout = dropping.generate(batch)
+    stats = dropping.episode_runner.last_stats
+    assert stats.failed.all() and not rollout.response_mask.any()  # nothing to learn from them
+
+
+def test_a_one_turn_environment_trains_exactly_as_the_single_turn_path(tiny_digits, tmp_path):
+    runs = []
+    for environment in (None, OneTurn()):
+        torch.manual_seed(0)
+        module = _module(tiny_digits, environment)
+        data = DigitsDataModule(num_prompts=64, batch_size=8, max_prompt_length=16)
+        quiet_trainer(tmp_path, iterations=3).fit(module, datamodule=data)
+        runs.append(module)
+    plain, episodic = runs
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, episodic.state_dict()[name]), name
+    assert plain.kl_ctl.value == episodic.kl_ctl.value
+
+
+def test_the_reveal_task_needs_the_observation_to_score(tiny_digits):
+    torch.manual_seed(5)
+    module = _module(tiny_digits, RevealDigits(), EpisodeConfig(max_turns=2, max_tokens=24), reward_fn=None)
+    data = RevealDigitsDataModule(num_prompts=64, batch_size=8, max_prompt_length=16)
+    batch = _batch(module, data)
+    assert set(batch.prompts) == {"="}
+    rollout = module.generate(batch)
+    text = module.decode_responses(rollout)
+    targets = batch.extras["target"]
+    assert all(f"{t}=" in episode for t, episode in zip(targets, text, strict=True))  # revealed in turn 2
+    assert rollout.turn_rewards is not None and (rollout.turn_rewards.sum(1) >= 0).all()
