@@ -33,6 +33,9 @@ from lightning_ppo.engines import GenerationEngine
 from lightning_ppo.errors import UsageError
 from lightning_ppo.rollout import Rollout
 
+# How sample tables mark an environment's observation inside an episode's text.
+OBSERVATION_OPEN, OBSERVATION_CLOSE = " [env: ", "] "
+
 
 @dataclass(frozen=True)
 class Turn:
@@ -88,6 +91,7 @@ class _Episode:
     engine_logprobs: list[float] = field(default_factory=list)
     rewards: dict[int, float] = field(default_factory=dict)  # token index -> turn reward
     turns: int = 0
+    transcript: list[str] = field(default_factory=list)  # replies as text, observations marked
     ended: bool = False  # the last reply emitted the stop token
     truncated: bool = False  # cut by the token budget
     failed: bool = False  # its environment raised (episode.on_error: drop): nothing to learn from it
@@ -126,6 +130,9 @@ class EpisodeRunner:
         self.environment, self.config = environment, config
         self.tokenizer, self.pad_token_id, self.seed = tokenizer, pad_token_id, seed
         self.last_stats: EpisodeStats | None = None
+        # The last batch's episodes as text, observations between OBSERVATION_OPEN and _CLOSE: what
+        # the sample tables show (rewards get the plain text, as the policy read it).
+        self.transcripts: list[str] = []
         self._engine_logprobs = False
 
     def run(self, engine: GenerationEngine, batch: PromptBatch, iteration: int, rank: int) -> Rollout:
@@ -185,6 +192,7 @@ class EpisodeRunner:
         self._append(episode, reply, True, logprobs)
         episode.turns += 1
         text = self.tokenizer.decode(reply, skip_special_tokens=True)
+        episode.transcript.append(text)
         result = self._call(
             episode.environment.step, "step", turn, prompt, Turn(turn, text, reply, episode.ended)
         )
@@ -202,6 +210,7 @@ class EpisodeRunner:
             episode.truncated = len(observation) >= room  # no room left for another reply
             episode.done = episode.truncated
             self._append(episode, observation[:room], False, [0.0] * min(room, len(observation)))
+            episode.transcript.append(f"{OBSERVATION_OPEN}{result.observation}{OBSERVATION_CLOSE}")
 
     @staticmethod
     def _append(episode: _Episode, tokens: list[int], action: bool, logprobs: list[float]) -> None:
@@ -237,6 +246,7 @@ class EpisodeRunner:
             logprobs[row, :n] = torch.tensor(e.engine_logprobs)
             for index, reward in e.rewards.items():
                 rewards[row, index] = reward
+        self.transcripts = ["".join(e.transcript) for e in episodes]
         self.last_stats = EpisodeStats(
             turns=torch.tensor([e.turns for e in episodes], device=device),
             tokens=torch.tensor([len(e.tokens) for e in episodes], device=device),

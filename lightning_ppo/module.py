@@ -346,7 +346,8 @@ class PPOLightningModule(LightningModule):
         self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
         self.heed_guardrails(completions, stats, scores.shaped[~scores.dropped])
         self.log_stats(stats, len(batch))
-        self.last_samples = Samples(batch.prompts, completions, raw.tolist(), exp.kl.sum(1).tolist())
+        shown = completions if self.episode_runner is None else self.episode_runner.transcripts
+        self.last_samples = Samples(batch.prompts, shown, raw.tolist(), exp.kl.sum(1).tolist())
 
     def heed_guardrails(self, completions: list[str], stats: dict[str, Any], update_scores: Tensor) -> None:
         """The guardrails' one-time warnings (lightning_ppo.guardrails), spoken by rank 0."""
