@@ -21,6 +21,7 @@ install: $(STAMP)
 tiny: $(STAMP)
 	$(BIN)/lightning-ppo make-tiny --out checkpoints/tiny-digits --alphabet "0123456789="
 	$(BIN)/lightning-ppo make-tiny --out checkpoints/tiny-reward --kind reward --alphabet "0123456789=" --seed 1
+	$(BIN)/lightning-ppo make-tiny --out checkpoints/tiny-chars
 
 quickstart: tiny
 	@# A new run each time (its checkpoints would otherwise refuse to mix with the last one);

@@ -302,15 +302,21 @@ class EpisodeConfig:
         on_error: ``error``: an environment that raises stops training with one line naming its
             class, the turn and the prompt (checkpoints already written stay as they were);
             ``drop``: that episode is left out of the update and counted (``episode/env_errors``).
+        tool_format: How the policy calls ``model.tools``: ``hermes`` (``<tool_call>`` JSON, results as
+            chat-template ``tool`` messages), ``text`` (``call NAME: ARGUMENT``), or ``auto``:
+            ``hermes`` when the tokenizer has a chat template, else ``text`` (``lightning_ppo.tools``).
     """
 
     max_turns: int = 4
     max_tokens: int = 256
     on_error: str = "error"
+    tool_format: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.max_turns >= 1, "episode.max_turns", ">= 1", self.max_turns)
         _check(self.max_tokens >= 1, "episode.max_tokens", ">= 1", self.max_tokens)
+        formats = ("auto", "hermes", "text")
+        _check(self.tool_format in formats, "episode.tool_format", f"one of {formats}", self.tool_format)
         _check(
             self.on_error in _ENV_ERROR_POLICIES,
             "episode.on_error",

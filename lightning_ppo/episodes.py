@@ -31,6 +31,7 @@ from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.engines import GenerationEngine
 from lightning_ppo.errors import UsageError
+from lightning_ppo.metrics import episode_metrics
 from lightning_ppo.rollout import Rollout
 
 # How sample tables mark an environment's observation inside an episode's text.
@@ -106,6 +107,8 @@ class EpisodeStats:
     tokens: Tensor  # (B,) tokens after the prompt, observations included
     truncated: Tensor  # (B,) bool: cut by episode.max_tokens
     failed: Tensor  # (B,) bool: the environment raised and the episode was dropped
+    tool_calls: Tensor  # (B,) tool calls per episode (model.tools)
+    tool_errors: Tensor  # (B,) of which failed: malformed, unknown tool, or the tool raised
 
 
 class EpisodeRunner:
@@ -134,6 +137,12 @@ class EpisodeRunner:
         # the sample tables show (rewards get the plain text, as the policy read it).
         self.transcripts: list[str] = []
         self._engine_logprobs = False
+
+    def metrics(self, reduce: Any = None) -> dict[str, Tensor]:
+        """``episode/*`` metrics of the last batch (over every rank's episodes with ``reduce``)."""
+        if self.last_stats is None:
+            return {}
+        return episode_metrics(self.last_stats, reduce)
 
     def run(self, engine: GenerationEngine, batch: PromptBatch, iteration: int, rank: int) -> Rollout:
         """Sample every episode of ``batch`` to its end; one ``engine.generate`` per turn."""
@@ -252,6 +261,8 @@ class EpisodeRunner:
             tokens=torch.tensor([len(e.tokens) for e in episodes], device=device),
             truncated=torch.tensor([e.truncated for e in episodes], device=device),
             failed=torch.tensor([e.failed for e in episodes], device=device),
+            tool_calls=torch.tensor([getattr(e.environment, "calls", 0) for e in episodes], device=device),
+            tool_errors=torch.tensor([getattr(e.environment, "errors", 0) for e in episodes], device=device),
         )
         return Rollout(
             batch.prompt_ids,
@@ -267,3 +278,22 @@ class EpisodeRunner:
 
 class EnvironmentFailure(UsageError, RuntimeError):
     """An environment's ``reset`` or ``step`` raised: named with its class, turn and prompt."""
+
+
+def make_episode_runner(
+    environment: Environment | None,
+    tools: list[Any] | None,
+    config: EpisodeConfig,
+    tokenizer: Any,
+    stop_token: str | None,
+    seed: int,
+) -> EpisodeRunner | None:
+    """The runner for ``model.environment`` and/or ``model.tools``; ``None`` (one reply per prompt,
+    today's path) with neither."""
+    if tools:
+        from lightning_ppo.tools import ToolEnvironment
+
+        environment = ToolEnvironment(tools, config.tool_format, tokenizer, stop_token, environment)
+    if environment is None:
+        return None
+    return EpisodeRunner(environment, config, tokenizer, tokenizer.pad_token_id, seed)

@@ -143,23 +143,27 @@ class TrailingMean:
 
 
 def episode_metrics(stats: EpisodeStats, reduce: F.Reduce | None = None) -> dict[str, Tensor]:
-    """Multi-turn episodes: turns and tokens per episode (means), truncated and failed episodes
-    (counts), over every rank's episodes when ``reduce`` sums over the ranks."""
+    """Multi-turn episodes: turns and tokens per episode (means); truncated and failed episodes, tool
+    calls and failed tool calls (counts), over every rank's episodes when ``reduce`` sums over the ranks."""
     sums = torch.stack(
         [
             stats.turns.float().sum(),
             stats.tokens.float().sum(),
             stats.truncated.float().sum(),
             stats.failed.float().sum(),
+            stats.tool_calls.float().sum(),
+            stats.tool_errors.float().sum(),
             torch.tensor(float(len(stats.turns)), device=stats.turns.device),
         ]
     )
     if reduce is not None:
         sums = reduce(sums)
-    turns, tokens, truncated, failed, count = sums
+    turns, tokens, truncated, failed, calls, errors, count = sums
     return {
         "episode/turns_mean": turns / count,
         "episode/tokens_mean": tokens / count,
         "episode/truncated": truncated,
         "episode/env_errors": failed,
+        "episode/tool_calls": calls,
+        "episode/tool_errors": errors,
     }

@@ -7,6 +7,7 @@ the Lightning ``Trainer``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -24,18 +25,12 @@ from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
 from lightning_ppo.config import EpisodeConfig, GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.engines import GenerationEngine, Placement, compute_dtype, make_engine
-from lightning_ppo.episodes import Environment, EpisodeRunner
+from lightning_ppo.episodes import Environment, make_episode_runner
 from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.guardrails import Guardrails, IterationView
 from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.metrics import (
-    TrailingMean,
-    engine_metrics,
-    episode_metrics,
-    experience_metrics,
-    score_metrics,
-)
+from lightning_ppo.metrics import TrailingMean, engine_metrics, experience_metrics, score_metrics
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.preflight import check_sequence_fits, response_budget
@@ -134,6 +129,7 @@ class PPOLightningModule(LightningModule):
         ppo: PPO hyper-parameters.
         generation: Sampling settings for rollouts.
         environment: Multi-turn episodes: what answers the policy's turns (``lightning_ppo.episodes``).
+        tools: Functions the policy may call in its turns (``lightning_ppo.tools``); multi-turn too.
         episode: Turns and token budget of multi-turn episodes (with ``environment``).
         optimizer: Optimizer over the policy and the critic (one for both). ``None``: AdamW at lr 1e-5,
             1e-4 with ``lora`` (``optim.default_optimizer``), not torch's 1e-3 that wrecks a pretrained LM.
@@ -161,6 +157,7 @@ class PPOLightningModule(LightningModule):
         ppo: PPOConfig = PPOConfig(),
         generation: GenerationConfig = GenerationConfig(),
         environment: Environment | None = None,
+        tools: list[Callable] | None = None,
         episode: EpisodeConfig = EpisodeConfig(),
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -174,7 +171,9 @@ class PPOLightningModule(LightningModule):
         self.reward_fns = (
             [] if reward_fn is None else list(reward_fn) if isinstance(reward_fn, list) else [reward_fn]
         )
-        self._check_rewards(reward_weights, [reward_model, reward_adapter], environment is not None)
+        self._check_rewards(
+            reward_weights, [reward_model, reward_adapter], environment is not None or bool(tools)
+        )
         self.save_hyperparameters(
             {
                 "policy": policy,
@@ -187,7 +186,7 @@ class PPOLightningModule(LightningModule):
                 "policy_tokenizer": tokenizer or policy,
                 "ppo": asdict(ppo),
                 "generation": asdict(generation),
-                "episode": asdict(episode) if environment is not None else None,
+                "episode": asdict(episode) if environment is not None or tools else None,
                 "seed": seed,
             }
         )
@@ -206,10 +205,8 @@ class PPOLightningModule(LightningModule):
         self.hf_eval_generation = hf_generation_config(
             generation, self.stop_token_id, pad_id, generation.eval_do_sample, self.suppressed_ids
         )
-        self.episode_runner = (
-            EpisodeRunner(environment, episode, self.tokenizer, pad_id, seed)
-            if environment is not None
-            else None
+        self.episode_runner = make_episode_runner(
+            environment, tools, episode, self.tokenizer, generation.stop_token, seed
         )
         self.reward_model = (
             RewardModel.from_pretrained(
@@ -340,7 +337,7 @@ class PPOLightningModule(LightningModule):
         stats.update(score_metrics(raw, scores.shaped, scores.dropped, self.ppo.shapes_scores, reduce))
         stats.update(self.engine_mismatch(rollout, forwards.logprobs))
         if self.episode_runner is not None:
-            stats.update(episode_metrics(self.episode_runner.last_stats, reduce))
+            stats.update(self.episode_runner.metrics(reduce))
         stats["objective/scores_smoothed"] = self.smoothed_score.add(float(stats["objective/scores"]))
         stats["kl_coef"] = kl_coef
         self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)

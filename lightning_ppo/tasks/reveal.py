@@ -48,4 +48,3 @@ class RevealDigitsDataModule(DigitsDataModule):
         return datasets.DatasetDict(
             {name: split.map(lambda row: {"prompt": "="}) for name, split in splits.items()}
         )
-

@@ -1,0 +1,108 @@
+"""Tools: calls in both formats, results and failures as observations (never a crash), counted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+from lightning_ppo.config import EpisodeConfig
+from lightning_ppo.episodes import StepResult, Turn
+from lightning_ppo.errors import UsageError
+from lightning_ppo.tasks.arithmetic import AnswerReward, ArithmeticDataModule, calculator
+from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+from lightning_ppo.tools import ToolEnvironment
+
+CHATML = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def broken(x: str) -> str:
+    raise RuntimeError("out of paper")
+
+
+def _turn(text: str, index: int = 0) -> Turn:
+    return Turn(index, text, [], True)
+
+
+def test_the_calculator_evaluates_arithmetic_and_nothing_else():
+    assert calculator("12*7") == "84" and calculator(" 7/2 ") == "3.5" and calculator("-3+5") == "2"
+    with pytest.raises(ValueError, match="not arithmetic"):
+        calculator("__import__('os')")
+
+
+def test_text_calls_return_results_and_failures_as_observations_counted():
+    env = ToolEnvironment([calculator, broken], tool_format="text")
+    env.reset("what is 12*7? ", {}, random.Random(0))
+    assert env.step(_turn("let me see. call calculator: 12*7")) == StepResult(observation=" result: 84;")
+    assert env.step(_turn("call calculator: 12*x")).observation.startswith(" error: calculator raised")
+    assert (
+        env.step(_turn("call broken: 1")).observation == " error: broken raised RuntimeError: out of paper;"
+    )
+    assert (
+        env.step(_turn("call abacus: 1")).observation
+        == " error: unknown tool 'abacus'; tools: broken, calculator;"
+    )
+    assert (env.calls, env.errors) == (4, 3)
+    assert env.step(_turn("84")) == StepResult(done=True)  # no call: the episode's answer
+    env.reset("again", {}, random.Random(0))
+    assert (env.calls, env.errors) == (0, 0)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    """A char-level tokenizer whose alphabet can spell JSON, with a small ChatML-like chat template."""
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyz <>{}[]\"':,._*+-/=?|"
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("chat"), TinyModelSpec(), alphabet=alphabet)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def test_hermes_calls_come_back_as_tool_messages_of_the_chat_template(chat_tokenizer):
+    env = ToolEnvironment([calculator], tool_format="auto", tokenizer=chat_tokenizer)
+    assert env.format == "hermes"
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>'
+    result = env.step(_turn(call))
+    # what the template writes after the reply's <eos>: the tool message, then the assistant's turn
+    assert result.observation == '<|tool|>{"name": "calculator", "content": "84"}<eos><|assistant|>'
+    malformed = env.step(_turn("<tool_call>{name: calculator}</tool_call>")).observation
+    assert malformed.startswith('<|tool|>{"error": "malformed tool call (JSONDecodeError')
+    assert (env.calls, env.errors) == (2, 1)
+
+
+def test_tool_settings_are_checked(chat_tokenizer, tiny_digits):
+    with pytest.raises(UsageError, match="hermes needs a tokenizer with a chat template"):
+        ToolEnvironment(
+            [calculator], tool_format="hermes", tokenizer=AutoTokenizer.from_pretrained(tiny_digits)
+        )
+    with pytest.raises(UsageError, match="model.tools entries must be named functions"):
+        ToolEnvironment(["calculator"], tool_format="text")
+    with pytest.raises(UsageError, match="episode.tool_format must be one of"):
+        EpisodeConfig(tool_format="xml")
+
+
+def test_a_run_with_tools_counts_calls_in_its_metrics(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "chars", TinyModelSpec())
+    torch.manual_seed(0)
+    module = PPOLightningModule(
+        policy=str(path),
+        reward_fn=AnswerReward(),
+        tools=[calculator],
+        episode=EpisodeConfig(max_turns=2, max_tokens=48, tool_format="text"),
+        ppo=PPOConfig(ppo_epochs=1, num_minibatches=1),
+        generation=GenerationConfig(max_new_tokens=20),
+    )
+    data = ArithmeticDataModule(num_prompts=32, batch_size=8, max_prompt_length=24)
+    data.set_tokenizer(module.tokenizer)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    module.generate(batch)
+    metrics = module.episode_runner.metrics()
+    assert metrics["episode/turns_mean"].item() >= 1.0
+    assert metrics["episode/tool_calls"].item() >= metrics["episode/tool_errors"].item() >= 0
