@@ -104,3 +104,33 @@ def test_a_small_spread_reward_learns_with_the_readme_recipe_and_the_kl_holds_th
     assert max(smoothed) <= 1.5 * target
     assert 0.5 * target <= sum(kl[-15:]) / 15 <= 1.5 * target
     assert cli.model.guardrails.fired == set()
+
+
+def test_the_reveal_task_is_learned_by_reading_the_environment(tiny_digits, tmp_path):
+    """configs/agents.yaml: the digits to repeat come only in the environment's observation after the
+    first turn, so the score can rise only through multi-turn episodes (a random policy: ~0.25)."""
+    cli = main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "agents.yaml"),
+            "--model.init_args.policy",
+            str(tiny_digits),
+            "--trainer.limit_train_batches",
+            "150",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.logger",
+            "false",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.callbacks",
+            '[{"class_path": "lightning_ppo.callbacks.TrainingSummary"}]',
+        ]
+    )
+    summary = next(cb for cb in cli.trainer.callbacks if isinstance(cb, TrainingSummary)).summary
+    assert summary.first_score < 0.45
+    assert summary.last_score > summary.first_score + 0.25
+    assert cli.model.episode_runner.last_stats.turns.float().mean() == 2.0
