@@ -22,7 +22,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule  # noqa: E402
 from lightning_ppo import functional as F  # noqa: E402
 from lightning_ppo.callbacks import summarise  # noqa: E402
+from lightning_ppo.config import EpisodeConfig  # noqa: E402
 from lightning_ppo.engines.vllm import VLLMEngine  # noqa: E402
+from lightning_ppo.episodes import Environment, EpisodeRunner, StepResult  # noqa: E402
 from lightning_ppo.models import load_causal_lm, response_logits  # noqa: E402
 from lightning_ppo.roles import LoraSettings, apply_lora  # noqa: E402
 from lightning_ppo.rollout import generate, hf_generation_config  # noqa: E402
@@ -305,3 +307,24 @@ def test_suppressed_tokens_are_never_sampled_and_logprobs_use_the_same_mask(modu
         )
     expected = F.logprobs_from_logits(logits, rollout.response_ids, 0.8, suppressed)
     assert (rollout.engine_logprobs - expected)[mask].abs().max().item() < LOGPROB_TOLERANCE
+
+
+def test_multi_turn_episodes_keep_the_engines_tokens_and_log_probs_across_turns(module):
+    """Token continuity with the engine's own sampling log-probs: every turn's reply, read back by the
+    trainer inside the whole episode (observations between the turns), has the log-probs vLLM sampled
+    it with."""
+
+    class Ask(Environment):
+        def step(self, turn):
+            return StepResult(observation=" go on ", reward=1.0)
+
+    runner = EpisodeRunner(Ask(), EpisodeConfig(max_turns=3, max_tokens=40), module.tokenizer, 0, seed=0)
+    torch.manual_seed(0)
+    module.engine.sync_weights(module.policy)
+    rollout = runner.run(module.engine, _batch(module), iteration=0, rank=0)
+    assert rollout.context_mask is not None and rollout.engine_logprobs is not None
+    assert runner.last_stats.turns.float().mean().item() > 2.0  # most episodes ran all three turns
+    mask = rollout.response_mask
+    diff = (rollout.engine_logprobs - _trainer_logprobs(module, rollout))[mask].abs().max().item()
+    assert diff < LOGPROB_TOLERANCE, diff
+    assert not rollout.engine_logprobs[rollout.context_mask].any()  # observations were never sampled
