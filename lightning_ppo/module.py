@@ -334,6 +334,7 @@ class PPOLightningModule(LightningModule):
             kl=float(stats["objective/kl"]),
             kl_coef=self.kl_ctl.value,
             kl_coef_pinned=self.kl_ctl.pinned,
+            kl_coef_base=getattr(self.kl_ctl, "integral", self.kl_ctl.value),
             scores_std=float(update_scores.std(correction=0)) if len(update_scores) >= 2 else None,
         )
         for message in self.guardrails.observe(view):
