@@ -67,6 +67,13 @@ VARIANTS = (
         ("--model.init_args.ppo.score_norm", "true", "--model.init_args.ppo.kl_target", "8", "--lr=0.0001"),
         kl_target=8,
     ),
+    Variant(
+        "warm-started, README recipe, lr 1e-3 (the old default)",
+        "quickstart.yaml",
+        True,
+        (*RECIPE, "--lr=0.001"),
+        kl_target=4,
+    ),
 )
 
 
@@ -99,7 +106,9 @@ def warm_start(policy: str, out: Path, steps: int, seed: int = 0) -> Path:
     return out
 
 
-def fit(variant: Variant, policy: str, iterations: int, horizon: int, out: Path) -> tuple[list[dict], str]:
+def fit(
+    variant: Variant, policy: str, iterations: int, horizon: int | None, out: Path
+) -> tuple[list[dict], str]:
     """Run one variant; its CSV rows with scores, and its stderr (where warnings go)."""
     cmd = [
         sys.executable,
@@ -114,12 +123,9 @@ def fit(variant: Variant, policy: str, iterations: int, horizon: int, out: Path)
     cmd += ["--trainer.val_check_interval", "null", "--trainer.limit_val_batches", "0"]
     cmd += ["--trainer.logger", '[{"class_path": "lightning_ppo.loggers.CSVLogger"}]']
     cmd += ["--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false"]
-    cmd += [
-        "--model.init_args.reward_weights",
-        f"[{WEIGHT}]",
-        "--model.init_args.ppo.kl_horizon",
-        str(horizon),
-    ]
+    cmd += ["--model.init_args.reward_weights", f"[{WEIGHT}]"]
+    if horizon is not None:
+        cmd += ["--model.init_args.ppo.kl_horizon", str(horizon)]
     for option in variant.overrides:
         if option == "--lr":  # the module's own default optimizer, whatever it is in this tree
             cmd += ["--model.init_args.optimizer", "null"] if _default_optimizer_is_none() else []
@@ -172,6 +178,28 @@ def row(variant: Variant, rows: list[dict], stderr: str) -> str:
     )
 
 
+def lr_sweep(tmp: Path, warm_steps: int, iterations: int = 3) -> None:
+    """The step size of the first iterations against the learning rate, on warm-started policies of
+    two widths: the largest policy/approxkl_avg and policy/clipfrac_avg of the first ``iterations``."""
+    from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+
+    print(f"\nlearning rate against the first {iterations} iterations' step (README recipe, warm-started)")
+    print("| policy | lr | approxkl, max | clipfrac, max | trust-region guardrail |")
+    print("| --- | --- | --- | --- | --- |")
+    for spec in (TinyModelSpec(n_layer=2, n_embd=64), TinyModelSpec(n_layer=4, n_embd=256, n_head=4)):
+        base = make_tiny_checkpoint(tmp / f"base{spec.n_embd}", spec, alphabet="0123456789=")
+        warm = str(warm_start(str(base), tmp / f"warm{spec.n_embd}", warm_steps))
+        for lr in ("0.001", "0.0001", "0.00001"):
+            variant = Variant("sweep", "quickstart.yaml", True, (*RECIPE, f"--lr={lr}"), kl_target=4)
+            rows, stderr = fit(variant, warm, iterations, None, tmp / f"sweep{spec.n_embd}-{lr}")
+            approx = max(float(r["policy/approxkl_avg"]) for r in rows)
+            clip = max(float(r["policy/clipfrac_avg"]) for r in rows)
+            fired = "yes" if GUARDRAIL_MARKS["trust region"] in stderr else "no"
+            print(
+                f"| {spec.n_layer} x {spec.n_embd} | {lr} | {approx:.3f} | {clip:.3f} | {fired} |", flush=True
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=300)
@@ -179,13 +207,17 @@ def main() -> None:
         "--kl-horizon",
         type=int,
         default=None,
-        help="ppo.kl_horizon of every variant (default: the README's rule, 64 episodes x iterations / 35)",
+        help="ppo.kl_horizon of every variant (default: the module's, 4 iterations' episodes = 256 here)",
     )
     parser.add_argument("--warm-steps", type=int, default=30, help="supervised steps of the warm start")
     parser.add_argument("--policy", default=str(ROOT / "checkpoints" / "tiny-digits"))
     parser.add_argument("--only", type=int, nargs="*", default=None, help="variant numbers to run (1-based)")
+    parser.add_argument("--lr-sweep", action="store_true", help="only the learning-rate table")
     ns = parser.parse_args()
-    ns.kl_horizon = ns.kl_horizon or round(64 * ns.iterations / 35)
+    if ns.lr_sweep:
+        with tempfile.TemporaryDirectory() as tmp:
+            lr_sweep(Path(tmp), ns.warm_steps)
+        return
     print(f"{ns.iterations} iterations per variant, ppo.kl_horizon {ns.kl_horizon}, policy {ns.policy}")
     print(
         "| run | score first 10 % | best 10 % | last 10 % | KL last 10 % / max | KL within +-50 % "

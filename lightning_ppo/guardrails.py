@@ -42,6 +42,8 @@ class IterationView:
     kl: float
     kl_coef: float
     kl_coef_pinned: bool
+    # the adaptive controller's slow part (the coefficient without its answer to this iteration's KL)
+    kl_coef_base: float
     scores_std: float | None  # batch std of the scores the update uses; None with fewer than 2
 
     @classmethod
@@ -57,6 +59,7 @@ class IterationView:
             kl=float(stats["objective/kl"]),
             kl_coef=kl_ctl.value,
             kl_coef_pinned=kl_ctl.pinned,
+            kl_coef_base=getattr(kl_ctl, "integral", kl_ctl.value),
             scores_std=float(update_scores.std(correction=0)) if len(update_scores) >= 2 else None,
         )
 
@@ -115,13 +118,16 @@ class Guardrails:
         if self.config.kl_target is None:
             return None
         start = self.config.kl_coef
-        grown = view.kl_coef > KL_COEF_FACTOR * start or view.kl_coef * KL_COEF_FACTOR < start
+        # The slow part, not the coefficient itself: its proportional part may triple it for an
+        # iteration (a KL three times the target) on a run that is fine.
+        base = view.kl_coef_base
+        grown = base > KL_COEF_FACTOR * start or base * KL_COEF_FACTOR < start
         if not (view.kl_coef_pinned or grown):
             return None
-        where = "at its bound" if view.kl_coef_pinned else f"{view.kl_coef / start:.3g}x its start"
+        where = "at its bound" if view.kl_coef_pinned else f"{base / start:.3g}x its start"
         return self._once(
             "kl_coef",
-            f"kl_coef {view.kl_coef:.3g} is {where} ({start} at the start; bounds ppo.kl_coef_min "
+            f"kl_coef {base:.3g} is {where} ({start} at the start; bounds ppo.kl_coef_min "
             f"{self.config.kl_coef_min}, ppo.kl_coef_max {self.config.kl_coef_max}) while objective/kl is "
             f"{view.kl:.3g} against ppo.kl_target {self.config.kl_target}: "
             + (

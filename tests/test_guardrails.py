@@ -14,6 +14,7 @@ CALM = {"approx_kl": 0.02, "clipfrac": 0.1, "kl": 3.0, "kl_coef": 0.05, "kl_coef
 
 
 def _view(iteration=1, completions=("12", "34", "56", "78"), scores_std=0.3, **stats) -> IterationView:
+    stats.setdefault("kl_coef_base", stats.get("kl_coef", CALM["kl_coef"]))
     return IterationView(iteration, list(completions), scores_std=scores_std, **{**CALM, **stats})
 
 
@@ -55,6 +56,8 @@ def test_kl_coef_at_its_bound_or_grown_tenfold_is_reported_with_advice_that_fits
     off = Guardrails(PPOConfig(kl_target=4.0), lr=1e-3).observe(_view(kl=0.5, kl_coef=0.004))
     assert "set ppo.score_norm: true" in off[0]
     assert Guardrails(PPOConfig(), lr=1e-3).observe(_view(kl_coef=5.0)) == []  # fixed kl_coef: not watched
+    # the proportional part answering a KL 2.7x the target on its own is no runaway
+    assert Guardrails(config, lr=1e-3).observe(_view(kl=11.0, kl_coef=0.6, kl_coef_base=0.22)) == []
 
 
 def test_reward_scale_advice_never_names_a_setting_that_is_on():
