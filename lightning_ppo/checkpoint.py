@@ -21,6 +21,7 @@ from torch import Tensor
 
 from lightning_ppo.checkpoint_io import install_atomic_checkpoint_io, remove_stale_temp_files
 from lightning_ppo.errors import UsageError
+from lightning_ppo.log_continuity import LOGS_KEY, logger_records
 from lightning_ppo.writable import ensure_writable
 
 
@@ -81,6 +82,9 @@ class PPOCheckpoint(ModelCheckpoint):
     iteration of a run that ends otherwise (``max_time``, ``max_steps``, the end of the last epoch,
     a callback that sets ``trainer.should_stop``) is saved the same way, so ``--ckpt_path last``
     with a larger limit goes on from where it stopped, and with the same limits trains nothing.
+
+    Each checkpoint also records where the run logs (CSV version, W&B run id), so that a run resumed
+    from it continues the same logs (:mod:`lightning_ppo.log_continuity`).
 
     At setup it checks that the folder can be written (before any training), removes temporary
     files that killed runs left there, and makes the trainer save through
@@ -164,6 +168,14 @@ class PPOCheckpoint(ModelCheckpoint):
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
+
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Where this run logs, for a resumed run to continue it (lightning_ppo.log_continuity);
+        # rank 0's checkpoint is the one written, and only it has the loggers' experiments.
+        if trainer.is_global_zero:
+            checkpoint[LOGS_KEY] = logger_records(trainer.loggers)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Not ModelCheckpoint's fallback save of last.ckpt after the loop (when nothing was saved):
