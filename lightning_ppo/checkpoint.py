@@ -21,6 +21,7 @@ from torch import Tensor
 
 from lightning_ppo.checkpoint_io import install_atomic_checkpoint_io, remove_stale_temp_files
 from lightning_ppo.errors import UsageError
+from lightning_ppo.log_continuity import LOGS_KEY, logger_records
 from lightning_ppo.writable import ensure_writable
 
 
@@ -65,7 +66,7 @@ def restore_rng_states(module: LightningModule, states: Tensor) -> None:
 
 
 class PPOCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` that saves every ``every_n_iterations`` PPO iterations, and on Ctrl-C.
+    """``ModelCheckpoint`` that saves every ``every_n_iterations`` PPO iterations, the last, and on Ctrl-C.
 
     Under manual optimization Lightning counts optimizer steps (``ppo_epochs x minibatches`` per
     iteration), which makes ``every_n_train_steps`` awkward; this counts iterations. Everything
@@ -78,7 +79,13 @@ class PPOCheckpoint(ModelCheckpoint):
     in a folder that holds another run's ``last.ckpt``, instead of mixing the two runs' files.
 
     Ctrl-C during training finishes the current iteration, saves (top-k and last), and stops;
-    ``fit --ckpt_path last`` then resumes exactly. A second Ctrl-C interrupts at once.
+    ``fit --ckpt_path last`` then resumes exactly. A second Ctrl-C interrupts at once. The last
+    iteration of a run that ends otherwise (``max_time``, ``max_steps``, the end of the last epoch,
+    a callback that sets ``trainer.should_stop``) is saved the same way, so ``--ckpt_path last``
+    with a larger limit goes on from where it stopped, and with the same limits trains nothing.
+
+    Each checkpoint also records where the run logs (CSV version, W&B run id), so that a run resumed
+    from it continues the same logs (:mod:`lightning_ppo.log_continuity`).
 
     At setup it checks that the folder can be written (before any training), removes temporary
     files that killed runs left there, and makes the trainer save through
@@ -154,17 +161,51 @@ class PPOCheckpoint(ModelCheckpoint):
                 f"lightning_ppo: Ctrl-C: saving iteration {iteration} to {self.dirpath} and stopping; "
                 "resume with `--ckpt_path last`"
             )
-        if (due or interrupted) and not self._should_skip_saving_checkpoint(trainer):
+        # The loop's last iteration (max_time, max_steps, the last epoch's last batch, Ctrl-C) is
+        # saved here, mid-loop like the periodic saves, so that `--ckpt_path last` with a larger
+        # limit goes on from it.
+        last = fit_ends_after_this_batch(trainer)
+        if (due or interrupted or last) and not self._should_skip_saving_checkpoint(trainer):
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
 
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Where this run logs, for a resumed run to continue it (lightning_ppo.log_continuity);
+        # rank 0's checkpoint is the one written, and only it has the loggers' experiments.
+        if trainer.is_global_zero:
+            checkpoint[LOGS_KEY] = logger_records(trainer.loggers)
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Not ModelCheckpoint's fallback save of last.ckpt after the loop (when nothing was saved):
+        # the loop state then marks the epoch finished, so a run stopped mid-epoch would resume into
+        # the next epoch, or at max_epochs not at all. on_train_batch_end has saved the last
+        # iteration with the state of a periodic save.
         self.interrupt.release()
-        super().on_train_end(trainer, pl_module)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.interrupt.release()
+
+
+def fit_ends_after_this_batch(trainer: Trainer) -> bool:
+    """Whether the fit loop stops after the batch that just ended, by the checks Lightning makes.
+
+    Lightning's ``Timer`` (``max_time``) sets ``trainer.should_stop`` in its ``on_train_batch_end``,
+    which runs before a checkpoint callback's (Lightning orders checkpoint callbacks last). Every
+    input is the same on every rank, so every rank takes part in the save. A stop decided later
+    (the module's own ``on_train_batch_end``, an ``EarlyStopping`` at the end of an epoch) is not
+    seen here: it stops with the latest periodic save.
+    """
+    fit_loop = trainer.fit_loop
+    if trainer.should_stop and fit_loop._can_stop_early:  # min_steps/min_epochs not met: it goes on
+        return True
+    if 0 <= fit_loop.max_steps <= trainer.global_step:  # -1: no limit
+        return True
+    batches = fit_loop.epoch_loop.batch_progress
+    epoch_ends = batches.is_last_batch or batches.current.ready >= trainer.num_training_batches
+    return epoch_ends and 0 <= fit_loop.max_epochs <= trainer.current_epoch + 1
 
 
 class RunFolderInUseError(UsageError, FileExistsError):

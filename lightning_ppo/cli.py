@@ -21,6 +21,7 @@ from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptDataModule
 from lightning_ppo.errors import TRACEBACK_ENV, usage_errors_exit
 from lightning_ppo.export import export_main
+from lightning_ppo.log_continuity import continue_logs
 from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.plot import DEFAULT_KEYS, plot_run
 from lightning_ppo.preflight import check_checkpoint_file, check_run_inputs
@@ -79,6 +80,11 @@ class PPOLightningCLI(LightningCLI):
         if model.get("ppo") is not None and data.get("batch_size") is not None:
             PPOConfig(**model["ppo"]).check_batch_size(data["batch_size"])
         check_run_inputs(model, data)
+
+    def before_fit(self) -> None:
+        """A resumed run continues the logs of the run that wrote its checkpoint: its CSV version
+        folder and its W&B run. Before ``fit``: the loggers create both when it starts."""
+        continue_logs(self.trainer, self.config[self.subcommand].get("ckpt_path"))
 
 
 def _as_dict(value: Namespace | dict[str, Any] | None) -> dict[str, Any]:
