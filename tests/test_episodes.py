@@ -3,11 +3,13 @@ environment failures, and a one-turn environment that reproduces today's single-
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo import functional as F
+from lightning_ppo.checkpoint import PPOCheckpoint
 from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.episodes import Environment, EnvironmentFailure, StepResult, Turn
 from lightning_ppo.experience import make_experience
@@ -203,3 +205,50 @@ def test_the_reveal_task_needs_the_observation_to_score(tiny_digits):
     targets = batch.extras["target"]
     assert all(f"{t}=" in episode for t, episode in zip(targets, text, strict=True))  # revealed in turn 2
     assert rollout.turn_rewards is not None and (rollout.turn_rewards.sum(1) >= 0).all()
+
+
+def _fit_reveal(policy, root, iterations: int, ckpt_path=None, callbacks=()):
+    """Multi-turn GRPO (groups of 2 episodes of one prompt) with the environment's own random
+    generator in play: everything a resumed run must reproduce."""
+    pl.seed_everything(0)
+    module = PPOLightningModule(
+        policy=str(policy),
+        environment=ShuffledReveal(),
+        episode=EpisodeConfig(max_turns=2, max_tokens=18),
+        ppo=PPOConfig(advantage_estimator="grpo", num_generations=2, ppo_epochs=1, num_minibatches=2),
+        generation=GenerationConfig(max_new_tokens=6),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+    )
+    data = RevealDigitsDataModule(num_prompts=32, batch_size=4, max_prompt_length=8)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=-1,
+        max_steps=iterations * 2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=list(callbacks),
+        enable_checkpointing=bool(callbacks),
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return module
+
+
+class ShuffledReveal(RevealDigits):
+    """Reveals the digits in an order drawn from the episode's generator."""
+
+    def reset(self, prompt, row, rng):
+        super().reset(prompt, row, rng)
+        self.target = "".join(rng.sample(self.target, len(self.target)))
+
+
+def test_a_multi_turn_grpo_run_resumes_exactly(tiny_digits, tmp_path):
+    full = _fit_reveal(tiny_digits, tmp_path / "full", iterations=4)
+    saver = PPOCheckpoint(every_n_iterations=1, dirpath=tmp_path / "ckpt")
+    _fit_reveal(tiny_digits, tmp_path / "half", iterations=2, callbacks=[saver])
+    resumed = _fit_reveal(tiny_digits, tmp_path / "resumed", 4, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert resumed.iteration == full.iteration == 4
+    for name, value in full.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+    assert resumed.episode_runner.transcripts == full.episode_runner.transcripts
