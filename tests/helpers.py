@@ -136,6 +136,7 @@ class RankRecorder(Callback):
                 "scores_logged": float(trainer.callback_metrics["objective/scores"]),
                 "kl_coef": pl_module.kl_ctl.value,
                 "score_moments": pl_module.score_moments.state_dict(),
+                "episode_tokens": float(trainer.callback_metrics.get("episode/tokens_mean", float("nan"))),
             }
         )
         path = Path(self.out_dir) / f"rank{trainer.global_rank}.json"

@@ -115,3 +115,19 @@ def test_a_rank_whose_batch_is_all_dropped_does_not_hang_and_ranks_keep_one_cont
     assert [row["score_moments"]["count"] for row in ranks[0]] == [8, 24, 40]
     assert ranks[0][0]["checksum"] != ranks[0][1]["checksum"]  # and it trained
     assert len({row["kl_coef"] for row in ranks[0]}) == 3  # the controller moved every iteration
+
+
+def test_multi_turn_episodes_on_two_ddp_ranks_train_one_model(tiny_digits, tmp_path):
+    """configs/agents.yaml on 2 ranks: each rank runs its own episodes (its own prompts and
+    environment copies), the weights stay identical, and the episode metrics are every rank's."""
+    recorder = {"class_path": "tests.helpers.RankRecorder", "init_args": {"out_dir": str(tmp_path)}}
+    config = Path(__file__).resolve().parents[1] / "configs" / "agents.yaml"
+    args = quickstart_fit_args(tiny_digits, tmp_path, [recorder], *two_cpu_ranks("ddp", 3), config=config)
+    done = cli_process(args, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for row0, row1 in zip(*ranks, strict=True):
+        assert row0["checksum"] == row1["checksum"]
+        assert row0["episode_tokens"] == row1["episode_tokens"] > 6  # longer than one reply
+        assert row0["completions"] != row1["completions"]
+        assert all(" [env: " in text for text in row0["completions"])
