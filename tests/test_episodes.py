@@ -13,6 +13,7 @@ from lightning_ppo.checkpoint import PPOCheckpoint
 from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.episodes import Environment, EnvironmentFailure, StepResult, Turn
 from lightning_ppo.experience import make_experience
+from lightning_ppo.roles import LoraSettings
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from lightning_ppo.tasks.reveal import RevealDigits, RevealDigitsDataModule
 from tests.helpers import quiet_trainer
@@ -252,3 +253,15 @@ def test_a_multi_turn_grpo_run_resumes_exactly(tiny_digits, tmp_path):
     for name, value in full.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[name]), name
     assert resumed.episode_runner.transcripts == full.episode_runner.transcripts
+
+
+@pytest.mark.parametrize("layout", ["shared", "lora"])
+def test_episodes_train_with_the_shared_critic_and_with_lora(layout, tiny_digits, tmp_path):
+    torch.manual_seed(0)
+    extra = {"value_model": "shared"} if layout == "shared" else {"lora": LoraSettings(r=4)}
+    module = _module(tiny_digits, Echo(), EpisodeConfig(max_turns=2, max_tokens=20), **extra)
+    before = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    data = DigitsDataModule(num_prompts=32, batch_size=8, max_prompt_length=16)
+    quiet_trainer(tmp_path, iterations=2).fit(module, datamodule=data)
+    changed = [n for n, p in module.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed and module.episode_runner.last_stats.turns.float().mean() == 2.0
