@@ -45,7 +45,7 @@ def test_step_by_step_notebook_shows_ratio_one(workdir):
 
 def test_custom_reward_notebook_learns_and_plots(workdir):
     notebook = _execute("02_custom_reward_fit.ipynb", workdir)
-    match = re.search(r"mean score (\S+) \(first 10 %\) -> (\S+) \(last 10 %\)", _stdout(notebook))
+    match = re.search(r"(\S+) \(first 10 %\), .*, (\S+) \(last 10 %\)", _stdout(notebook))
     first, last = float(match.group(1)), float(match.group(2))
     assert last > first + 0.1
     assert any(o.get("data", {}).get("image/png") for o in notebook.cells[-1].outputs)  # the curves
