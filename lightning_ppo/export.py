@@ -21,6 +21,7 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distribute
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_ppo.errors import UsageError
+from lightning_ppo.file_modes import save_pretrained
 from lightning_ppo.models import load_tokenizer, resolve_suppressed_tokens
 from lightning_ppo.preflight import check_checkpoint_file
 from lightning_ppo.roles import LoraSettings, apply_lora
@@ -98,7 +99,7 @@ def export_policy(checkpoint_path: str | Path, out_dir: str | Path, keep_adapter
     tokenizer = load_tokenizer(hparams.get("policy_tokenizer") or hparams["policy"])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    save_pretrained(model, out)  # its weights readable by others, as the files beside them
     tokenizer.save_pretrained(out)
     generation = sampling_config(model, hparams, tokenizer)
     if generation is not None:  # after the model: it replaces the policy's own generation_config.json
