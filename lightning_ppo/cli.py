@@ -159,6 +159,7 @@ def main(args: list[str] | None = None) -> PPOLightningCLI | int | None:
 
     Called in-process with ``args``, it returns the CLI (``cli.trainer``, ``cli.model``) for inspection.
     """
+    import_from_working_directory()
     # Tiny and cached checkpoints load in milliseconds; HF's per-load progress bars are only noise.
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()  # prompt files load in a moment; the bars only push logs away
@@ -170,6 +171,19 @@ def main(args: list[str] | None = None) -> PPOLightningCLI | int | None:
     # The console script passes our return value to sys.exit: Ctrl-C (saved and stopped) exits 130.
     savers = [cb for cb in cli.trainer.callbacks if isinstance(cb, PPOCheckpoint)]
     return 130 if any(saver.interrupt.requested for saver in savers) else None
+
+
+def import_from_working_directory() -> None:
+    """Let ``class_path`` name modules of the current folder (``my_reward.MyReward``), as under ``python -m``.
+
+    ``python -m lightning_ppo.cli`` puts the working directory first on ``sys.path``; the console
+    script puts its own folder (the environment's ``bin``) there instead, so a reward module beside
+    the config would import only one way. First, as ``python -m`` does: the user's module wins over
+    an installed one of the same name.
+    """
+    cwd = os.getcwd()
+    if not any(os.path.abspath(entry) == cwd for entry in sys.path):  # "" is the cwd too
+        sys.path.insert(0, cwd)
 
 
 def _run(args: list[str] | None) -> PPOLightningCLI | None:

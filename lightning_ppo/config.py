@@ -39,7 +39,10 @@ class GenerationConfig:
             this many sequences to bound peak memory; 0 means the whole batch at once.
         eval_do_sample: Validation samples like training instead of decoding greedily.
         suppress_tokens: Tokens never sampled, as token strings (looked up in the tokenizer's
-            vocabulary) or ids. Log-probs are computed under the same masked distribution.
+            vocabulary), ids, or patterns: a string that is not a token and holds ``*`` (any run of
+            characters) or ``?`` (one character) suppresses every vocabulary token it matches, e.g.
+            ``"[unused*]"`` (every other character is literal, ``[`` included). A pattern matching
+            no token is an error. Log-probs are computed under the same masked distribution.
         engine: What samples rollouts: ``hf`` (Hugging Face ``generate`` on the policy) or
             ``vllm`` (an in-process vLLM engine per rank, weights pushed from the policy every
             iteration; needs the ``vllm`` extra). Validation always decodes with ``hf``.

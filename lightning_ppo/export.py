@@ -4,22 +4,25 @@
 ``AutoModelForCausalLM.from_pretrained(DIR)`` loads: LoRA adapters merged into the base by
 default (or kept as a PEFT adapter with ``--keep-adapter``), the tokenizer, and the critic's
 value head beside it when the run trained a critic (``value_head.pt``: the head of a shared critic,
-or the whole state of a separate one; critic-free estimators have none).
+or the whole state of a separate one; critic-free estimators have none). The run's
+``generation.suppress_tokens`` go into its ``generation_config.json`` (see :func:`sampling_config`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_ppo.errors import UsageError
-from lightning_ppo.models import load_tokenizer
+from lightning_ppo.file_modes import save_pretrained
+from lightning_ppo.models import load_tokenizer, resolve_suppressed_tokens
 from lightning_ppo.preflight import check_checkpoint_file
 from lightning_ppo.roles import LoraSettings, apply_lora
 
@@ -67,10 +70,13 @@ class Exported:
     out: Path
     adapter: bool  # a PEFT adapter folder rather than a full (merged) model
     value_head: bool  # ``value_head.pt``: only for runs that trained a critic
+    suppressed: int = 0  # token ids written to generation_config.json's suppress_tokens
 
     def describe(self) -> str:
         """What was written, in words (the ``export`` command's last line)."""
         parts = ["the trained policy" + (" as a LoRA adapter" if self.adapter else ""), "its tokenizer"]
+        if self.suppressed:
+            parts.append(f"its generation config ({self.suppressed} suppressed tokens)")
         if self.value_head:
             parts.append("the critic (value_head.pt)")
         return ", ".join(parts[:-1]) + " and " + parts[-1]
@@ -89,17 +95,39 @@ def export_policy(checkpoint_path: str | Path, out_dir: str | Path, keep_adapter
     model = load_trained_policy(checkpoint)
     if checkpoint["hyper_parameters"].get("lora") and not keep_adapter:
         model = model.merge_and_unload()
+    hparams = checkpoint["hyper_parameters"]
+    tokenizer = load_tokenizer(hparams.get("policy_tokenizer") or hparams["policy"])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    load_tokenizer(
-        checkpoint["hyper_parameters"].get("policy_tokenizer") or checkpoint["hyper_parameters"]["policy"]
-    ).save_pretrained(out)
+    save_pretrained(model, out)  # its weights readable by others, as the files beside them
+    tokenizer.save_pretrained(out)
+    generation = sampling_config(model, hparams, tokenizer)
+    if generation is not None:  # after the model: it replaces the policy's own generation_config.json
+        generation.save_pretrained(out)
     critic = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith(CRITIC_PREFIXES)}
     if critic:
         torch.save(critic, out / "value_head.pt")
-    adapter = bool(checkpoint["hyper_parameters"].get("lora")) and keep_adapter
-    return Exported(out, adapter=adapter, value_head=bool(critic))
+    suppressed = len(generation.suppress_tokens) if generation is not None else 0
+    return Exported(out, bool(hparams.get("lora")) and keep_adapter, bool(critic), suppressed)
+
+
+def sampling_config(
+    model: PreTrainedModel, hparams: dict[str, Any], tokenizer: PreTrainedTokenizerBase
+) -> GenerationConfig | None:
+    """The policy's own generation config plus the run's suppressed tokens; None if it suppressed none.
+
+    The run never sampled those tokens, and their logits were masked out of every log-prob, so
+    training never pushed their probability down: served without the mask, the exported model would
+    sample them. Only these are written. Temperature, top-k and top-p are choices of whoever
+    samples (greedy decoding, another temperature) and leave the trained distribution as it is.
+    """
+    tokens = (hparams.get("generation") or {}).get("suppress_tokens") or []
+    if not tokens:
+        return None
+    ids = resolve_suppressed_tokens(tokenizer, tokens)  # patterns too, against the same tokenizer
+    config = copy.deepcopy(model.generation_config)  # a PeftModel forwards it from its base
+    config.suppress_tokens = sorted(set(config.suppress_tokens or []) | set(ids))
+    return config
 
 
 def export_main(argv: list[str]) -> Exported:

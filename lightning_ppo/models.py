@@ -6,6 +6,8 @@ log-probs exactly (ratio == 1), and dropout would make the policy and reference 
 
 from __future__ import annotations
 
+import re
+
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
@@ -169,21 +171,47 @@ def resolve_stop_token(tokenizer: PreTrainedTokenizerBase, stop_token: str | Non
 
 
 def resolve_suppressed_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[str | int]) -> list[int]:
-    """Ids of ``generation.suppress_tokens``: token strings through the vocabulary, ids as given."""
-    ids = []
-    for token in tokens:
-        if isinstance(token, int):
-            if not 0 <= token < len(tokenizer):
-                raise ValueError(
-                    f"generation.suppress_tokens: id {token} is outside the tokenizer's "
-                    f"{len(tokenizer)} tokens"
-                )
-            ids.append(token)
-            continue
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if token_id is None or token_id == tokenizer.unk_token_id and token != tokenizer.unk_token:
-            raise ValueError(
-                f"generation.suppress_tokens: {token!r} is not a single token of the tokenizer's vocabulary"
+    """Ids of ``generation.suppress_tokens``: ids as given, token strings through the vocabulary, and
+    patterns (``*`` / ``?`` wildcards, see :func:`token_pattern`) to every token they match."""
+    ids = {token_id for token in tokens for token_id in _suppressed_ids(tokenizer, token)}
+    if len(ids) >= len(tokenizer):  # nothing left to sample: generate would fail on NaN probabilities
+        raise UsageError(f"generation.suppress_tokens {tokens!r} suppresses every token of the vocabulary")
+    return sorted(ids)
+
+
+def _suppressed_ids(tokenizer: PreTrainedTokenizerBase, token: str | int) -> list[int]:
+    if isinstance(token, int):
+        if not 0 <= token < len(tokenizer):
+            raise UsageError(
+                f"generation.suppress_tokens: id {token} is outside the tokenizer's {len(tokenizer)} tokens"
             )
-        ids.append(token_id)
-    return sorted(set(ids))
+        return [token]
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    # A token of the vocabulary is itself even if it holds a wildcard ("?", "**"): lists that worked
+    # before patterns keep their meaning.
+    if token_id is not None and (token_id != tokenizer.unk_token_id or token == tokenizer.unk_token):
+        return [token_id]
+    pattern = token_pattern(token)
+    if pattern is None:
+        raise UsageError(
+            f"generation.suppress_tokens: {token!r} is not a single token of the tokenizer's vocabulary"
+        )
+    matched = [token_id for text, token_id in tokenizer.get_vocab().items() if pattern.fullmatch(text)]
+    if not matched:
+        raise UsageError(
+            f"generation.suppress_tokens: pattern {token!r} matches no token of the tokenizer's vocabulary"
+        )
+    return matched
+
+
+def token_pattern(token: str) -> re.Pattern[str] | None:
+    """The regex of a ``suppress_tokens`` pattern, or None for a plain token string.
+
+    ``*`` stands for any run of characters and ``?`` for one; every other character is itself. Not
+    ``fnmatch``: its ``[...]`` is a character class, and ``[unused*]`` must match ``[unused0]``,
+    not ``u`` or ``n``.
+    """
+    if "*" not in token and "?" not in token:
+        return None
+    wildcards = {"*": ".*", "?": "."}
+    return re.compile("".join(wildcards.get(char) or re.escape(char) for char in token), re.DOTALL)

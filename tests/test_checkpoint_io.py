@@ -153,6 +153,27 @@ def test_only_dead_writers_temp_files_are_removed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live, *others])
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002], ids=["umask-022", "umask-002"])
+def test_checkpoints_and_exported_files_get_the_mode_open_gives_under_the_umask(umask, tmp_path):
+    """0o666 & ~umask (0644, 0664) for every file make-tiny, fit and export write: safetensors alone
+    would leave the weights 0600, unreadable to the other users or containers that serve them."""
+    previous = os.umask(umask)
+    try:
+        main(["make-tiny", "--out", str(tmp_path / "tiny"), "--alphabet", "0123456789="])
+        main(_cli_args(tmp_path / "tiny", tmp_path, "--trainer.limit_train_batches", "1"))
+        main(["export", str(tmp_path / "ckpt" / "last.ckpt"), "--out", str(tmp_path / "exported")])
+    finally:
+        os.umask(previous)
+    folders = ("tiny", "ckpt", "exported")
+    modes = {
+        f"{folder}/{path.name}": oct(path.stat().st_mode & 0o777)
+        for folder in folders
+        for path in (tmp_path / folder).iterdir()
+    }
+    assert {"tiny/model.safetensors", "ckpt/last.ckpt", "exported/model.safetensors"} <= modes.keys()
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
 FIELDS = [
     "trainer.callbacks[0].init_args.dirpath",
     "trainer.logger[0].init_args.save_dir",

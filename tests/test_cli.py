@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,28 @@ def test_subclass_with_custom_score_by_class_path(tiny_gpt2, tmp_path):
     # the quickstart's reward_fn is still configured, but the subclass's score() decides
     assert len(ShortAnswerModule.seen_extras) == 2
     assert len(ShortAnswerModule.seen_extras[0]["target"]) == 8  # extra dataset column reached score()
+
+
+def test_a_reward_module_in_the_working_directory_imports_as_under_python_m(
+    tiny_gpt2, tmp_path, monkeypatch, request
+):
+    """The console script's sys.path[0] is its bin folder: `main` adds the working directory itself."""
+    (tmp_path / "cwd_reward.py").write_text(
+        "class QuarterReward:\n"
+        "    def __call__(self, prompts, completions, batch):\n"
+        "        return [0.25 for _ in completions]\n"
+    )
+    config = "model:\n  init_args:\n    reward_fn: {class_path: cwd_reward.QuarterReward}\n"
+    (tmp_path / "reward.yaml").write_text(config)
+    monkeypatch.chdir(tmp_path)
+    # as under the console script: neither "" nor the working directory on the path
+    here = os.path.realpath(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p and os.path.realpath(p) != here])
+    request.addfinalizer(lambda: sys.modules.pop("cwd_reward", None))
+    cli = _short_run(ROOT / "configs" / "quickstart.yaml", tiny_gpt2, tmp_path, "--config", "reward.yaml")
+    assert [type(fn).__module__ for fn in cli.model.reward_fns] == ["cwd_reward"]
+    rows = list(csv.DictReader((Path(cli.trainer.logger.log_dir) / "metrics.csv").open()))
+    assert [float(row["objective/scores"]) for row in rows] == [0.25, 0.25]
 
 
 def test_help_exits_cleanly():

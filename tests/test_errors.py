@@ -104,6 +104,16 @@ def test_error_raised_while_building_the_datamodule_is_unwrapped(tiny_digits, tm
     assert line.endswith("error: batch_size must be at least 1, got 0")
 
 
+def test_a_suppress_tokens_pattern_matching_no_token_is_one_line(tiny_digits, tmp_path, capsys):
+    # the digits vocabulary holds no "[unused...]" token ("[" is literal, not fnmatch's character class)
+    args = _fit_args(tmp_path, tiny_digits, "--model.init_args.generation.suppress_tokens", '["[unused*]"]')
+    line = _usage_error(capsys, *args)
+    assert line.endswith(
+        "error: generation.suppress_tokens: pattern '[unused*]' matches no token of the "
+        "tokenizer's vocabulary"
+    )
+
+
 # ----------------------------------------------------------------- paths, positions, checkpoints
 
 

@@ -150,6 +150,45 @@ def test_export_of_a_critic_free_run_writes_and_reports_no_value_head(tiny_gpt2,
     assert "value" not in result.describe() and "critic" not in result.describe()
 
 
+def test_export_writes_the_runs_suppressed_tokens_into_the_generation_config(tiny_gpt2, tmp_path):
+    """Merged or kept as an adapter, the folder samples as training did: never a suppressed token."""
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    # "<b*>" a pattern (<bos>), "?" a token of the vocabulary despite its wildcard, 9 an id
+    generation = GenerationConfig(max_new_tokens=6, suppress_tokens=["<b*>", "?", 9])
+    module = PPOLightningModule(
+        policy=str(tiny_gpt2),
+        reward_fn=CountCharReward(),
+        value_model="shared",
+        lora=LoraSettings(r=4),
+        ppo=PPOConfig(ppo_epochs=1, num_minibatches=2),
+        generation=generation,
+    )
+    tokenizer = module.tokenizer
+    expected = sorted([tokenizer.bos_token_id, tokenizer.convert_tokens_to_ids("?"), 9])
+    assert module.suppressed_ids == expected
+    trainer = _fit(module, tmp_path, iterations=1)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    for keep_adapter in (False, True):
+        out = tmp_path / f"exported-{keep_adapter}"
+        result = export_policy(tmp_path / "run.ckpt", out, keep_adapter=keep_adapter)
+        assert "3 suppressed tokens" in result.describe()
+        saved = HFGenerationConfig.from_pretrained(out)
+        assert saved.suppress_tokens == expected
+        # the rest is the policy's own generation config
+        assert saved.eos_token_id == AutoConfig.from_pretrained(tiny_gpt2).eos_token_id
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported-False")
+    prompts = torch.tensor([[5, 6, 7]] * 32)
+    torch.manual_seed(0)
+    sampled = exported.generate(prompts, do_sample=True, max_new_tokens=16, min_new_tokens=16)[:, 3:]
+    assert not torch.isin(sampled, torch.tensor(expected)).any()
+    torch.manual_seed(0)  # the same model without the mask does sample them
+    unmasked = exported.generate(
+        prompts, do_sample=True, max_new_tokens=16, min_new_tokens=16, suppress_tokens=None
+    )
+    assert torch.isin(unmasked[:, 3:], torch.tensor(expected)).any()
+
+
 def _reward_adapter(base, out):
     """A sequence-classification LoRA adapter on ``base``, with non-zero weights, saved with PEFT."""
     from peft import LoraConfig, get_peft_model

@@ -150,3 +150,38 @@ def test_an_unknown_suppressed_token_names_the_field(tiny_gpt2):
     generation = GenerationConfig(suppress_tokens=["<not-a-token>"])
     with pytest.raises(ValueError, match="generation.suppress_tokens: '<not-a-token>' is not a single token"):
         PPOLightningModule(policy=str(tiny_gpt2), reward_fn=CountCharReward(), generation=generation)
+
+
+def test_suppress_token_patterns_match_the_vocabulary_with_only_star_and_question_mark_as_wildcards(tmp_path):
+    """`*` is any run of characters and `?` one; `[` is literal (fnmatch would read a character class),
+    and a string that is a token of the vocabulary stays that token even when it holds a wildcard."""
+    import pytest
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from lightning_ppo.errors import UsageError
+    from lightning_ppo.models import load_tokenizer, resolve_suppressed_tokens
+
+    unused = [f"[unused{i}]" for i in range(12)]
+    words = ["[PAD]", "[UNK]", *unused, "u", "n", "s", "e", "d", "?", "*", "**", "a", "ab", "ba"]
+    vocab = {word: i for i, word in enumerate(words)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(
+        tmp_path
+    )
+    tokenizer = load_tokenizer(str(tmp_path))
+
+    def resolve(*tokens):
+        return resolve_suppressed_tokens(tokenizer, list(tokens))
+
+    assert resolve("[unused*]") == [vocab[w] for w in unused]  # not "u", "n", "s", "e", "d"
+    assert resolve("[unused?]") == [vocab[f"[unused{i}]"] for i in range(10)]
+    assert resolve("?") == [vocab["?"]] and resolve("*") == [vocab["*"]] and resolve("**") == [vocab["**"]]
+    expected = sorted([vocab["a"], vocab["ab"], 2, vocab["[unused10]"], vocab["[unused11]"]])
+    assert resolve("a*", 2, "[unused1?]") == expected  # patterns, ids and tokens together
+    with pytest.raises(
+        UsageError, match=r"generation.suppress_tokens: pattern '\[nothing\*\]' matches no token"
+    ):
+        resolve("[unused*]", "[nothing*]")
+    with pytest.raises(UsageError, match="suppresses every token of the vocabulary"):
+        resolve("?*")

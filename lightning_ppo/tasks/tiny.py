@@ -20,6 +20,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from lightning_ppo.file_modes import save_pretrained
+
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 DEFAULT_ALPHABET = "0123456789=+-*/:;,.?! abcdefghijklmnopqrstuvwxyz"
 
@@ -120,6 +122,6 @@ def make_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer(alphabet)
     model = builders[kind](tokenizer, spec or TinyModelSpec(), seed)
-    model.save_pretrained(out)
+    save_pretrained(model, out)  # its weights readable by others, as the files beside them
     tokenizer.save_pretrained(out)
     return out
