@@ -1,0 +1,112 @@
+"""Multi-turn cost: a 3-turn episode against one reply of about the same number of tokens.
+
+    .venv/bin/python -m benchmarks.episodes                  # 3 rounds of 20 iterations per variant
+    .venv/bin/python -m benchmarks.episodes --rounds 1 --iterations 4   # a smoke run
+
+The quickstart's tiny GPT-2 (``checkpoints/tiny-digits``), batch 64, ``hf`` engine. ``one turn``
+samples up to 22 tokens; ``three turns`` samples up to 6 tokens per turn with a 2-token observation
+between turns (3 x 6 + 2 x 2 = 22 tokens after the prompt at most). Variants alternate, round by
+round, in this process. Responses stop where the policy samples its stop token, so the tokens each
+variant computes differ: the table reports them, and the seconds per 1,000 tokens after the
+prompt, which is what "multi-turn costs no more than the tokens it adds" compares. Each turn
+re-reads the whole context (no KV cache across turns), which the last column prices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+from lightning_ppo.config import EpisodeConfig
+from lightning_ppo.episodes import Environment, StepResult, Turn
+from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Nudge(Environment):
+    """Answers every turn with the same 2-token observation; the episode ends after 3 turns."""
+
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(observation="0=")
+
+
+class Done(Environment):
+    """Done after the first reply: the single-turn path bit for bit (tests/test_episodes.py), with
+    the runner's exact token count."""
+
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(done=True)
+
+
+class Clock(pl.Callback):
+    """Seconds and tokens after the prompt of every iteration."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.tokens: list[int] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+        self.tokens.append(int(pl_module.episode_runner.last_stats.tokens.sum()))
+
+
+def run(policy: str, turns: int, iterations: int, seed: int) -> Clock:
+    pl.seed_everything(seed)
+    module = PPOLightningModule(
+        policy=policy,
+        reward_fn=DigitsReward(),
+        environment=Nudge() if turns > 1 else Done(),
+        episode=EpisodeConfig(max_turns=3, max_tokens=22),
+        ppo=PPOConfig(kl_coef=0.05),
+        generation=GenerationConfig(max_new_tokens=6 if turns > 1 else 22),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+    )
+    data = DigitsDataModule(num_prompts=64 * (iterations + 1), batch_size=64, max_prompt_length=16, seed=seed)
+    clock = Clock()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=iterations,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+    )
+    trainer.fit(module, datamodule=data)
+    return clock
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--policy", default=str(ROOT / "checkpoints" / "tiny-digits"))
+    ns = parser.parse_args()
+    results: dict[str, list[Clock]] = {"one turn": [], "three turns": []}
+    for round_ in range(ns.rounds):
+        for name, turns in (("one turn", 1), ("three turns", 3)):
+            results[name].append(run(ns.policy, turns, ns.iterations, seed=round_))
+    print(f"{ns.rounds} rounds x {ns.iterations} iterations, batch 64, {torch.get_num_threads()} threads")
+    print("| variant | s / iteration (median) | tokens after the prompt / iteration | s / 1,000 tokens |")
+    print("| --- | --- | --- | --- |")
+    for name, clocks in results.items():
+        seconds = [s for c in clocks for s in c.seconds[1:]]  # the first iteration warms up
+        tokens = [t for c in clocks for t in c.tokens[1:]]
+        per_k = 1000 * sum(seconds) / sum(tokens)
+        print(f"| {name} | {statistics.median(seconds):.3f} | {statistics.mean(tokens):.0f} | {per_k:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
