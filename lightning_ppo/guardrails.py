@@ -29,6 +29,10 @@ COLLAPSE_ITERATIONS = 3
 KL_COEF_FACTOR = 10.0
 # Iterations of score spread averaged before judging the reward's scale against kl_coef.
 SPREAD_ITERATIONS = 5
+# Entropy collapse: the per-token entropy, averaged over windows of this many iterations, below this
+# share of the first window's, while the score has not risen above the first window's.
+ENTROPY_WINDOW = 5
+ENTROPY_FLOOR = 0.1
 
 
 @dataclass
@@ -45,6 +49,8 @@ class IterationView:
     # the adaptive controller's slow part (the coefficient without its answer to this iteration's KL)
     kl_coef_base: float
     scores_std: float | None  # batch std of the scores the update uses; None with fewer than 2
+    entropy: float = float("nan")  # the rollout policy's entropy per response token
+    score: float = float("nan")  # objective/scores
 
     @classmethod
     def of(
@@ -61,6 +67,8 @@ class IterationView:
             kl_coef_pinned=kl_ctl.pinned,
             kl_coef_base=getattr(kl_ctl, "integral", kl_ctl.value),
             scores_std=float(update_scores.std(correction=0)) if len(update_scores) >= 2 else None,
+            entropy=float(stats["objective/entropy"]) / max(float(stats["response/length_mean"]), 1.0),
+            score=float(stats["objective/scores"]),
         )
 
 
@@ -75,9 +83,12 @@ class Guardrails:
     # A running sum, not a list of every iteration's spread: a run that never warns keeps no history.
     spread_sum: float = 0.0
     spread_count: int = 0
+    # (entropy per token, score) of the first ENTROPY_WINDOW iterations, and of the latest ones
+    early: list[tuple[float, float]] = field(default_factory=list)
+    recent: list[tuple[float, float]] = field(default_factory=list)
 
     def observe(self, view: IterationView) -> list[str]:
-        checks = (self._trust_region, self._collapse, self._kl_coef, self._reward_drowned)
+        checks = (self._trust_region, self._collapse, self._entropy, self._kl_coef, self._reward_drowned)
         return [m for m in (check(view) for check in checks) if m is not None]
 
     def _once(self, name: str, message: str) -> str | None:
@@ -112,6 +123,29 @@ class Guardrails:
             f"response collapse: all {len(responses)} responses of each of the last "
             f"{COLLAPSE_ITERATIONS} iterations were {what} (objective/kl {view.kl:.3g}). The policy has "
             f"lost its variety and will not recover on its own: {self._restart_advice()}",
+        )
+
+    def _entropy(self, view: IterationView) -> str | None:
+        """The policy grows certain (entropy per token down to a tenth) without growing better: a
+        collapse onto a few answers that the reward does not explain. A run that learns also grows
+        certain, but its score rose."""
+        pair = (view.entropy, view.score)
+        if len(self.early) < ENTROPY_WINDOW:
+            self.early.append(pair)
+            return None
+        self.recent = [*self.recent, pair][-ENTROPY_WINDOW:]
+        if len(self.recent) < ENTROPY_WINDOW:
+            return None
+        start_entropy, start_score = (sum(x) / ENTROPY_WINDOW for x in zip(*self.early, strict=True))
+        entropy, score = (sum(x) / ENTROPY_WINDOW for x in zip(*self.recent, strict=True))
+        if not (entropy < ENTROPY_FLOOR * start_entropy and score <= start_score):
+            return None
+        return self._once(
+            "entropy",
+            f"objective/entropy fell to {entropy:.3g} nats per response token from {start_entropy:.3g} at "
+            f"the start while objective/scores did not rise ({start_score:.3g} -> {score:.3g}): the policy "
+            f"is collapsing onto a few answers the reward does not prefer. {self._restart_advice()}, or "
+            "set ppo.entropy_coef",
         )
 
     def _kl_coef(self, view: IterationView) -> str | None:

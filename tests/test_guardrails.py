@@ -46,6 +46,23 @@ def test_collapse_fires_after_three_identical_or_empty_batches_in_a_row():
     assert messages[:2] == [[], []] and "the same text 'admin.'" in messages[2][0]
 
 
+def test_entropy_collapsing_without_a_better_score_is_named_and_learning_is_not():
+    rails = Guardrails(PPOConfig(), lr=1e-3)
+    early = [rails.observe(_view(i, entropy=2.0, score=0.3)) for i in range(1, 6)]
+    late = [rails.observe(_view(i, entropy=0.15, score=0.3)) for i in range(6, 10)]
+    assert early + late == [[]] * 9  # the window of 5 late iterations is not full yet
+    (message,) = rails.observe(_view(10, entropy=0.15, score=0.29))
+    assert message.startswith(
+        "objective/entropy fell to 0.15 nats per response token from 2 at the start while "
+        "objective/scores did not rise (0.3 -> 0.298)"
+    )
+    assert "smaller learning rate (now 0.001" in message and "ppo.entropy_coef" in message
+    learned = Guardrails(PPOConfig(), lr=1e-3)
+    views = [_view(i, entropy=2.0, score=0.3) for i in range(1, 6)]
+    views += [_view(i, entropy=0.1, score=0.9) for i in range(6, 20)]  # certain, and better: fine
+    assert [m for view in views for m in learned.observe(view)] == []
+
+
 def test_kl_coef_at_its_bound_or_grown_tenfold_is_reported_with_advice_that_fits():
     config = PPOConfig(kl_target=4.0, kl_coef=0.05, score_norm=True)
     (message,) = Guardrails(config, lr=1e-3).observe(_view(kl=25.0, kl_coef=0.6))
