@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_ppo.chat import MessageRenderer
 from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.engines import GenerationEngine
@@ -54,12 +55,14 @@ class StepResult:
 
     Attributes:
         observation: Text appended after the turn for the policy to read (tokenized without special
-            tokens); ``None`` or ``""`` appends nothing.
+            tokens), or a chat message ``{"role": "user", "content": ...}`` that the tokenizer's chat
+            template renders after the reply, opening the assistant's next turn; ``None`` or ``""``
+            appends nothing.
         reward: This turn's reward, added on the turn's last token; ``None`` for none.
         done: The episode ends here (it also ends after ``episode.max_turns`` turns).
     """
 
-    observation: str | None = None
+    observation: str | dict[str, str] | None = None
     reward: float | None = None
     done: bool = False
 
@@ -120,10 +123,18 @@ class EpisodeRunner:
         tokenizer: Decodes the policy's turns for the environment and tokenizes observations.
         pad_token_id: Fills the response region past each episode's end.
         seed: The run's seed; with the iteration, rank and episode it seeds each episode's ``rng``.
+        stop_token: The text of the token that ends a reply (``generation.stop_token``; ``None``: EOS),
+            where a chat message observation starts.
     """
 
     def __init__(
-        self, environment: Environment, config: EpisodeConfig, tokenizer: Any, pad_token_id: int, seed: int
+        self,
+        environment: Environment,
+        config: EpisodeConfig,
+        tokenizer: Any,
+        pad_token_id: int,
+        seed: int,
+        stop_token: str | None = None,
     ) -> None:
         if not callable(getattr(environment, "step", None)):
             raise UsageError(
@@ -137,6 +148,7 @@ class EpisodeRunner:
         # the sample tables show (rewards get the plain text, as the policy read it).
         self.transcripts: list[str] = []
         self._engine_logprobs = False
+        self.render_message = MessageRenderer(tokenizer, stop_token)
 
     def metrics(self, reduce: Any = None) -> dict[str, Tensor]:
         """``episode/*`` metrics of the last batch (over every rank's episodes with ``reduce``)."""
@@ -214,12 +226,17 @@ class EpisodeRunner:
             episode.rewards[len(episode.tokens) - 1] = float(result.reward)
         episode.done = result.done or episode.truncated or turn + 1 >= self.config.max_turns
         if not episode.done and result.observation:
-            observation = self.tokenizer(result.observation, add_special_tokens=False)["input_ids"]
+            text = self._observation_text(result.observation)
+            observation = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             room = self.config.max_tokens - len(episode.tokens)
             episode.truncated = len(observation) >= room  # no room left for another reply
             episode.done = episode.truncated
             self._append(episode, observation[:room], False, [0.0] * min(room, len(observation)))
-            episode.transcript.append(f"{OBSERVATION_OPEN}{result.observation}{OBSERVATION_CLOSE}")
+            episode.transcript.append(f"{OBSERVATION_OPEN}{_shown(result.observation)}{OBSERVATION_CLOSE}")
+
+    def _observation_text(self, observation: str | dict[str, str]) -> str:
+        """The text appended: the observation itself, or a chat message as the template writes it."""
+        return observation if isinstance(observation, str) else self.render_message(observation)
 
     @staticmethod
     def _append(episode: _Episode, tokens: list[int], action: bool, logprobs: list[float]) -> None:
@@ -276,6 +293,15 @@ class EpisodeRunner:
         )
 
 
+def _shown(observation: str | dict[str, str]) -> str:
+    """An observation as the sample tables show it: the text, or ``role: content``."""
+    return (
+        observation
+        if isinstance(observation, str)
+        else f"{observation.get('role')}: {observation.get('content')}"
+    )
+
+
 class EnvironmentFailure(UsageError, RuntimeError):
     """An environment's ``reset`` or ``step`` raised: named with its class, turn and prompt."""
 
@@ -296,4 +322,4 @@ def make_episode_runner(
         environment = ToolEnvironment(tools, config.tool_format, tokenizer, stop_token, environment)
     if environment is None:
         return None
-    return EpisodeRunner(environment, config, tokenizer, tokenizer.pad_token_id, seed)
+    return EpisodeRunner(environment, config, tokenizer, tokenizer.pad_token_id, seed, stop_token)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_ppo.chat import message_suffix
 from lightning_ppo.episodes import Environment, StepResult, Turn
 from lightning_ppo.errors import UsageError
 
@@ -79,7 +80,7 @@ class ToolEnvironment(Environment):
         self.format = ("hermes" if has_template else "text") if tool_format == "auto" else tool_format
         if self.format == "hermes" and not has_template:
             raise UsageError("model.episode.tool_format hermes needs a tokenizer with a chat template")
-        self.tool_suffix = _tool_message_suffix(tokenizer, stop_token) if self.format == "hermes" else None
+        self.tool_suffix = message_suffix(tokenizer, "tool", stop_token) if self.format == "hermes" else None
         self.inner = inner
         self.calls = self.errors = 0
 
@@ -129,20 +130,3 @@ class ToolEnvironment(Environment):
             return f" {'error' if failed else 'result'}: {result};"
         content = json.dumps({"error": result} if failed else {"name": call.name, "content": result})
         return self.tool_suffix.format(content=content)
-
-
-def _tool_message_suffix(tokenizer: Any, stop_token: str | None) -> str:
-    """The text a chat template puts after an assistant reply's stop token for one ``tool`` message
-    and the next assistant turn's opening, with ``{content}`` where the result goes."""
-    marker, reply = "\x00CONTENT\x00", "\x00REPLY\x00"
-    base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": reply}]
-    tool = {"role": "tool", "name": "tool", "content": marker}
-    before = tokenizer.apply_chat_template(base, tokenize=False)
-    after = tokenizer.apply_chat_template([*base, tool], tokenize=False, add_generation_prompt=True)
-    stop = stop_token or tokenizer.eos_token
-    start = before.index(reply) + len(reply)
-    end_of_reply = before.index(stop, start) + len(stop) if stop and stop in before[start:] else start
-    if not after.startswith(before[:end_of_reply]) or marker not in after:
-        raise UsageError("the tokenizer's chat template does not render a tool message after a reply")
-    suffix = after[end_of_reply:]
-    return suffix.replace("{", "{{").replace("}", "}}").replace(marker, "{content}")

@@ -265,3 +265,34 @@ def test_episodes_train_with_the_shared_critic_and_with_lora(layout, tiny_digits
     quiet_trainer(tmp_path, iterations=2).fit(module, datamodule=data)
     changed = [n for n, p in module.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert changed and module.episode_runner.last_stats.turns.float().mean() == 2.0
+
+
+class ChatReply(Environment):
+    """Answers in the chat: a user message the template wraps, then the assistant's turn opens."""
+
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(observation={"role": "user", "content": "more"})
+
+
+def test_a_chat_message_observation_is_written_as_the_template_writes_it(tmp_path):
+    from transformers import AutoTokenizer
+
+    from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(
+        tmp_path / "chat", TinyModelSpec(), alphabet="0123456789abcdefghijklmnopqrstuvwxyz<>|="
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(6)
+    module = _module(path, ChatReply(), EpisodeConfig(max_turns=2, max_tokens=40), reward_fn=None)
+    rollout = module.generate(_batch(module))
+    expected = module.tokenizer("<|user|>more<eos><|assistant|>", add_special_tokens=False)["input_ids"]
+    for row in range(len(rollout.response_ids)):
+        context = rollout.response_ids[row][rollout.context_mask[row]].tolist()
+        assert context == expected
+    assert all(" [env: user: more] " in text for text in module.episode_runner.transcripts)
