@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,15 +157,31 @@ class EpisodeRunner:
             return {}
         return episode_metrics(self.last_stats, reduce)
 
-    def run(self, engine: GenerationEngine, batch: PromptBatch, iteration: int, rank: int) -> Rollout:
-        """Sample every episode of ``batch`` to its end; one ``engine.generate`` per turn."""
+    def run(
+        self,
+        engine: GenerationEngine,
+        batch: PromptBatch,
+        iteration: int,
+        rank: int,
+        any_rank: Callable[[bool], bool] = bool,
+    ) -> Rollout:
+        """Sample every episode of ``batch`` to its end; one ``engine.generate`` per turn.
+
+        ``any_rank`` says whether a flag is true on any rank (an all-reduce under several ranks): all
+        ranks take the same number of turns, because a sharded policy (FSDP2) gathers its weights in
+        every forward, with every rank. A rank whose episodes have all ended generates a throw-away
+        reply on one of its contexts while another rank still needs the turn.
+        """
         episodes = [self._start(batch, i, iteration, rank) for i in range(len(batch))]
         for turn in range(self.config.max_turns):
             running = [i for i, episode in enumerate(episodes) if not episode.done]
-            if not running:
+            if not any_rank(bool(running)):
                 break
             if turn == 0:  # the batch's own tensors: one turn is today's rollout exactly
                 rollout = engine.generate(batch.prompt_ids, batch.prompt_mask)
+            elif not running:
+                engine.generate(*self._contexts(episodes[:1], batch))  # in step with the other ranks
+                continue
             else:
                 rollout = engine.generate(*self._contexts([episodes[i] for i in running], batch))
             self._engine_logprobs = rollout.engine_logprobs is not None

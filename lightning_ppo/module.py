@@ -402,7 +402,10 @@ class PPOLightningModule(LightningModule):
         self._warn_if_prompts_end_with_stop(batch)
         self.engine.sync_weights(self.policy)
         if self.episode_runner is not None:  # multi-turn: one generate per turn, the environment between
-            return self.episode_runner.run(self.engine, batch, self.iteration, self.global_rank)
+            # Every rank takes each turn while any rank has an episode running (FSDP2 gathers per forward).
+            strategy = self._trainer.strategy if self._trainer is not None else None
+            any_rank = bool if strategy is None else partial(strategy.reduce_boolean_decision, all=False)
+            return self.episode_runner.run(self.engine, batch, self.iteration, self.global_rank, any_rank)
         return self.engine.generate(batch.prompt_ids, batch.prompt_mask)
 
     @property

@@ -296,3 +296,24 @@ def test_a_chat_message_observation_is_written_as_the_template_writes_it(tmp_pat
         context = rollout.response_ids[row][rollout.context_mask[row]].tolist()
         assert context == expected
     assert all(" [env: user: more] " in text for text in module.episode_runner.transcripts)
+
+
+def test_a_rank_whose_episodes_ended_still_takes_the_turns_another_rank_needs(tiny_digits):
+    """Under FSDP2 every forward gathers weights with every rank: a rank whose episodes all ended
+    generates a throw-away reply while another rank still needs the turn, and keeps its own."""
+    calls = []
+
+    def another_rank_still_running(flag: bool) -> bool:
+        calls.append(flag)
+        return True
+
+    module = _module(tiny_digits, OneTurn(), EpisodeConfig(max_turns=3, max_tokens=40))
+    batch = _batch(module)
+    torch.manual_seed(7)
+    alone = module.generate(batch)
+    torch.manual_seed(7)
+    module.engine.sync_weights(module.policy)
+    in_step = module.episode_runner.run(module.engine, batch, 0, 0, another_rank_still_running)
+    assert calls == [True, False, False]  # this rank's episodes ended after turn 0; it went on anyway
+    assert torch.equal(in_step.response_ids, alone.response_ids)
+    assert torch.equal(in_step.response_mask, alone.response_mask)
