@@ -85,6 +85,21 @@ class Environment:
         raise NotImplementedError(f"{type(self).__name__} must implement step(turn) -> StepResult")
 
 
+class StepFunction(Environment):
+    """A stateless environment: ``fn(turn, row) -> StepResult``, ``row`` the episode's dataset row
+    (given to ``model.environment`` by import path, e.g. ``my_pkg.env.step``)."""
+
+    def __init__(self, fn: Callable[[Turn, dict[str, Any]], StepResult]) -> None:
+        self.fn = fn
+        self.row: dict[str, Any] = {}
+
+    def reset(self, prompt: str, row: dict[str, Any], rng: random.Random) -> None:
+        self.row = row
+
+    def step(self, turn: Turn) -> StepResult:
+        return self.fn(turn, self.row)
+
+
 @dataclass
 class _Episode:
     """One episode under construction: its tokens after the prompt, and what each one is."""
@@ -324,7 +339,7 @@ class EnvironmentFailure(UsageError, RuntimeError):
 
 
 def make_episode_runner(
-    environment: Environment | None,
+    environment: Environment | Callable[..., StepResult] | None,
     tools: list[Any] | None,
     config: EpisodeConfig,
     tokenizer: Any,
@@ -333,6 +348,8 @@ def make_episode_runner(
 ) -> EpisodeRunner | None:
     """The runner for ``model.environment`` and/or ``model.tools``; ``None`` (one reply per prompt,
     today's path) with neither."""
+    if environment is not None and not hasattr(environment, "step") and callable(environment):
+        environment = StepFunction(environment)
     if tools:
         from lightning_ppo.tools import ToolEnvironment
 

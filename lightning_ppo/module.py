@@ -25,7 +25,7 @@ from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
 from lightning_ppo.config import EpisodeConfig, GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.engines import GenerationEngine, Placement, compute_dtype, make_engine
-from lightning_ppo.episodes import Environment, make_episode_runner
+from lightning_ppo.episodes import Environment, StepResult, make_episode_runner
 from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.guardrails import Guardrails, IterationView
@@ -128,7 +128,8 @@ class PPOLightningModule(LightningModule):
         tokenizer: Tokenizer path (default: the policy's).
         ppo: PPO hyper-parameters.
         generation: Sampling settings for rollouts.
-        environment: Multi-turn episodes: what answers the policy's turns (``lightning_ppo.episodes``).
+        environment: Multi-turn episodes: what answers the policy's turns, a class or a ``step(turn, row)``
+            function (``lightning_ppo.episodes``).
         tools: Functions the policy may call in its turns (``lightning_ppo.tools``); multi-turn too.
         episode: Turns and token budget of multi-turn episodes (with ``environment``).
         optimizer: Optimizer over the policy and the critic (one for both). ``None``: AdamW at lr 1e-5,
@@ -156,7 +157,7 @@ class PPOLightningModule(LightningModule):
         tokenizer: str | None = None,
         ppo: PPOConfig = PPOConfig(),
         generation: GenerationConfig = GenerationConfig(),
-        environment: Environment | None = None,
+        environment: Environment | Callable[..., StepResult] | None = None,
         tools: list[Callable] | None = None,
         episode: EpisodeConfig = EpisodeConfig(),
         optimizer: OptimizerCallable | None = None,

@@ -178,8 +178,8 @@ def check_run_inputs(model: Mapping[str, Any], data: Mapping[str, Any]) -> None:
 
 def response_budget(model: dict[str, Any]) -> tuple[str, int | None]:
     """The setting that bounds the tokens after a prompt, and its value: one reply's
-    ``generation.max_new_tokens``, or with an environment the episode's ``episode.max_tokens``."""
-    if model.get("environment") is not None:
+    ``generation.max_new_tokens``, or with an environment or tools the episode's ``episode.max_tokens``."""
+    if model.get("environment") is not None or model.get("tools"):
         return "model.episode.max_tokens", (model.get("episode") or {}).get(
             "max_tokens", EpisodeConfig.max_tokens
         )

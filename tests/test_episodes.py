@@ -3,6 +3,8 @@ environment failures, and a one-turn environment that reproduces today's single-
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -317,3 +319,37 @@ def test_a_rank_whose_episodes_ended_still_takes_the_turns_another_rank_needs(ti
     assert calls == [True, False, False]  # this rank's episodes ended after turn 0; it went on anyway
     assert torch.equal(in_step.response_ids, alone.response_ids)
     assert torch.equal(in_step.response_mask, alone.response_mask)
+
+
+def test_the_episode_budget_is_checked_against_the_positions_before_any_model_loads(tiny_digits, capsys):
+    from lightning_ppo.cli import main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "agents.yaml")
+    args = ["fit", "--config", config, "--model.init_args.policy", str(tiny_digits)]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--model.init_args.episode.max_tokens", "200"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(
+        "data.max_prompt_length (16) + model.episode.max_tokens (200) = 216 tokens, more than the 128 "
+        f"positions of model.policy {str(tiny_digits)!r} (n_positions in its config): lower one of them"
+    )
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_a_stateless_step_function_named_by_import_path_runs_episodes(tiny_digits, tmp_path):
+    from lightning_ppo.cli import main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "agents.yaml")
+    cli = main(
+        [
+            *("fit", "--config", config, "--model.init_args.policy", str(tiny_digits)),
+            *("--model.init_args.environment", "lightning_ppo.tasks.reveal.reveal_step"),
+            *("--trainer.limit_train_batches", "2", "--trainer.logger", "false"),
+            *("--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false"),
+            *("--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path)),
+        ]
+    )
+    runner = cli.model.episode_runner
+    assert runner.last_stats.turns.tolist() == [2] * 64
+    assert all(" [env: " in text for text in runner.transcripts)

@@ -150,3 +150,15 @@ def test_fsdp2_resumes_exactly_and_exports_from_a_sharded_checkpoint(tiny_digits
     ids = torch.randint(0, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_fsdp2_trains_multi_turn_episodes_as_ddp_does(tiny_digits, tmp_path):
+    """configs/agents.yaml on 2 ranks: each turn's generate gathers the sharded policy with both ranks
+    (ranks take the same number of turns), and the training matches DDP's."""
+    budget = ("--model.init_args.episode.max_tokens", "60")
+    out = {}
+    for name, strategy in (("ddp", "ddp"), ("fsdp2", FSDP2)):
+        out[name] = tmp_path / name
+        done = run_cli(tiny_digits, out[name], strategy, *budget, config="agents.yaml")
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_training(trained(out["ddp"], 0), trained(out["fsdp2"], 0))

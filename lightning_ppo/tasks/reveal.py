@@ -48,3 +48,10 @@ class RevealDigitsDataModule(DigitsDataModule):
         return datasets.DatasetDict(
             {name: split.map(lambda row: {"prompt": "="}) for name, split in splits.items()}
         )
+
+
+def reveal_step(turn: Turn, row: dict[str, Any]) -> StepResult:
+    """:class:`RevealDigits` as a stateless ``step`` function (``model.environment`` by import path)."""
+    if turn.index == 0:
+        return StepResult(observation=f"{row['target']}=")
+    return StepResult(reward=digits_score(turn.text, row["target"]), done=True)
