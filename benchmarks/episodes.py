@@ -6,8 +6,8 @@
 The quickstart's tiny GPT-2 (``checkpoints/tiny-digits``), batch 64, ``hf`` engine. ``one turn``
 samples up to 22 tokens; ``three turns`` samples up to 6 tokens per turn with a 2-token observation
 between turns (3 x 6 + 2 x 2 = 22 tokens after the prompt at most). Variants alternate, round by
-round, in this process. Responses stop where the policy samples its stop token, so the tokens each
-variant computes differ: the table reports them, and the seconds per 1,000 tokens after the
+round, each run in a process of its own. Responses stop where the policy samples its stop token,
+so the tokens each variant computes differ: the table reports them, and the seconds per 1,000 tokens after the
 prompt, which is what "multi-turn costs no more than the tokens it adds" compares. Each turn
 re-reads the whole context (no KV cache across turns), which the last column prices.
 """
@@ -15,7 +15,10 @@ re-reads the whole context (no KV cache across turns), which the last column pri
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -61,7 +64,7 @@ class Clock(pl.Callback):
         self.tokens.append(int(pl_module.episode_runner.last_stats.tokens.sum()))
 
 
-def run(policy: str, turns: int, iterations: int, seed: int) -> Clock:
+def run(policy: str, turns: int, iterations: int, seed: int, engine: str = "hf") -> Clock:
     pl.seed_everything(seed)
     module = PPOLightningModule(
         policy=policy,
@@ -69,7 +72,9 @@ def run(policy: str, turns: int, iterations: int, seed: int) -> Clock:
         environment=Nudge() if turns > 1 else Done(),
         episode=EpisodeConfig(max_turns=3, max_tokens=22),
         ppo=PPOConfig(kl_coef=0.05),
-        generation=GenerationConfig(max_new_tokens=6 if turns > 1 else 22),
+        generation=GenerationConfig(
+            max_new_tokens=6 if turns > 1 else 22, engine=engine, gpu_memory_utilization=0.1
+        ),
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
     )
     data = DigitsDataModule(num_prompts=64 * (iterations + 1), batch_size=64, max_prompt_length=16, seed=seed)
@@ -88,22 +93,60 @@ def run(policy: str, turns: int, iterations: int, seed: int) -> Clock:
     return clock
 
 
+def _policy(engine: str) -> str:
+    """The quickstart's checkpoint for ``hf``; for ``vllm``, whose CPU attention has no kernel for its
+    head size of 16, the same vocabulary at 2 x 128 with 2 heads (head size 64), built once."""
+    if engine == "hf":
+        return str(ROOT / "checkpoints" / "tiny-digits")
+    from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+
+    out = ROOT / "checkpoints" / "tiny-digits-h64"
+    if not (out / "config.json").exists():
+        make_tiny_checkpoint(out, TinyModelSpec(n_embd=128, n_head=2), alphabet="0123456789=")
+    return str(out)
+
+
+def run_apart(policy: str, turns: int, iterations: int, seed: int, engine: str) -> tuple[list, list]:
+    """One variant in a process of its own (vLLM keeps process-wide state: one engine per process)."""
+    cmd = [sys.executable, "-m", "benchmarks.episodes", "--one", str(turns), "--seed", str(seed)]
+    cmd += ["--iterations", str(iterations), "--policy", policy, "--engine", engine]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{turns} turns failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["seconds"], result["tokens"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--policy", default=str(ROOT / "checkpoints" / "tiny-digits"))
+    parser.add_argument("--policy", default=None, help="default: the quickstart's tiny GPT-2 (hf)")
+    parser.add_argument(
+        "--engine",
+        default="hf",
+        choices=["hf", "vllm"],
+        help="vllm: run with the vLLM environment's interpreter (.venv-vllm, `make test-vllm` builds it)",
+    )
+    parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: one variant
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ns = parser.parse_args()
-    results: dict[str, list[Clock]] = {"one turn": [], "three turns": []}
+    ns.policy = ns.policy or _policy(ns.engine)
+    if ns.one is not None:
+        clock = run(ns.policy, ns.one, ns.iterations, ns.seed, ns.engine)
+        print(json.dumps({"seconds": clock.seconds, "tokens": clock.tokens}))
+        return
+    results: dict[str, tuple[list, list]] = {"one turn": ([], []), "three turns": ([], [])}
     for round_ in range(ns.rounds):
         for name, turns in (("one turn", 1), ("three turns", 3)):
-            results[name].append(run(ns.policy, turns, ns.iterations, seed=round_))
-    print(f"{ns.rounds} rounds x {ns.iterations} iterations, batch 64, {torch.get_num_threads()} threads")
+            seconds, tokens = run_apart(ns.policy, turns, ns.iterations, round_, ns.engine)
+            results[name][0].extend(seconds[1:])  # the first iteration warms up
+            results[name][1].extend(tokens[1:])
+    threads = torch.get_num_threads()
+    print(f"{ns.rounds} rounds x {ns.iterations} iterations, batch 64, {threads} threads, engine {ns.engine}")
     print("| variant | s / iteration (median) | tokens after the prompt / iteration | s / 1,000 tokens |")
     print("| --- | --- | --- | --- |")
-    for name, clocks in results.items():
-        seconds = [s for c in clocks for s in c.seconds[1:]]  # the first iteration warms up
-        tokens = [t for c in clocks for t in c.tokens[1:]]
+    for name, (seconds, tokens) in results.items():
         per_k = 1000 * sum(seconds) / sum(tokens)
         print(f"| {name} | {statistics.median(seconds):.3f} | {statistics.mean(tokens):.0f} | {per_k:.3f} |")
 
