@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_ppo import PPOLightningModule, PromptDataModule
 from lightning_ppo.checkpoint_io import AtomicCheckpointIO
+from lightning_ppo.episodes import Environment, StepResult
 from lightning_ppo.rewards import RewardFunction
 from lightning_ppo.tasks.digits import DigitsReward
 
@@ -322,3 +323,18 @@ def two_cpu_ranks(strategy: str | dict, iterations: int = 2) -> tuple[str, ...]:
         *("--trainer.strategy", spec, "--trainer.devices", "2", "--trainer.accelerator", "cpu"),
         *("--trainer.limit_train_batches", str(iterations), "--trainer.enable_checkpointing", "false"),
     )
+
+
+class FailsInTheSecondIteration(Environment):
+    """RevealDigits-like, but its step raises once the second batch of 8 episodes has started
+    (episodes are counted across the copies, in the class)."""
+
+    started = 0
+
+    def reset(self, prompt, row, rng) -> None:
+        FailsInTheSecondIteration.started += 1
+
+    def step(self, turn):
+        if FailsInTheSecondIteration.started > 8:
+            raise ConnectionError("the sandbox went away")
+        return StepResult(observation="1=") if turn.index == 0 else StepResult(reward=1.0, done=True)

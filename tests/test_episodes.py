@@ -353,3 +353,27 @@ def test_a_stateless_step_function_named_by_import_path_runs_episodes(tiny_digit
     runner = cli.model.episode_runner
     assert runner.last_stats.turns.tolist() == [2] * 64
     assert all(" [env: " in text for text in runner.transcripts)
+
+
+def test_an_environment_that_raises_stops_the_run_in_one_line_and_leaves_the_checkpoint(
+    tiny_digits, tmp_path
+):
+    from tests.helpers import cli_process, quickstart_fit_args
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "agents.yaml"
+    saver = {
+        "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
+        "init_args": {"every_n_iterations": 1, "dirpath": str(tmp_path / "ckpt")},
+    }
+    env = '{"class_path": "tests.helpers.FailsInTheSecondIteration"}'
+    args = quickstart_fit_args(tiny_digits, tmp_path, [saver], config=config)
+    done = cli_process([*args, "--model.init_args.environment", env, "--trainer.limit_train_batches", "3"])
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    assert "Traceback" not in done.stderr
+    assert lines[-1].endswith(
+        "model.environment: FailsInTheSecondIteration.step raised ConnectionError: the sandbox went away "
+        "(turn 0, prompt '=')"
+    )
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert saved["ppo_state"]["iteration"] == 1  # the first iteration's checkpoint, whole
