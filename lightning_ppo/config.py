@@ -121,6 +121,14 @@ class PPOConfig:
         num_minibatches: Minibatches per epoch; the rollout batch must divide evenly into them.
         gradient_accumulation_steps: Micro-batches accumulated into each minibatch's optimizer step.
         clip_range: Policy ratio clip epsilon (> 0).
+        clip_range_low, clip_range_high: The two sides of the clip, ``1 - low`` and ``1 + high``
+            (each > 0; ``None``: ``clip_range``). A larger ``high`` is DAPO's "clip-higher".
+        loss_aggregation: How per-token policy (and in-loss KL) terms become the loss:
+            ``token_mean`` (every token of the minibatch weighs the same; DAPO, TRL's default),
+            ``sequence_mean`` (every response weighs the same; GRPO as published) or ``constant``
+            (token sum over responses x the response length budget; Dr. GRPO).
+        scale_rewards: What ``grpo`` divides a score's distance from its group mean by: ``group``
+            (the group's std, GRPO), ``batch`` (the batch's std, every rank's) or ``none`` (Dr. GRPO).
         value_clip_range: Value prediction clip around the rollout values (> 0).
         vf_coef: Weight of the value loss in the total loss (>= 0).
         entropy_coef: Weight of the entropy bonus subtracted from the loss (>= 0).
@@ -159,6 +167,10 @@ class PPOConfig:
     num_minibatches: int = 2
     gradient_accumulation_steps: int = 1
     clip_range: float = 0.2
+    clip_range_low: float | None = None
+    clip_range_high: float | None = None
+    loss_aggregation: str = "token_mean"
+    scale_rewards: str = "group"
     value_clip_range: float = 0.2
     vf_coef: float = 0.1
     entropy_coef: float = 0.0
@@ -234,6 +246,18 @@ class PPOConfig:
             self.gradient_accumulation_steps,
         )
         _check(self.clip_range > 0, "ppo.clip_range", "> 0", self.clip_range)
+        for name in ("clip_range_low", "clip_range_high"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, f"ppo.{name}", "> 0 or null", value)
+        aggregations = ("token_mean", "sequence_mean", "constant")
+        _check(
+            self.loss_aggregation in aggregations,
+            "ppo.loss_aggregation",
+            f"one of {aggregations}",
+            self.loss_aggregation,
+        )
+        scales = ("group", "batch", "none")
+        _check(self.scale_rewards in scales, "ppo.scale_rewards", f"one of {scales}", self.scale_rewards)
         _check(self.value_clip_range > 0, "ppo.value_clip_range", "> 0", self.value_clip_range)
         _check(self.vf_coef >= 0, "ppo.vf_coef", ">= 0", self.vf_coef)
         _check(self.entropy_coef >= 0, "ppo.entropy_coef", ">= 0", self.entropy_coef)
@@ -278,6 +302,12 @@ class PPOConfig:
             "> 0 or null",
             self.max_grad_norm,
         )
+
+    @property
+    def clip_bounds(self) -> tuple[float, float]:
+        """``(low, high)`` of the policy ratio's clip: ``clip_range`` where a side is not set."""
+        low, high = self.clip_range_low, self.clip_range_high
+        return (self.clip_range if low is None else low, self.clip_range if high is None else high)
 
     def check_batch_size(self, batch_size: int) -> None:
         """Fail early when a rollout batch cannot be split into equal minibatches and micro-batches."""

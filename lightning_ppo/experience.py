@@ -143,6 +143,22 @@ def estimate_advantages(
     # A dropped sample's mask is empty: it leaves its group's baseline instead of counting as 0.
     sequence_return = rewards.sum(dim=1)
     valid = mask.any(dim=1)
-    advantage = F.group_advantages(sequence_return, config.num_generations, estimator, valid=valid)
+    scale = group_scale(sequence_return, valid, config, reduce)
+    advantage = F.group_advantages(
+        sequence_return, config.num_generations, estimator, valid=valid, scale=scale
+    )
     zero = torch.zeros_like(rewards)
     return torch.where(mask, advantage[:, None], zero), torch.where(mask, sequence_return[:, None], zero)
+
+
+def group_scale(
+    returns: Tensor, valid: Tensor, config: PPOConfig, reduce: F.Reduce | None = None
+) -> Tensor | None:
+    """The divisor of ``grpo``'s advantages other than each group's own std (``scale_rewards``):
+    the std of every rank's kept returns plus 1e-6 (``batch``), or 1 (``none``); ``None``: the
+    group's (``group``, and ``rloo``, which divides by nothing)."""
+    if config.advantage_estimator != "grpo" or config.scale_rewards == "group":
+        return None
+    if config.scale_rewards == "none":
+        return torch.ones((), device=returns.device)
+    return F.masked_var(returns, valid, unbiased=True, reduce=reduce).sqrt() + 1e-6

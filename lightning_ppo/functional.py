@@ -199,33 +199,72 @@ class PolicyLossOutput:
     ratio: Tensor
 
 
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How per-token losses become one number (the names of TRL's ``loss_type`` in brackets):
+
+    * ``token_mean``: the sum over every real token of the minibatch divided by their number: each
+      token weighs the same, long responses weigh more (DAPO, Yu et al., 2025; TRL's ``dapo``,
+      its default; PPO as TRL's PPOTrainer and OpenRLHF compute it).
+    * ``sequence_mean``: each response's token mean, then the mean over responses: each response
+      weighs the same, a token of a short one more (GRPO as first published, Shao et al., 2024;
+      TRL's ``grpo``).
+    * ``constant``: the sum over real tokens divided by responses x ``constant`` (the response
+      length budget): neither length bias (Dr. GRPO, Liu et al., 2025; TRL's ``dr_grpo``).
+    """
+
+    mode: str = "token_mean"
+    constant: float | None = None
+
+    def __call__(self, per_token: Tensor, mask: Tensor) -> Tensor:
+        mask = mask.bool()
+        if self.mode == "token_mean":
+            return masked_mean(per_token, mask)
+        kept = torch.where(mask, per_token, torch.zeros_like(per_token))
+        if self.mode == "sequence_mean":
+            rows = mask.any(dim=1)
+            per_row = kept.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+            return (per_row * rows).sum() / rows.sum().clamp(min=1)
+        if self.mode == "constant" and self.constant:
+            return kept.sum() / (mask.shape[0] * self.constant)
+        raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS} (constant > 0), got {self}")
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    clip_range: float,
+    clip_range: float | tuple[float, float],
     dual_clip: float | None = None,
     is_weights: Tensor | None = None,
+    aggregate: Aggregation = Aggregation(),
 ) -> PolicyLossOutput:
-    """PPO clipped surrogate: masked mean of ``max(-A r, -A clip(r, 1 - e, 1 + e))``.
+    """PPO clipped surrogate: ``max(-A r, -A clip(r, 1 - e_low, 1 + e_high))`` per token, aggregated.
 
+    ``clip_range`` is ``e`` for both sides or ``(e_low, e_high)``: a larger ``e_high`` lets
+    unlikely tokens with positive advantages grow more ("clip-higher", DAPO, Yu et al., 2025).
     With ``dual_clip = c > 1`` (Ye et al., 2020), the per-token loss of a negative advantage is
     also capped at ``-c A``, so a huge ratio on a bad action cannot blow the update up.
     ``is_weights`` (detached, see :func:`truncated_is_weights`) multiply each token's loss.
+    ``aggregate`` turns the per-token losses into the loss (:class:`Aggregation`).
     ``approx_kl`` is 0.5 (log r)^2 averaged over real tokens, ``clipfrac`` the fraction of real
     tokens where the clipped term was the larger one, ``ratio`` the mean of r.
     """
+    low, high = clip_range if isinstance(clip_range, tuple) else (clip_range, clip_range)
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     per_token = torch.maximum(unclipped, clipped)
     if dual_clip is not None:
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
     if is_weights is not None:
         per_token = per_token * is_weights
-    loss = masked_mean(per_token, mask)
+    loss = aggregate(per_token, mask)
     with torch.no_grad():
         return PolicyLossOutput(
             loss=loss,
@@ -297,6 +336,7 @@ def group_advantages(
     estimator: GroupEstimator,
     eps: float = 1e-6,
     valid: Tensor | None = None,
+    scale: Tensor | None = None,
 ) -> Tensor:
     """Critic-free sequence advantages from groups of completions of the same prompt.
 
@@ -306,6 +346,8 @@ def group_advantages(
     ``valid`` (B,) bool: completions to learn from; the others (a reward's NaN, dropped) are left
     out of their group's mean and std, as TRL's nanmean/nanstd do, and get advantage 0. A group
     with fewer than two valid completions has no baseline: its advantages are 0.
+    ``scale`` (``grpo`` only) replaces the group std as the divisor: the batch's std (TRL's
+    ``scale_rewards: batch``) or 1 (``none``, Dr. GRPO: no division).
     """
     if scores.numel() % group_size:
         raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
@@ -323,7 +365,7 @@ def group_advantages(
     if estimator == "grpo":
         squares = torch.where(kept, groups - mean, torch.zeros_like(groups)).square().sum(dim=1, keepdim=True)
         std = (squares / (count - 1).clamp(min=1)).sqrt()
-        advantages = (groups - mean) / (std + eps)
+        advantages = (groups - mean) / (std + eps if scale is None else scale)
     else:
         advantages = groups - (total - groups) / (count - 1).clamp(min=1)
     usable = kept & (count >= 2)

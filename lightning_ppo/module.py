@@ -251,6 +251,8 @@ class PPOLightningModule(LightningModule):
         self.last_samples: Samples | None = None
         self.consecutive_skips = 0
         self.guardrails: Guardrails | None = None
+        budget = episode.max_tokens if self.episode_runner is not None else generation.max_new_tokens
+        self.loss_aggregation = F.Aggregation(ppo.loss_aggregation, budget)  # constant: the length budget
         self._warned_prompt_stop = False
 
     def _default_critic_source(self, policy: str, reward_model: str | None) -> str:
@@ -643,8 +645,9 @@ class PPOLightningModule(LightningModule):
         mask = mb.response_mask
         logits, values = self.roles.policy_forward(mb.input_ids, mb.attention_mask, mb.position_ids, length)
         logprobs = self.token_logprobs(logits, mb.response_ids)
+        clip, aggregate = self.ppo.clip_bounds, self.loss_aggregation
         pg = F.policy_loss(
-            logprobs, mb.logprobs, mb.advantages, mask, self.ppo.clip_range, self.ppo.dual_clip, mb.is_weights
+            logprobs, mb.logprobs, mb.advantages, mask, clip, self.ppo.dual_clip, mb.is_weights, aggregate
         )
         loss = pg.loss
         stats = {
@@ -660,7 +663,7 @@ class PPOLightningModule(LightningModule):
             loss = loss - self.ppo.entropy_coef * entropy
             stats["policy/entropy_avg"] = entropy.detach()
         if self.ppo.kl_placement == "loss":
-            kl = F.masked_mean(F.kl_penalty(logprobs, mb.ref_logprobs, self.ppo.kl_estimator), mask)
+            kl = aggregate(F.kl_penalty(logprobs, mb.ref_logprobs, self.ppo.kl_estimator), mask)
             loss = loss + self.kl_ctl.value * kl
             stats["loss/kl_avg"] = kl.detach()
         if values is not None:
