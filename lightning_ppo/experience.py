@@ -56,6 +56,34 @@ class Experience:
             for index in order.chunk(num):
                 yield self.select(index)
 
+    def trimmed(self) -> Experience:
+        """The same rows without the columns that are padding in every one of them: the prompt's
+        left padding shared by all rows, and the response's right padding past the longest.
+
+        Exact: a causal LM's output at a real position does not depend on later positions, and
+        masked columns are only ever masked (positions count real tokens). A minibatch of short
+        responses then pays for its own longest, not the whole batch's. Costs one host read of two
+        column indices.
+        """
+        length, width = self.input_ids.shape[1], self.response_ids.shape[1]
+        prompt = length - width
+        real = self.attention_mask.any(dim=0)
+        columns = torch.arange(length, device=real.device)
+        bounds = torch.stack([columns.masked_fill(~real, length).min(), columns.masked_fill(~real, -1).max()])
+        first, last = bounds.tolist()  # one host read
+        first, last = min(first, prompt), max(last + 1 - prompt, 1)
+        if first == 0 and last == width:
+            return self
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value.dim() == 2 and value.shape[1] == length:
+                value = value[:, first : prompt + last]
+            elif value is not None and value.dim() == 2 and value.shape[1] == width:
+                value = value[:, :last]
+            values[f.name] = value
+        return Experience(**values)
+
     def split(self, num: int) -> Iterator[Experience]:
         """``num`` consecutive micro-batches (for gradient accumulation)."""
         if num == 1:

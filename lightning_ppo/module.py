@@ -594,7 +594,7 @@ class PPOLightningModule(LightningModule):
                 # (reduce-scatters) gradients.
                 sync = i == accumulate - 1
                 with nullcontext() if sync else self._no_backward_sync():
-                    loss, stats = self.ppo_loss(micro)
+                    loss, stats = self.ppo_loss(micro.trimmed())  # no column of padding only
                     self.manual_backward(loss / accumulate)
                 history.append(stats)
             stepped.append(self._step_if_finite(optimizer))
