@@ -120,6 +120,11 @@ class PPOConfig:
         ppo_epochs: Passes over each rollout batch per PPO iteration (>= 1).
         num_minibatches: Minibatches per epoch; the rollout batch must divide evenly into them.
         gradient_accumulation_steps: Micro-batches accumulated into each minibatch's optimizer step.
+        micro_batch_tokens: Split each minibatch by a token budget instead: sequences sorted by length
+            and packed so that rows x the longest stays within it (``null``: by count, as
+            ``gradient_accumulation_steps`` says). Either way each micro-batch is trimmed to its own
+            longest sequence and weighed by its share of the minibatch's tokens, so the update is
+            the unsplit minibatch's. Not with FSDP2 (its ranks must run equally many forwards).
         clip_range: Policy ratio clip epsilon (> 0).
         clip_range_low, clip_range_high: The two sides of the clip, ``1 - low`` and ``1 + high``
             (each > 0; ``None``: ``clip_range``). A larger ``high`` is DAPO's "clip-higher".
@@ -166,6 +171,7 @@ class PPOConfig:
     ppo_epochs: int = 4
     num_minibatches: int = 2
     gradient_accumulation_steps: int = 1
+    micro_batch_tokens: int | None = None
     clip_range: float = 0.2
     clip_range_low: float | None = None
     clip_range_high: float | None = None
@@ -246,6 +252,8 @@ class PPOConfig:
             self.gradient_accumulation_steps,
         )
         _check(self.clip_range > 0, "ppo.clip_range", "> 0", self.clip_range)
+        budget = self.micro_batch_tokens
+        _check(budget is None or budget >= 1, "ppo.micro_batch_tokens", ">= 1 or null", budget)
         for name in ("clip_range_low", "clip_range_high"):
             value = getattr(self, name)
             _check(value is None or value > 0, f"ppo.{name}", "> 0 or null", value)

@@ -24,13 +24,14 @@ from lightning_ppo import optim
 from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
 from lightning_ppo.config import EpisodeConfig, GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
-from lightning_ppo.engines import GenerationEngine, Placement, compute_dtype, make_engine
+from lightning_ppo.engines import GenerationEngine, engine_for_trainer
 from lightning_ppo.episodes import Environment, StepResult, make_episode_runner
 from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.guardrails import Guardrails, IterationView
 from lightning_ppo.kl import make_kl_controller
 from lightning_ppo.metrics import TrailingMean, engine_metrics, experience_metrics, score_metrics
+from lightning_ppo.microbatches import Share, plan_micro_batches
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.preflight import check_sequence_fits, response_budget
@@ -282,6 +283,10 @@ class PPOLightningModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         reject_fsdp1(self.trainer.strategy)
+        if self.ppo.micro_batch_tokens and uses_model_parallel(self.trainer.strategy):
+            raise UsageError(
+                "ppo.micro_batch_tokens is not supported under FSDP2: set gradient_accumulation_steps"
+            )
         silence_intended_warnings()  # e.g. the frozen roles are in eval mode on purpose
         # Before the first rollout: past the model's positions generation fails with an IndexError.
         max_prompt_length = getattr(self.trainer.datamodule, "max_prompt_length", None)
@@ -416,19 +421,13 @@ class PPOLightningModule(LightningModule):
         """The rollout's generation engine (``generation.engine``), built on first use: a vLLM
         engine needs the world size, known only once the Trainer runs."""
         if self._engine is None:
-            trainer = self._trainer
-            placement = (
-                Placement(trainer.world_size, trainer.global_rank, trainer.local_rank)
-                if trainer is not None
-                else Placement()
-            )
-            self._engine = make_engine(
+            self._engine = engine_for_trainer(
+                self._trainer,
                 self.generation_config,
                 self.hf_generation,
                 self.policy_path,
-                placement,
-                self.seed + placement.rank,
-                compute_dtype(str(trainer.precision) if trainer else "32-true", self.policy.dtype),
+                self.seed,
+                self.policy,
             )
         return self._engine
 
@@ -585,17 +584,17 @@ class PPOLightningModule(LightningModule):
         """``ppo_epochs`` passes of shuffled minibatches; one optimizer step per minibatch."""
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         generator = torch.Generator().manual_seed(self.seed + self.iteration)
-        accumulate = self.ppo.gradient_accumulation_steps
+        accumulate, budget = self.ppo.gradient_accumulation_steps, self.ppo.micro_batch_tokens
         history: list[dict[str, Tensor]] = []
         stepped: list[Tensor] = []
         for minibatch in exp.minibatches(self.ppo.num_minibatches, generator, epochs=self.ppo.ppo_epochs):
-            for i, micro in enumerate(minibatch.split(accumulate)):
+            plan = plan_micro_batches(minibatch, accumulate, budget)  # trimmed, with their shares
+            for i, (micro, share) in enumerate(plan):
                 # Under DDP (FSDP2) only the last micro-batch of a minibatch all-reduces
                 # (reduce-scatters) gradients.
-                sync = i == accumulate - 1
-                with nullcontext() if sync else self._no_backward_sync():
-                    loss, stats = self.ppo_loss(micro.trimmed())  # no column of padding only
-                    self.manual_backward(loss / accumulate)
+                with nullcontext() if i == len(plan) - 1 else self._no_backward_sync():
+                    loss, stats = self.ppo_loss(micro, share)
+                    self.manual_backward(loss)
                 history.append(stats)
             stepped.append(self._step_if_finite(optimizer))
             optimizer.zero_grad(set_to_none=True)
@@ -639,8 +638,9 @@ class PPOLightningModule(LightningModule):
                     "and the precision."
                 )
 
-    def ppo_loss(self, mb: Experience) -> tuple[Tensor, dict[str, Tensor]]:
-        """Clipped policy loss (+ vf_coef x value loss, + kl_coef x KL, - entropy_coef x entropy)."""
+    def ppo_loss(self, mb: Experience, share: Share = Share()) -> tuple[Tensor, dict[str, Tensor]]:
+        """Clipped policy loss (+ vf_coef x value loss, + kl_coef x KL, - entropy_coef x entropy), each
+        term weighed by the micro-batch's ``share`` of its minibatch (lightning_ppo.microbatches)."""
         length = mb.response_ids.shape[1]
         mask = mb.response_mask
         logits, values = self.roles.policy_forward(mb.input_ids, mb.attention_mask, mb.position_ids, length)
@@ -649,7 +649,8 @@ class PPOLightningModule(LightningModule):
         pg = F.policy_loss(
             logprobs, mb.logprobs, mb.advantages, mask, clip, self.ppo.dual_clip, mb.is_weights, aggregate
         )
-        loss = pg.loss
+        policy_share = share.of_policy_term(aggregate.mode)
+        loss = pg.loss * policy_share
         stats = {
             "policy/approxkl_avg": pg.approx_kl,
             "policy/clipfrac_avg": pg.clipfrac,
@@ -660,15 +661,15 @@ class PPOLightningModule(LightningModule):
             # A vocabulary-wide softmax per token: only paid for when it is a loss term
             # (objective/entropy reports the rollout policy's entropy every iteration anyway).
             entropy = F.masked_mean(self.token_entropy(logits), mask)
-            loss = loss - self.ppo.entropy_coef * entropy
+            loss = loss - self.ppo.entropy_coef * entropy * share.tokens
             stats["policy/entropy_avg"] = entropy.detach()
         if self.ppo.kl_placement == "loss":
             kl = aggregate(F.kl_penalty(logprobs, mb.ref_logprobs, self.ppo.kl_estimator), mask)
-            loss = loss + self.kl_ctl.value * kl
+            loss = loss + self.kl_ctl.value * kl * policy_share
             stats["loss/kl_avg"] = kl.detach()
         if values is not None:
             vf = F.value_loss(values, mb.values, mb.returns, mask, self.ppo.value_clip_range)
-            loss = loss + self.ppo.vf_coef * vf.loss
+            loss = loss + self.ppo.vf_coef * vf.loss * share.tokens
             stats["loss/value_avg"] = vf.loss.detach()
             stats["val/clipfrac_avg"] = vf.clipfrac
         return loss, stats

@@ -9,7 +9,7 @@ knows which one sampled.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import transformers
@@ -71,3 +71,23 @@ def make_engine(
     from lightning_ppo.engines.hf import HFEngine
 
     return HFEngine(hf_generation)
+
+
+def engine_for_trainer(
+    trainer: Any,
+    config: GenerationConfig,
+    hf_generation: transformers.GenerationConfig,
+    policy_path: str,
+    seed: int,
+    policy: nn.Module,
+) -> GenerationEngine:
+    """:func:`make_engine` placed among ``trainer``'s ranks (one process without a trainer), seeded
+    per rank, sampling in the dtype the trainer computes in."""
+    placement = (
+        Placement(trainer.world_size, trainer.global_rank, trainer.local_rank)
+        if trainer is not None
+        else Placement()
+    )
+    precision = str(trainer.precision) if trainer is not None else "32-true"
+    dtype = compute_dtype(precision, policy.dtype)
+    return make_engine(config, hf_generation, policy_path, placement, seed + placement.rank, dtype)
