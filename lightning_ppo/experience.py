@@ -78,9 +78,9 @@ class Experience:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None and value.dim() == 2 and value.shape[1] == length:
-                value = value[:, first : prompt + last]
+                value = value[:, first : prompt + last].contiguous()  # kernels run faster on it
             elif value is not None and value.dim() == 2 and value.shape[1] == width:
-                value = value[:, :last]
+                value = value[:, :last].contiguous()
             values[f.name] = value
         return Experience(**values)
 
