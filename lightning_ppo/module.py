@@ -309,7 +309,7 @@ class PPOLightningModule(LightningModule):
         batch = batch.repeat_interleave(self.ppo.num_generations)
         rollout = self.generate(batch)
         completions = self.decode_responses(rollout)
-        scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
+        scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
         scores = self.shape_scores(scores, rollout)
         if self.nothing_to_learn(scores.dropped):
             self._skip_iteration(len(batch))
@@ -359,7 +359,7 @@ class PPOLightningModule(LightningModule):
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""
         rollout = generate(self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_eval_generation)
         completions = self.decode_responses(rollout)
-        scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
+        scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
         scores = check_scores(scores, len(batch), self.reward_label, self.device, allow_nonfinite=True)
         finite = torch.isfinite(scores)
         self.log("eval/scores", scores[finite].mean(), batch_size=int(finite.sum()), sync_dist=True)
@@ -471,7 +471,8 @@ class PPOLightningModule(LightningModule):
         Args:
             prompts: Prompt text as given to the policy (after the chat template).
             completions: Sampled response text, without the stop token.
-            batch: The dataset's extra columns (``batch.extras``) and the token ids (``batch.rollout``).
+            batch: The dataset's extra columns (``batch.extras``), the token ids (``batch.rollout``)
+                and, for conversational data, the prompts' messages (``batch.messages``).
         """
         total = torch.zeros(len(completions), device=self.device)
         components = [

@@ -29,10 +29,13 @@ class ScoreInputs:
     Args:
         extras: Every dataset column other than the prompt, one value per sample (e.g. an answer).
         rollout: The prompt and response token ids and masks.
+        messages: Conversational data's prompts as lists of ``{"role", "content"}`` messages (before
+            the chat template); ``None`` for text prompts.
     """
 
     extras: dict[str, list[Any]] = field(default_factory=dict)
     rollout: Rollout | None = None
+    messages: list[list[dict[str, Any]]] | None = None
 
 
 class RewardFunction(ABC):
@@ -79,7 +82,9 @@ class RewardCall:
     Ours: ``fn(prompts, completions, batch)``. TRL's reward functions:
     ``fn(prompts=..., completions=..., completion_ids=..., **columns)``, where ``completion_ids``
     are each response's token ids up to and including the stop token (no padding) and every other
-    dataset column arrives as a keyword argument of its own name.
+    dataset column arrives as a keyword argument of its own name; with conversational data
+    ``prompts`` are the message lists and each completion is ``[{"role": "assistant", "content":
+    text}]``, as TRL passes them.
     """
 
     fn: RewardLike
@@ -104,8 +109,13 @@ class RewardCall:
     def __call__(self, prompts: list[str], completions: list[str], batch: ScoreInputs) -> Any:
         if not self.trl:
             return self.fn(prompts, completions, batch)
+        trl_prompts: list[Any] = prompts
+        trl_completions: list[Any] = completions
+        if batch.messages is not None:  # conversational data: TRL's shapes
+            trl_prompts = batch.messages
+            trl_completions = [[{"role": "assistant", "content": c}] for c in completions]
         # The three names TRL passes win over dataset columns of the same name.
-        kwargs = {**batch.extras, "prompts": prompts, "completions": completions}
+        kwargs = {**batch.extras, "prompts": trl_prompts, "completions": trl_completions}
         if batch.rollout is not None:
             kwargs["completion_ids"] = completion_ids(batch.rollout)
         self._check_columns(kwargs)
