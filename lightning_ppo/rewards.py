@@ -6,8 +6,10 @@ float tensor of shape (B,) or raises an error that names the reward and what was
 
 from __future__ import annotations
 
+import functools
 import inspect
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,19 +25,55 @@ from lightning_ppo.rollout import Rollout, position_ids_from_mask
 
 
 @dataclass
+class TrainerState:
+    """What a reward asking for ``trainer_state`` gets: the fields of TRL's ``TrainerState`` that mean
+    something here, counted in PPO iterations (one rollout batch and its update), not optimizer steps.
+
+    Args:
+        global_step: PPO iterations done before this batch.
+        max_steps: Iterations the run will make (``trainer.max_steps`` in iterations, or ``max_epochs``
+            x batches per epoch, whichever ends it first); -1 when unknown (outside a Trainer).
+        epoch: Epochs done, with the fraction of the current one.
+        num_train_epochs: ``trainer.max_epochs``; -1 when unbounded or unknown.
+        is_world_process_zero: Whether this is rank 0 of the job.
+        is_local_process_zero: Whether this is rank 0 of its machine.
+    """
+
+    global_step: int = 0
+    max_steps: int = -1
+    epoch: float = 0.0
+    num_train_epochs: int = -1
+    is_world_process_zero: bool = True
+    is_local_process_zero: bool = True
+
+
+def _discard(*args: Any) -> None:
+    """``log_metric`` and ``log_extra`` outside a module's ``score``: nothing to log to."""
+
+
+@dataclass
 class ScoreInputs:
-    """What a reward sees besides the text: dataset columns and the token ids of the rollout.
+    """What a reward sees besides the text: dataset columns, the token ids of the rollout, and TRL's
+    extras (``trainer_state``, ``log_metric``, ``log_extra``), which TRL-style rewards get as keywords.
 
     Args:
         extras: Every dataset column other than the prompt, one value per sample (e.g. an answer).
         rollout: The prompt and response token ids and masks.
         messages: Conversational data's prompts as lists of ``{"role", "content"}`` messages (before
             the chat template); ``None`` for text prompts.
+        trainer_state: The run's progress.
+        log_metric: ``log_metric(name, value)`` logs a number as ``reward/<name>`` (the mean of the
+            values given for one batch).
+        log_extra: ``log_extra(column, values)`` adds a column, one value per completion, to the sample
+            tables (``lightning_ppo.callbacks.SampleTable``).
     """
 
     extras: dict[str, list[Any]] = field(default_factory=dict)
     rollout: Rollout | None = None
     messages: list[list[dict[str, Any]]] | None = None
+    trainer_state: TrainerState = field(default_factory=TrainerState)
+    log_metric: Callable[[str, float], None] = _discard
+    log_extra: Callable[[str, list], None] = _discard
 
 
 class RewardFunction(ABC):
@@ -61,34 +99,46 @@ class RewardFunction(ABC):
 RewardLike = RewardFunction | Callable[..., Any]
 
 
-def reward_name(reward: RewardLike) -> str:
-    """The name a reward is logged under: ``name``, a function's ``__name__``, or the class name."""
+def reward_name(reward: Any) -> str:
+    """The name a reward is logged under: ``name``, a function's ``__name__`` (a ``functools.partial``'s
+    with its arguments: ``score_scale=2``), or the class name."""
     if isinstance(reward, RewardFunction):
         return reward.name
+    if isinstance(reward, functools.partial):
+        keywords = [f"{k}={_short(v)}" for k, v in reward.keywords.items()]
+        return "_".join([reward_name(reward.func), *map(_short, reward.args), *keywords])
     return getattr(reward, "__name__", type(reward).__name__)
+
+
+def _short(value: Any) -> str:
+    """An argument of a partial in a name: scalars as written, anything else by its type."""
+    return str(value) if isinstance(value, (str, int, float, bool)) or value is None else type(value).__name__
 
 
 OUR_CONVENTION = "fn(prompts, completions, batch)  # batch: lightning_ppo.rewards.ScoreInputs"
 TRL_CONVENTION = (
     "fn(prompts, completions, **kwargs)  # TRL's: completion_ids and every dataset column as keywords"
 )
-_TRL_KEYWORDS = ("prompts", "completions", "completion_ids")
+# What TRL passes besides the dataset's columns (and wins over a column of the same name).
+_TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 @dataclass
 class RewardCall:
-    """A reward on text and the convention it is called with, decided once from its signature.
+    """A reward and the convention it is called with, decided once from its signature.
 
     Ours: ``fn(prompts, completions, batch)``. TRL's reward functions:
-    ``fn(prompts=..., completions=..., completion_ids=..., **columns)``, where ``completion_ids``
-    are each response's token ids up to and including the stop token (no padding) and every other
-    dataset column arrives as a keyword argument of its own name; with conversational data
-    ``prompts`` are the message lists and each completion is ``[{"role": "assistant", "content":
-    text}]``, as TRL passes them.
+    ``fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=...,
+    log_metric=..., **columns)``, where ``completion_ids`` are each response's token ids up to and
+    including the stop token (no padding) and every other dataset column arrives as a keyword
+    argument of its own name; with conversational data ``prompts`` are the message lists and each
+    completion is ``[{"role": "assistant", "content": text}]``, as TRL passes them. Either may be a
+    coroutine function (the caller awaits what it returns).
     """
 
     fn: RewardLike
     trl: bool
+    name: str = ""
 
     @classmethod
     def of(cls, fn: RewardLike) -> RewardCall:
@@ -100,11 +150,7 @@ class RewardCall:
                 f"reward_fn {name!r} has the signature {name}{inspect.signature(fn)}, which fits neither "
                 f"way a reward is called:\n  {OUR_CONVENTION}\n  {TRL_CONVENTION}"
             )
-        return cls(fn, trl)
-
-    @property
-    def name(self) -> str:
-        return reward_name(self.fn)
+        return cls(fn, trl, reward_name(fn))
 
     def __call__(self, prompts: list[str], completions: list[str], batch: ScoreInputs) -> Any:
         if not self.trl:
@@ -114,8 +160,14 @@ class RewardCall:
         if batch.messages is not None:  # conversational data: TRL's shapes
             trl_prompts = batch.messages
             trl_completions = [[{"role": "assistant", "content": c}] for c in completions]
-        # The three names TRL passes win over dataset columns of the same name.
-        kwargs = {**batch.extras, "prompts": trl_prompts, "completions": trl_completions}
+        kwargs = {
+            **batch.extras,
+            "prompts": trl_prompts,
+            "completions": trl_completions,
+            "trainer_state": batch.trainer_state,
+            "log_extra": batch.log_extra,
+            "log_metric": batch.log_metric,
+        }
         if batch.rollout is not None:
             kwargs["completion_ids"] = completion_ids(batch.rollout)
         self._check_columns(kwargs)
@@ -140,9 +192,9 @@ class RewardCall:
 def uses_trl_convention(fn: RewardLike) -> bool | None:
     """``True``: TRL's keyword convention; ``False``: ours; ``None``: neither fits.
 
-    A ``**kwargs`` parameter and no third positional parameter (or one not named ``batch``, as in
-    TRL's ``f(prompts, completions, answer, **kwargs)``) means TRL's; otherwise a callable that takes
-    three positional arguments is ours.
+    A ``**kwargs`` parameter and no parameter named ``batch`` (TRL's ``f(prompts, completions,
+    answer, **kwargs)``, or a catch-all ``f(*args, **kwargs)``) means TRL's, unless a positional-only
+    parameter rules keywords out; otherwise a callable that takes three positional arguments is ours.
     """
     Kind = inspect.Parameter
     try:
@@ -151,17 +203,30 @@ def uses_trl_convention(fn: RewardLike) -> bool | None:
         return False  # no inspectable signature (a builtin or C extension): call it our way
     params = list(signature.parameters.values())
     kinds = {p.kind for p in params}
-    named = [p for p in params if p.kind in (Kind.POSITIONAL_ONLY, Kind.POSITIONAL_OR_KEYWORD)]
-    third = named[2] if len(named) > 2 else None
-    takes_third = third is not None or Kind.VAR_POSITIONAL in kinds
     if Kind.VAR_KEYWORD in kinds and Kind.POSITIONAL_ONLY not in kinds:
-        if not takes_third or (third is not None and third.name != "batch"):
+        if "batch" not in signature.parameters:
             return True
     try:
         signature.bind(None, None, None)
     except TypeError:
         return None
     return False
+
+
+def reward_calls(entries: Sequence[Any]) -> list[RewardCall]:
+    """The ``reward_fn`` entries as :class:`RewardCall` s, each with a name of its own (names that
+    would repeat get ``_2``, ``_3``...)."""
+    calls = []
+    for entry in entries:
+        if not callable(entry):
+            raise TypeError(f"reward_fn entries must be callable, got {type(entry).__name__}")
+        calls.append(RewardCall.of(entry))
+    seen: Counter[str] = Counter()
+    for call in calls:
+        seen[call.name] += 1
+        if seen[call.name] > 1:
+            call.name = f"{call.name}_{seen[call.name]}"
+    return calls
 
 
 def completion_ids(rollout: Rollout) -> list[list[int]]:
