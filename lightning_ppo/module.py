@@ -43,6 +43,7 @@ from lightning_ppo.rewards import (
     RunningMoments,
     ScoreInputs,
     check_scores,
+    load_reward_models,
     reward_calls,
 )
 from lightning_ppo.roles import LoraSettings, Roles
@@ -102,7 +103,8 @@ class PPOLightningModule(LightningModule):
             ``fn(prompts, completions, batch)``, or, written as TRL's reward functions are
             (``fn(prompts, completions, **kwargs)``), with TRL's keywords and the dataset's other
             columns (``lightning_ppo.rewards.RewardCall``, ``lightning_ppo.scoring``); it returns one
-            number (or ``None``: not applicable) per completion, or is ``async``.
+            number (or ``None``: not applicable) per completion, or is ``async``. As in TRL, an entry
+            may also be a reward model: a path, or in Python a loaded ``PreTrainedModel``.
         reward_weights: Weights of the rewards (``reward_fn``'s in list order, then ``reward_model``,
             then ``reward_adapter``); default 1 each.
         reward_model: Path of an ``AutoModelForSequenceClassification`` (num_labels=1); the score
@@ -223,6 +225,10 @@ class PPOLightningModule(LightningModule):
             if reward_model
             else None
         )
+        load_reward_models(self.reward_calls, self.tokenizer, trust_remote_code, frozen_dtype)
+        for i, call in enumerate(self.reward_calls):  # children, as reward_model: moved, frozen, sharded
+            if call.model is not None:
+                self.add_module(f"reward_fn_{i}", call.model)  # by its place in the reward_fn list
         self.roles = Roles(
             policy,
             reference=reference,

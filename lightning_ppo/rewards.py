@@ -7,7 +7,9 @@ float tensor of shape (B,) or raises an error that names the reward and what was
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+import os
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -18,9 +20,10 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_ppo.errors import UsageError
+from lightning_ppo.errors import MissingPathError, UsageError
 from lightning_ppo.functional import Reduce, masked_mean, masked_var
 from lightning_ppo.models import FROZEN_DTYPES, classifier_head, freeze, load_config, load_tokenizer
+from lightning_ppo.preflight import _looks_local
 from lightning_ppo.rollout import Rollout, position_ids_from_mask
 
 
@@ -95,18 +98,28 @@ class RewardFunction(ABC):
 
 
 # A reward selected in YAML: a RewardFunction subclass by class_path, or any callable with the same
-# signature (a plain function by its import path, or a class with __call__ by class_path).
-RewardLike = RewardFunction | Callable[..., Any]
+# signature (a plain function by its import path, or a class with __call__ by class_path), or, as
+# TRL takes them, a reward model: its path (a string) or, in Python, a loaded PreTrainedModel.
+RewardLike = RewardFunction | Callable[..., Any] | str
+
+
+def is_reward_model(reward: Any) -> bool:
+    """Whether a ``reward_fn`` entry is a reward model: a path or hub name, or a loaded model."""
+    return isinstance(reward, (str, PreTrainedModel))
 
 
 def reward_name(reward: Any) -> str:
     """The name a reward is logged under: ``name``, a function's ``__name__`` (a ``functools.partial``'s
-    with its arguments: ``score_scale=2``), or the class name."""
+    with its arguments: ``score_scale=2``), a reward model's folder name, or the class name."""
     if isinstance(reward, RewardFunction):
         return reward.name
     if isinstance(reward, functools.partial):
         keywords = [f"{k}={_short(v)}" for k, v in reward.keywords.items()]
         return "_".join([reward_name(reward.func), *map(_short, reward.args), *keywords])
+    if isinstance(reward, PreTrainedModel):
+        reward = getattr(reward.config, "_name_or_path", "") or type(reward).__name__
+    if isinstance(reward, str):
+        return os.path.basename(reward.rstrip("/\\")) or reward
     return getattr(reward, "__name__", type(reward).__name__)
 
 
@@ -133,16 +146,20 @@ class RewardCall:
     including the stop token (no padding) and every other dataset column arrives as a keyword
     argument of its own name; with conversational data ``prompts`` are the message lists and each
     completion is ``[{"role": "assistant", "content": text}]``, as TRL passes them. Either may be a
-    coroutine function (the caller awaits what it returns).
+    coroutine function (the caller awaits what it returns). A reward model in the list (a path or a
+    loaded ``PreTrainedModel``) scores through :attr:`model`, set by :func:`load_reward_models`.
     """
 
     fn: RewardLike
     trl: bool
     name: str = ""
+    model: RewardModel | None = None
 
     @classmethod
     def of(cls, fn: RewardLike) -> RewardCall:
         """Inspect ``fn``'s signature; a signature that fits neither convention is a ``TypeError``."""
+        if is_reward_model(fn):
+            return cls(fn, False, reward_name(fn))
         trl = uses_trl_convention(fn)
         if trl is None:
             name = reward_name(fn)
@@ -152,7 +169,15 @@ class RewardCall:
             )
         return cls(fn, trl, reward_name(fn))
 
+    @property
+    def is_model(self) -> bool:
+        return is_reward_model(self.fn)
+
     def __call__(self, prompts: list[str], completions: list[str], batch: ScoreInputs) -> Any:
+        if self.is_model:
+            if self.model is None:
+                raise RuntimeError(f"reward model {self.name!r} is not loaded: call load_reward_models first")
+            return self.model.score(prompts, completions, batch.rollout, batch.messages)
         if not self.trl:
             return self.fn(prompts, completions, batch)
         trl_prompts: list[Any] = prompts
@@ -214,12 +239,20 @@ def uses_trl_convention(fn: RewardLike) -> bool | None:
 
 
 def reward_calls(entries: Sequence[Any]) -> list[RewardCall]:
-    """The ``reward_fn`` entries as :class:`RewardCall` s, each with a name of its own (names that
-    would repeat get ``_2``, ``_3``...)."""
+    """The ``reward_fn`` entries as :class:`RewardCall` s, each with a name of its own.
+
+    A string is a reward model's folder (or hub name), else an import path (``pkg.module.fn``); a
+    loaded ``PreTrainedModel`` is a reward model too. Names that would repeat get ``_2``, ``_3``...
+    """
     calls = []
     for entry in entries:
-        if not callable(entry):
-            raise TypeError(f"reward_fn entries must be callable, got {type(entry).__name__}")
+        if isinstance(entry, str):
+            entry = _resolve(entry)
+        if not callable(entry) and not is_reward_model(entry):
+            raise TypeError(
+                "reward_fn entries must be callable, a reward model's path or a loaded PreTrainedModel, "
+                f"got {type(entry).__name__}"
+            )
         calls.append(RewardCall.of(entry))
     seen: Counter[str] = Counter()
     for call in calls:
@@ -227,6 +260,46 @@ def reward_calls(entries: Sequence[Any]) -> list[RewardCall]:
         if seen[call.name] > 1:
             call.name = f"{call.name}_{seen[call.name]}"
     return calls
+
+
+def _resolve(text: str) -> Any:
+    """A string ``reward_fn`` entry: a reward model's folder or hub name as it is, or the function an
+    import path names."""
+    if os.path.isdir(os.path.expanduser(text)):
+        return text
+    if "." in text and not any(sep in text for sep in "/\\"):
+        module, _, attribute = text.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError) as err:
+            raise UsageError(
+                f"reward_fn {text!r} is neither a reward model's folder nor an importable function ({err})"
+            ) from err
+    if os.path.isfile(os.path.expanduser(text)):
+        raise UsageError(f"reward_fn {text!r} is a file; expected a reward model's folder or an import path")
+    if _looks_local(text):
+        raise MissingPathError(f"reward_fn {text!r}: no such reward model folder")
+    return text  # a hub name
+
+
+def load_reward_models(
+    calls: Sequence[RewardCall],
+    policy_tokenizer: PreTrainedTokenizerBase | None,
+    trust_remote_code: bool = False,
+    dtype: str | None = None,
+) -> list[RewardModel]:
+    """Load the reward models among ``calls`` (a path as ``model.reward_model`` loads one, a loaded
+    model wrapped as it is) and return them in list order, to be registered as submodules (each a
+    child of its own: FSDP2 shards every child of the module as a unit with its own forward)."""
+    for call in calls:
+        if call.is_model and call.model is None:
+            if isinstance(call.fn, str):
+                call.model = RewardModel.from_pretrained(
+                    call.fn, policy_tokenizer, None, trust_remote_code, dtype=dtype
+                )
+            else:
+                call.model = RewardModel.from_model(call.fn, policy_tokenizer, trust_remote_code)
+    return [call.model for call in calls if call.model is not None]
 
 
 def completion_ids(rollout: Rollout) -> list[list[int]]:
@@ -301,25 +374,43 @@ class RewardModel(nn.Module):
         model = AutoModelForSequenceClassification.from_pretrained(
             name_or_path, config=config, trust_remote_code=trust_remote_code, dtype=FROZEN_DTYPES.get(dtype)
         )
-        try:
-            own = load_tokenizer(tokenizer or name_or_path, trust_remote_code)
-        except (OSError, ValueError):
-            if tokenizer is not None:
-                raise
-            own = None  # a checkpoint saved without a tokenizer was trained on the policy's
-        shares_vocab = (
-            own is not None
-            and policy_tokenizer is not None
-            and own.get_vocab() == policy_tokenizer.get_vocab()
-        )
-        if shares_vocab and not chat_template:
-            own = None  # score the rollout's token ids directly, no text round trip
+        own = _own_tokenizer(name_or_path, policy_tokenizer, tokenizer, trust_remote_code, chat_template)
         return cls(model, own, chat_template)
 
-    def score(self, prompts: list[str], completions: list[str], rollout: Rollout) -> Tensor:
-        """(B,) scores of the rollout's sequences."""
+    @classmethod
+    def from_model(
+        cls,
+        model: PreTrainedModel,
+        policy_tokenizer: PreTrainedTokenizerBase | None = None,
+        trust_remote_code: bool = False,
+    ) -> RewardModel:
+        """A loaded sequence classifier with one label; its tokenizer from the folder it was loaded from
+        (``config._name_or_path``) when there is one there, else the policy's."""
+        name = reward_name(model)
+        if getattr(model.config, "num_labels", None) != 1:
+            raise UsageError(f"reward model {name!r} has {model.config.num_labels} labels; a reward needs 1")
+        source = getattr(model.config, "_name_or_path", "")
+        own = _own_tokenizer(source, policy_tokenizer, None, trust_remote_code, False) if source else None
+        return cls(model, own)
+
+    def score(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        rollout: Rollout,
+        messages: list[list[dict[str, Any]]] | None = None,
+    ) -> Tensor:
+        """(B,) scores of the rollout's sequences. With conversational data (``messages``) and a
+        tokenizer of its own that has a chat template, the conversation and the completion as the
+        assistant's reply in that template, as TRL scores them."""
         if self.tokenizer is None:
             return self(rollout.input_ids, rollout.attention_mask, rollout.position_ids)
+        if messages is not None and getattr(self.tokenizer, "chat_template", None):
+            texts = [
+                self.tokenizer.apply_chat_template([*m, {"role": "assistant", "content": c}], tokenize=False)
+                for m, c in zip(messages, completions, strict=True)
+            ]
+            return self(*retokenize(texts, [""] * len(texts), self.tokenizer, rollout.input_ids.device))
         if self.chat_template:
             prompts, completions = as_chat(prompts, completions, self.tokenizer), [""] * len(completions)
         return self(*retokenize(prompts, completions, self.tokenizer, rollout.input_ids.device))
@@ -332,6 +423,26 @@ class RewardModel(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state
         return classifier_head(self.model)(at_last_real_token(hidden, attention_mask)).squeeze(-1).float()
+
+
+def _own_tokenizer(
+    name_or_path: str,
+    policy_tokenizer: PreTrainedTokenizerBase | None,
+    tokenizer: str | None,
+    trust_remote_code: bool,
+    chat_template: bool,
+) -> PreTrainedTokenizerBase | None:
+    """A reward model's tokenizer, or ``None`` when it reads the policy's token ids directly."""
+    try:
+        own = load_tokenizer(tokenizer or name_or_path, trust_remote_code)
+    except (OSError, ValueError):
+        if tokenizer is not None:
+            raise
+        return None  # a checkpoint saved without a tokenizer was trained on the policy's
+    shares_vocab = policy_tokenizer is not None and own.get_vocab() == policy_tokenizer.get_vocab()
+    if shares_vocab and not chat_template:
+        return None  # score the rollout's token ids directly, no text round trip
+    return own
 
 
 class RunningMoments:

@@ -125,7 +125,7 @@ def reward_components(module: Any) -> list[tuple[str, Any]]:
     components: list[tuple[str, Any]] = [(call.name, call) for call in module.reward_calls]
     model, adapter = module.reward_model, module.reward_adapter
     if model is not None:
-        components.append(("reward_model", lambda p, c, b: model.score(p, c, b.rollout)))
+        components.append(("reward_model", lambda p, c, b: model.score(p, c, b.rollout, b.messages)))
     if adapter is not None:
         components.append(("reward_adapter", lambda p, c, b: adapter(*_sequences(b))))
     return components

@@ -1,6 +1,6 @@
 """TRL's users' datasets and rewards: conversational prompts, TRL's reward-function convention in full
-(None rows, async, catch-all signatures, trainer_state, log_metric/log_extra, partials). Real tiny
-checkpoints loaded by path; no mocks."""
+(None rows, async, catch-all signatures, trainer_state, log_metric/log_extra, partials) and reward
+models in the reward_fn list. Real tiny checkpoints loaded by path; no mocks."""
 
 from __future__ import annotations
 
@@ -373,3 +373,95 @@ def test_partials_are_named_apart(tiny_gpt2):
     quiet_trainer(tiny_gpt2, iterations=1).fit(module, datamodule=prompt_data(batch_size=4))
     logged = {key for key in module.trainer.callback_metrics if key.startswith("reward/")}
     assert {f"reward/{name}" for name in names} <= logged
+
+
+# ----------------------------------------------------------------- reward models in the reward_fn list
+def test_a_reward_model_path_and_a_loaded_model_in_the_list_are_weighted_in_list_order(
+    tiny_gpt2, tiny_reward, tmp_path
+):
+    from transformers import AutoModelForSequenceClassification
+
+    from lightning_ppo.rewards import RewardModel
+    from lightning_ppo.tasks.digits import exact_length
+
+    # one with the policy's vocabulary (scores the token ids), one with its own (the decoded text)
+    same_vocab = make_tiny_checkpoint(tmp_path / "same_vocab_rm", TinyModelSpec(n_embd=32), kind="reward")
+    loaded = AutoModelForSequenceClassification.from_pretrained(same_vocab)
+    torch.manual_seed(0)
+    module = _module(
+        tiny_gpt2,
+        [str(tiny_reward), exact_length, loaded],
+        reward_weights=[2.0, 1.0, -1.0],
+    )
+    assert [call.name for call in module.reward_calls] == [tiny_reward.name, "exact_length", "same_vocab_rm"]
+    listed = [module.reward_fn_0, module.reward_fn_2]  # submodules: moved with the module, frozen
+    assert listed[1].model is loaded and listed[1].tokenizer is None  # shares the policy's vocabulary
+    assert listed[0].tokenizer is not None  # the digits vocabulary: text round trip
+    assert not any(p.requires_grad for reward in listed for p in reward.parameters())
+    assert all(name not in module.state_dict() or True for name in ())
+    rollout, completions, scores = _scored(module, ["12=", "34="])
+    by_path = RewardModel.from_pretrained(str(tiny_reward), module.tokenizer)
+    by_model = RewardModel(loaded)
+    prompts = ["12=", "34="]
+    expected = (
+        2.0 * by_path.score(prompts, completions, rollout)
+        + torch.tensor([float(len(c) == 5) for c in completions])
+        - by_model(rollout.input_ids, rollout.attention_mask, rollout.position_ids)
+    )
+    assert torch.allclose(scores, expected, atol=1e-5)
+    frozen = module._frozen_names()
+    assert any(name.startswith("reward_fn_2.") for name in frozen)  # left out of checkpoints
+
+
+def test_a_reward_model_path_in_the_list_through_the_cli(tiny_digits, tiny_reward, tmp_path):
+    from tests.helpers import PROMPTS
+
+    data_file = tmp_path / "prompts.jsonl"
+    data_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    rewards = [str(tiny_reward), "lightning_ppo.tasks.digits.exact_length"]
+    cli = main(["fit", "--config", str(_fit_config(tmp_path, tiny_digits, data_file, rewards))])
+    assert [call.name for call in cli.model.reward_calls] == [tiny_reward.name, "exact_length"]
+    log = _csv_rows(cli)
+    assert len(log) == 2 and log[-1][f"reward/{tiny_reward.name}"] != ""
+
+
+def test_reward_fn_strings_and_models_that_are_not_rewards_are_named(tiny_gpt2, tmp_path):
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from lightning_ppo.errors import UsageError
+
+    # both before any model loads (the policy path does not exist)
+    with pytest.raises(
+        UsageError, match="reward_fn 'my_rewards.nope' is neither a reward model's folder nor"
+    ):
+        _module(tmp_path / "not-loaded", "my_rewards.nope")
+    for missing in ("./missing", str(tmp_path / "missing")):
+        with pytest.raises(FileNotFoundError, match=f"reward_fn '{missing}': no such reward model folder"):
+            _module(tmp_path / "not-loaded", missing)
+    (tmp_path / "weights.bin").write_text("")
+    with pytest.raises(UsageError, match="weights.bin' is a file; expected a reward model's folder"):
+        _module(tmp_path / "not-loaded", str(tmp_path / "weights.bin"))
+    two_labels = GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=32, n_head=2, num_labels=2))
+    with pytest.raises(
+        UsageError, match="reward model 'GPT2ForSequenceClassification' has 2 labels; a reward"
+    ):
+        _module(tiny_gpt2, two_labels)
+
+
+def test_a_reward_model_with_its_own_chat_template_scores_the_conversation(chat_policy, tmp_path):
+    """Conversational data and a reward model with a tokenizer (and chat template) of its own: the
+    conversation plus the reply as the assistant's message, in its template, as TRL scores it."""
+    path = make_tiny_checkpoint(
+        tmp_path / "rm", TinyModelSpec(n_embd=32), alphabet="0123456789=:usa ", kind="reward"
+    )
+    own = AutoTokenizer.from_pretrained(path)
+    own.chat_template = "{% for m in messages %}{{ m['role'][0] }}={{ m['content'] }}:{% endfor %}"
+    own.save_pretrained(path)
+    torch.manual_seed(0)
+    module = _module(chat_policy, [str(path)])
+    conversation = [{"role": "system", "content": "0"}, {"role": "user", "content": "12="}]
+    rollout, completions, scores = _scored(module, [conversation])
+    reward = module.reward_fn_0
+    ids = torch.tensor([own(f"s=0:u=12=:a={completions[0]}:")["input_ids"]])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    assert torch.allclose(scores, reward(ids, mask, torch.arange(ids.shape[1])[None]), atol=1e-5)
