@@ -9,7 +9,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_ppo.samples import COLUMNS, sample_rows, write_samples
+from lightning_ppo.samples import sample_rows, write_samples
 
 
 @dataclass
@@ -92,10 +92,11 @@ class SampleTable(Callback):
     """Every ``every_n_iterations`` PPO iterations, a table of samples, on disk and in W&B.
 
     Columns: iteration, prompt, completion, score (the reward's own), kl (the response's summed
-    KL). Each table is written to ``<log folder>/samples/iteration_000100.jsonl`` (the first
-    logger's folder, or ``trainer.default_root_dir`` without one; ``lightning-ppo samples RUN_DIR``
-    prints the latest), and logged to every ``WandbLogger`` as ``samples/iteration_000100``, named
-    by the iteration rather than by W&B's own step counter.
+    KL), then the columns rewards added with ``log_extra`` (TRL's convention) in that iteration.
+    Each table is written to ``<log folder>/samples/iteration_000100.jsonl`` (the first logger's
+    folder, or ``trainer.default_root_dir`` without one; ``lightning-ppo samples RUN_DIR`` prints the
+    latest), and logged to every ``WandbLogger`` as ``samples/iteration_000100``, named by the
+    iteration rather than by W&B's own step counter.
 
     Args:
         every_n_iterations: Write a table every this many iterations (>= 1).
@@ -116,7 +117,8 @@ class SampleTable(Callback):
         iteration = getattr(pl_module, "iteration", 0)
         if samples is None or iteration % self.every_n_iterations:
             return
-        rows = sample_rows(iteration, samples.prompts, samples.completions, samples.scores, samples.kl)
+        extra = getattr(samples, "extra", None)
+        rows = sample_rows(iteration, samples.prompts, samples.completions, samples.scores, samples.kl, extra)
         rows = rows[: self.max_rows]
         log_dir = trainer.log_dir  # a collective under DDP: every rank asks
         if trainer.is_global_zero:
@@ -125,6 +127,6 @@ class SampleTable(Callback):
             if isinstance(logger, WandbLogger):
                 logger.log_table(
                     key=f"samples/iteration_{iteration:06d}",
-                    columns=list(COLUMNS),
-                    data=[[row[c] for c in COLUMNS] for row in rows],
+                    columns=list(rows[0]),
+                    data=[list(row.values()) for row in rows],
                 )

@@ -2,6 +2,10 @@
 
 PPO only needs prompts (the policy writes the responses), so a batch is the tokenized prompts plus
 whatever other columns the dataset has (reference answers, task metadata) for the reward function.
+
+A prompt is text, or a conversation as TRL's conversational datasets hold it: a list of
+``{"role": ..., "content": ...}`` messages, which always goes through the tokenizer's chat template
+(with the generation prompt); there is no other way to turn a message list into the policy's text.
 """
 
 from __future__ import annotations
@@ -50,12 +54,15 @@ class PromptBatch:
             stays correct when the pad token doubles as a real token (pad == eos).
         prompts: prompt text as tokenized (after the chat template, before truncation).
         extras: every other dataset column, one value per sample (e.g. a reference answer).
+        messages: the conversations of a conversational dataset (lists of ``{"role", "content"}``
+            messages) as given, before the chat template; ``None`` for text prompts.
     """
 
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
     prompts: list[str]
     extras: dict[str, list] = field(default_factory=dict)
+    messages: list[list[dict[str, Any]]] | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -69,6 +76,7 @@ class PromptBatch:
             prompt_mask=self.prompt_mask.repeat_interleave(n, dim=0),
             prompts=[p for p in self.prompts for _ in range(n)],
             extras={k: [v for v in values for _ in range(n)] for k, values in self.extras.items()},
+            messages=None if self.messages is None else [m for m in self.messages for _ in range(n)],
         )
 
 
@@ -101,30 +109,41 @@ class PromptRows(Dataset):
         input_ids: token ids of each prompt, already truncated, unpadded.
         prompts: prompt text of each row.
         extras: other columns, each a list with one value per row.
+        messages: the conversation of each row (conversational data), else ``None``.
     """
 
-    def __init__(self, input_ids: list[list[int]], prompts: list[str], extras: dict[str, list]) -> None:
+    def __init__(
+        self,
+        input_ids: list[list[int]],
+        prompts: list[str],
+        extras: dict[str, list],
+        messages: list[list[dict[str, Any]]] | None = None,
+    ) -> None:
         self.input_ids = input_ids
         self.prompts = prompts
         self.extras = extras
+        self.messages = messages
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return {
+        row = {
             "input_ids": self.input_ids[index],
             "prompt": self.prompts[index],
             "extras": {name: values[index] for name, values in self.extras.items()},
         }
+        if self.messages is not None:
+            row["messages"] = self.messages[index]
+        return row
 
 
 def collate_prompts(rows: Sequence[Mapping[str, Any]], pad_token_id: int) -> PromptBatch:
     """Left-pad rows to the longest prompt in the batch.
 
     Args:
-        rows: mappings with ``input_ids`` (list of ints or 1-D tensor), ``prompt`` (str) and an optional
-            ``extras`` mapping (column name -> value).
+        rows: mappings with ``input_ids`` (list of ints or 1-D tensor), ``prompt`` (str), an optional
+            ``extras`` mapping (column name -> value) and, for conversational data, ``messages``.
         pad_token_id: id written into the padding positions.
 
     Returns:
@@ -142,7 +161,22 @@ def collate_prompts(rows: Sequence[Mapping[str, Any]], pad_token_id: int) -> Pro
             prompt_mask[i, width - length :] = True
     names = list(rows[0].get("extras", {}))
     extras = {name: [row["extras"][name] for row in rows] for name in names}
-    return PromptBatch(prompt_ids, prompt_mask, [row["prompt"] for row in rows], extras)
+    messages = [row["messages"] for row in rows] if "messages" in rows[0] else None
+    return PromptBatch(prompt_ids, prompt_mask, [row["prompt"] for row in rows], extras, messages)
+
+
+def is_conversation(prompt: Any) -> bool:
+    """Whether a prompt is a conversation: a list of messages, each a mapping with a ``role``."""
+    return isinstance(prompt, (list, tuple)) and all(
+        isinstance(message, Mapping) and isinstance(message.get("role"), str) for message in prompt
+    )
+
+
+def _is_blank(prompt: str | Sequence[Mapping[str, Any]]) -> bool:
+    """An empty or whitespace-only prompt; a conversation with no message or only empty contents."""
+    if isinstance(prompt, str):
+        return not prompt.strip()
+    return not any(not isinstance(m.get("content"), str) or m["content"].strip() for m in prompt)
 
 
 def _as_file_list(data_files: str | Sequence[str] | Mapping[str, Any]) -> list[str]:
@@ -217,20 +251,23 @@ class PromptDataModule(pl.LightningDataModule):
         dataset_config: configuration name of ``dataset_name``.
         prompts: prompts given in memory. Exactly one of ``data_files``, ``dataset_name`` and
             ``prompts`` must be set, unless a subclass overrides :meth:`load_dataset`.
-        prompt_column: column holding the prompt text; all other columns are passed through as
-            ``PromptBatch.extras``.
+        prompt_column: column holding the prompts: text, or conversations as in TRL's conversational
+            datasets (``[{"role": "user", "content": ...}, ...]``, rendered with the tokenizer's chat
+            template and its generation prompt whatever ``chat_template`` says). All other columns
+            are passed through as ``PromptBatch.extras``.
         train_split: split used for training.
         val_split: split used for validation, if the dataset has one.
         val_size: hold out this part of the train split for validation: a fraction in (0, 1) or a
             number of rows; 0 disables it.
         val_prompts: validation prompts given in memory. At most one of ``val_split``, ``val_size``
             and ``val_prompts`` may be set.
-        chat_template: wrap each prompt as a user message with the tokenizer's chat template and add
-            the generation prompt.
+        chat_template: wrap each text prompt as a user message with the tokenizer's chat template and
+            add the generation prompt (conversations always get the template).
         add_special_tokens: let the tokenizer add its special tokens to each prompt (BOS, or BERT-style
             ``[CLS] ... [SEP]``); ``None``: yes, unless ``chat_template`` (the template writes them).
             A prompt must not end with the stop token: the policy would read it as "already stopped".
-        system_prompt: system message placed before each prompt; needs ``chat_template``.
+        system_prompt: system message placed before each prompt (a conversation that opens with a
+            system message keeps its own); needs ``chat_template``.
         max_prompt_length: longer prompts keep only their last ``max_prompt_length`` tokens.
         batch_size: prompts per batch (per device).
         num_workers: dataloader worker processes.
@@ -246,12 +283,12 @@ class PromptDataModule(pl.LightningDataModule):
         data_files: str | list[str] | dict[str, str] | None = None,
         dataset_name: str | None = None,
         dataset_config: str | None = None,
-        prompts: list[str] | None = None,
+        prompts: list[str] | list[list[dict[str, Any]]] | None = None,
         prompt_column: str = "prompt",
         train_split: str = "train",
         val_split: str | None = None,
         val_size: int | float = 0,
-        val_prompts: list[str] | None = None,
+        val_prompts: list[str] | list[list[dict[str, Any]]] | None = None,
         chat_template: bool = False,
         add_special_tokens: bool | None = None,
         system_prompt: str | None = None,
@@ -480,46 +517,75 @@ class PromptDataModule(pl.LightningDataModule):
             )
         columns = dataset.to_dict()
         raw_prompts = columns.pop(self.prompt_column)
-        for index, prompt in enumerate(raw_prompts):
-            if not isinstance(prompt, str):
-                raise UsageError(
-                    f"{split} row {index}: prompt column {self.prompt_column!r} must hold strings, "
-                    f"got {type(prompt).__name__} ({repr(prompt)[:80]})"
-                )
-        keep = [i for i, prompt in enumerate(raw_prompts) if prompt.strip()]
+        conversational = self._check_prompts(raw_prompts, split)
+        keep = [i for i, prompt in enumerate(raw_prompts) if not _is_blank(prompt)]
         if not keep:
             raise UsageError(f"the {split} split has no non-empty prompts")
         if len(keep) < len(raw_prompts):
             dropped = len(raw_prompts) - len(keep)
             _warn(f"dropped {dropped} empty or whitespace-only prompts from the {split} split")
         texts = [self.format_prompt(raw_prompts[i]) for i in keep]
-        input_ids = self._tokenize(texts, split)
-        check_representable(self.tokenizer, texts, input_ids, split, keep, not self.chat_template)
+        templated = self.chat_template or conversational
+        input_ids = self._tokenize(texts, split, templated)
+        check_representable(self.tokenizer, texts, input_ids, split, keep, self._special_tokens(templated))
         extras = {name: [values[i] for i in keep] for name, values in columns.items()}
-        return PromptRows(input_ids, texts, extras)
+        messages = [list(raw_prompts[i]) for i in keep] if conversational else None
+        return PromptRows(input_ids, texts, extras, messages)
 
-    def format_prompt(self, prompt: str) -> str:
-        """Apply the chat template (if enabled) to one raw prompt.
+    def _check_prompts(self, prompts: Sequence[Any], split: str) -> bool:
+        """Every prompt text, or every prompt a conversation (then the tokenizer needs a chat template);
+        returns whether they are conversations."""
+        conversational = bool(prompts) and not isinstance(prompts[0], str) and is_conversation(prompts[0])
+        for index, prompt in enumerate(prompts):
+            if conversational and not is_conversation(prompt):
+                raise UsageError(
+                    f"{split} row {index}: prompt column {self.prompt_column!r} holds conversations (lists "
+                    "of {'role': ..., 'content': ...} messages) but this row holds "
+                    f"{type(prompt).__name__} ({repr(prompt)[:80]})"
+                )
+            if not conversational and not isinstance(prompt, str):
+                raise UsageError(
+                    f"{split} row {index}: prompt column {self.prompt_column!r} must hold strings or "
+                    f"conversations (lists of {{'role': ..., 'content': ...}} messages), got "
+                    f"{type(prompt).__name__} ({repr(prompt)[:80]})"
+                )
+        if conversational and not getattr(self.tokenizer, "chat_template", None):
+            raise UsageError(
+                f"tokenizer {self.tokenizer.name_or_path!r} has no chat template, which the {split} split's "
+                "conversational prompts (lists of messages) need: use a chat model's tokenizer or set one"
+            )
+        return conversational
+
+    def format_prompt(self, prompt: str | Sequence[Mapping[str, Any]]) -> str:
+        """The text of one raw prompt: a conversation, or (with ``chat_template``) a text prompt as a
+        user message, in the tokenizer's chat template with the generation prompt; other text as it is.
 
         Args:
-            prompt: the raw prompt text.
+            prompt: the raw prompt text, or a list of ``{"role", "content"}`` messages.
 
         Returns:
             The text that is tokenized.
         """
-        if not self.chat_template:
-            return prompt
-        messages = [{"role": "user", "content": prompt}]
-        if self.system_prompt is not None:
+        if isinstance(prompt, str):
+            if not self.chat_template:
+                return prompt
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = list(prompt)
+        if self.system_prompt is not None and (not messages or messages[0].get("role") != "system"):
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def _tokenize(self, texts: list[str], split: str) -> list[list[int]]:
-        """Tokenize without padding, keeping the last ``max_prompt_length`` tokens of long prompts."""
-        add_special_tokens = self.add_special_tokens
-        if add_special_tokens is None:
+    def _special_tokens(self, templated: bool) -> bool:
+        """Whether the tokenizer adds its special tokens: ``add_special_tokens``, or unless templated."""
+        if self.add_special_tokens is None:
             # Chat templates already write special tokens such as BOS; adding them again would double them.
-            add_special_tokens = not self.chat_template
+            return not templated
+        return self.add_special_tokens
+
+    def _tokenize(self, texts: list[str], split: str, templated: bool = False) -> list[list[int]]:
+        """Tokenize without padding, keeping the last ``max_prompt_length`` tokens of long prompts."""
+        add_special_tokens = self._special_tokens(templated or self.chat_template)
         input_ids: list[list[int]] = []
         for start in range(0, len(texts), _TOKENIZE_CHUNK):
             chunk = texts[start : start + _TOKENIZE_CHUNK]
@@ -550,22 +616,26 @@ class PromptDataModule(pl.LightningDataModule):
         """
         return collate_prompts(rows, self.pad_token_id)
 
-    def make_batch(self, prompts: Sequence[str], extras: dict[str, list] | None = None) -> PromptBatch:
+    def make_batch(
+        self, prompts: Sequence[str | Sequence[Mapping[str, Any]]], extras: dict[str, list] | None = None
+    ) -> PromptBatch:
         """Format, tokenize and collate raw prompts directly, e.g. for sampling outside the loaders.
 
         Args:
-            prompts: raw prompt strings.
+            prompts: raw prompt strings, or conversations (lists of ``{"role", "content"}`` messages).
             extras: optional extra columns, one value per prompt.
 
         Returns:
             The padded batch, truncated like the training data.
         """
+        conversational = self._check_prompts(prompts, "given")
         texts = [self.format_prompt(prompt) for prompt in prompts]
-        input_ids = self._tokenize(texts, "given")
-        check_representable(
-            self.tokenizer, texts, input_ids, "given", range(len(texts)), not self.chat_template
-        )
-        rows = PromptRows(input_ids, texts, dict(extras or {}))
+        templated = self.chat_template or conversational
+        input_ids = self._tokenize(texts, "given", templated)
+        special = self._special_tokens(templated)
+        check_representable(self.tokenizer, texts, input_ids, "given", range(len(texts)), special)
+        messages = [list(prompt) for prompt in prompts] if conversational else None
+        rows = PromptRows(input_ids, texts, dict(extras or {}), messages)
         return self.collate([rows[i] for i in range(len(rows))])
 
     def _require_setup(self) -> PromptRows:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
@@ -39,16 +39,17 @@ from lightning_ppo.quiet import silence_intended_warnings
 from lightning_ppo.resume import check_resumable
 from lightning_ppo.rewards import (
     AdapterReward,
-    RewardCall,
     RewardLike,
     RewardModel,
     RunningMoments,
     ScoreInputs,
     check_scores,
-    reward_name,
+    load_reward_models,
+    reward_calls,
 )
 from lightning_ppo.roles import LoraSettings, Roles
 from lightning_ppo.rollout import Rollout, generate, hf_generation_config
+from lightning_ppo.scoring import Scorer
 from lightning_ppo.sharding import (
     data_parallel_mesh,
     is_sharded,
@@ -69,6 +70,7 @@ class Samples:
     completions: list[str]
     scores: list[float]
     kl: list[float]
+    extra: dict[str, list] = field(default_factory=dict)  # columns the rewards gave ``log_extra``
 
 
 @dataclass
@@ -97,13 +99,15 @@ class PPOLightningModule(LightningModule):
 
     Args:
         policy: Path or hub name of the causal LM to train.
-        reward_fn: One reward on text or a list of them, by ``class_path`` (a ``RewardFunction``
+        reward_fn: One reward or a list of them, by ``class_path`` (a ``RewardFunction``
             or a class with ``__call__``) or by import path (a plain function). Each is called as
             ``fn(prompts, completions, batch)``, or, written as TRL's reward functions are
-            (``fn(prompts, completions, **kwargs)``), with ``completion_ids`` and the dataset's
-            other columns as keyword arguments; it returns one number per completion.
-        reward_weights: Weights of the rewards (reward functions first, then the reward model);
-            default 1 each.
+            (``fn(prompts, completions, **kwargs)``), with TRL's keywords and the dataset's other
+            columns (``lightning_ppo.rewards.RewardCall``, ``lightning_ppo.scoring``); it returns one
+            number (or ``None``: not applicable) per completion, or is ``async``. As in TRL, an entry
+            may also be a reward model: a path, or in Python a loaded ``PreTrainedModel``.
+        reward_weights: Weights of the rewards (``reward_fn``'s in list order, then ``reward_model``,
+            then ``reward_adapter``); default 1 each.
         reward_model: Path of an ``AutoModelForSequenceClassification`` (num_labels=1); the score
             is read at the last real token.
         reward_tokenizer: Tokenizer of the reward model (default: the one saved with it, else the
@@ -222,6 +226,10 @@ class PPOLightningModule(LightningModule):
             if reward_model
             else None
         )
+        load_reward_models(self.reward_calls, self.tokenizer, trust_remote_code, frozen_dtype)
+        for i, call in enumerate(self.reward_calls):  # children, as reward_model: moved, frozen, sharded
+            if call.model is not None:
+                self.add_module(f"reward_fn_{i}", call.model)  # by its place in the reward_fn list
         self.roles = Roles(
             policy,
             reference=reference,
@@ -255,6 +263,7 @@ class PPOLightningModule(LightningModule):
         budget = episode.max_tokens if self.episode_runner is not None else generation.max_new_tokens
         self.loss_aggregation = F.Aggregation(ppo.loss_aggregation, budget)  # constant: the length budget
         self._warned_prompt_stop = False
+        self.scorer = Scorer()
 
     def _default_critic_source(self, policy: str, reward_model: str | None) -> str:
         """The reward model when it reads the policy's tokens (InstructGPT, TRL), else the policy."""
@@ -270,11 +279,8 @@ class PPOLightningModule(LightningModule):
                 "no reward: set reward_fn, reward_model, reward_adapter or an environment, or override "
                 "score() in a subclass"
             )
-        for fn in self.reward_fns:
-            if not callable(fn):
-                raise TypeError(f"reward_fn entries must be callable, got {type(fn).__name__}")
         # Decided once, here, before any model loads: a wrong signature fails now, not mid-run.
-        self.reward_calls = [RewardCall.of(fn) for fn in self.reward_fns]
+        self.reward_calls = reward_calls(self.reward_fns)
         if weights is not None and len(weights) != count:
             raise UsageError(
                 f"reward_weights has {len(weights)} entries but there are {count} rewards "
@@ -316,7 +322,7 @@ class PPOLightningModule(LightningModule):
         batch = batch.repeat_interleave(self.ppo.num_generations)
         rollout = self.generate(batch)
         completions = self.decode_responses(rollout)
-        scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
+        scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
         scores = self.shape_scores(scores, rollout)
         if self.nothing_to_learn(scores.dropped):
             self._skip_iteration(len(batch))
@@ -352,7 +358,8 @@ class PPOLightningModule(LightningModule):
         self.heed_guardrails(completions, stats, scores.shaped[~scores.dropped])
         self.log_stats(stats, len(batch))
         shown = completions if self.episode_runner is None else self.episode_runner.transcripts
-        self.last_samples = Samples(batch.prompts, shown, raw.tolist(), exp.kl.sum(1).tolist())
+        kl = exp.kl.sum(1).tolist()
+        self.last_samples = Samples(batch.prompts, shown, raw.tolist(), kl, self.scorer.columns)
 
     def heed_guardrails(self, completions: list[str], stats: dict[str, Any], update_scores: Tensor) -> None:
         """The guardrails' one-time warnings (lightning_ppo.guardrails), spoken by rank 0."""
@@ -366,7 +373,7 @@ class PPOLightningModule(LightningModule):
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""
         rollout = generate(self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_eval_generation)
         completions = self.decode_responses(rollout)
-        scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout))
+        scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
         scores = check_scores(scores, len(batch), self.reward_label, self.device, allow_nonfinite=True)
         finite = torch.isfinite(scores)
         self.log("eval/scores", scores[finite].mean(), batch_size=int(finite.sum()), sync_dist=True)
@@ -472,27 +479,10 @@ class PPOLightningModule(LightningModule):
         Args:
             prompts: Prompt text as given to the policy (after the chat template).
             completions: Sampled response text, without the stop token.
-            batch: The dataset's extra columns (``batch.extras``) and the token ids (``batch.rollout``).
+            batch: The dataset's extra columns (``batch.extras``), the token ids (``batch.rollout``)
+                and, for conversational data, the prompts' messages (``batch.messages``).
         """
-        total = torch.zeros(len(completions), device=self.device)
-        components = [
-            (call.name, lambda call=call: call(prompts, completions, batch)) for call in self.reward_calls
-        ]
-        if self.reward_model is not None:
-            components.append(
-                ("reward_model", lambda: self.reward_model.score(prompts, completions, batch.rollout))
-            )
-        if self.reward_adapter is not None:
-            ids, mask, pos = batch.rollout.input_ids, batch.rollout.attention_mask, batch.rollout.position_ids
-            components.append(("reward_adapter", lambda: self.reward_adapter(ids, mask, pos)))
-        allow_nonfinite = self.ppo.on_bad_reward == "drop"
-        for (name, compute), weight in zip(components, self.reward_weights, strict=True):
-            part = check_scores(compute(), len(completions), name, self.device, allow_nonfinite)
-            if len(components) > 1 and self._trainer is not None:
-                prefix = "eval/reward" if self.trainer.validating else "reward"
-                self.log(f"{prefix}/{name}", part[torch.isfinite(part)].mean(), batch_size=len(completions))
-            total = total + weight * part
-        return total
+        return self.scorer.score(self, prompts, completions, batch)
 
     def shape_scores(self, scores: Any, rollout: Rollout) -> ShapedScores:
         """Validate, drop non-finite scores (if configured), clip and normalise.
@@ -500,8 +490,8 @@ class PPOLightningModule(LightningModule):
         A dropped sample keeps shaped score 0 and its response mask is cleared, so it contributes
         to no loss and no statistic. The raw scores stay as they were, for logging.
         """
-        allow_nonfinite = self.ppo.on_bad_reward == "drop"
-        raw = check_scores(scores, len(rollout.response_ids), self.reward_label, self.device, allow_nonfinite)
+        drop = self.ppo.on_bad_reward == "drop"  # rows no reward scored are dropped in any case
+        raw = self.scorer.check_total(scores, len(rollout.response_ids), self.reward_label, self.device, drop)
         dropped = ~torch.isfinite(raw)
         shaped = torch.where(dropped, torch.zeros_like(raw), raw)
         rollout.response_mask &= ~dropped[:, None]
@@ -517,9 +507,7 @@ class PPOLightningModule(LightningModule):
         """The reward's name in error messages."""
         if type(self).score is not PPOLightningModule.score:
             return f"{type(self).__name__}.score"
-        names = [reward_name(fn) for fn in self.reward_fns] + ["reward_model"] * (
-            self.reward_model is not None
-        )
+        names = [call.name for call in self.reward_calls] + ["reward_model"] * (self.reward_model is not None)
         return " + ".join(names)
 
     @torch.no_grad()

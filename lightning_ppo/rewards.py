@@ -6,8 +6,12 @@ float tensor of shape (B,) or raises an error that names the reward and what was
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
+import os
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,23 +20,63 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_ppo.errors import UsageError
+from lightning_ppo.errors import MissingPathError, UsageError
 from lightning_ppo.functional import Reduce, masked_mean, masked_var
 from lightning_ppo.models import FROZEN_DTYPES, classifier_head, freeze, load_config, load_tokenizer
+from lightning_ppo.preflight import _looks_local
 from lightning_ppo.rollout import Rollout, position_ids_from_mask
 
 
 @dataclass
+class TrainerState:
+    """What a reward asking for ``trainer_state`` gets: the fields of TRL's ``TrainerState`` that mean
+    something here, counted in PPO iterations (one rollout batch and its update), not optimizer steps.
+
+    Args:
+        global_step: PPO iterations done before this batch.
+        max_steps: Iterations the run will make (``trainer.max_steps`` in iterations, or ``max_epochs``
+            x batches per epoch, whichever ends it first); -1 when unknown (outside a Trainer).
+        epoch: Epochs done, with the fraction of the current one.
+        num_train_epochs: ``trainer.max_epochs``; -1 when unbounded or unknown.
+        is_world_process_zero: Whether this is rank 0 of the job.
+        is_local_process_zero: Whether this is rank 0 of its machine.
+    """
+
+    global_step: int = 0
+    max_steps: int = -1
+    epoch: float = 0.0
+    num_train_epochs: int = -1
+    is_world_process_zero: bool = True
+    is_local_process_zero: bool = True
+
+
+def _discard(*args: Any) -> None:
+    """``log_metric`` and ``log_extra`` outside a module's ``score``: nothing to log to."""
+
+
+@dataclass
 class ScoreInputs:
-    """What a reward sees besides the text: dataset columns and the token ids of the rollout.
+    """What a reward sees besides the text: dataset columns, the token ids of the rollout, and TRL's
+    extras (``trainer_state``, ``log_metric``, ``log_extra``), which TRL-style rewards get as keywords.
 
     Args:
         extras: Every dataset column other than the prompt, one value per sample (e.g. an answer).
         rollout: The prompt and response token ids and masks.
+        messages: Conversational data's prompts as lists of ``{"role", "content"}`` messages (before
+            the chat template); ``None`` for text prompts.
+        trainer_state: The run's progress.
+        log_metric: ``log_metric(name, value)`` logs a number as ``reward/<name>`` (the mean of the
+            values given for one batch).
+        log_extra: ``log_extra(column, values)`` adds a column, one value per completion, to the sample
+            tables (``lightning_ppo.callbacks.SampleTable``).
     """
 
     extras: dict[str, list[Any]] = field(default_factory=dict)
     rollout: Rollout | None = None
+    messages: list[list[dict[str, Any]]] | None = None
+    trainer_state: TrainerState = field(default_factory=TrainerState)
+    log_metric: Callable[[str, float], None] = _discard
+    log_extra: Callable[[str, list], None] = _discard
 
 
 class RewardFunction(ABC):
@@ -54,40 +98,68 @@ class RewardFunction(ABC):
 
 
 # A reward selected in YAML: a RewardFunction subclass by class_path, or any callable with the same
-# signature (a plain function by its import path, or a class with __call__ by class_path).
-RewardLike = RewardFunction | Callable[..., Any]
+# signature (a plain function by its import path, or a class with __call__ by class_path), or, as
+# TRL takes them, a reward model: its path (a string) or, in Python, a loaded PreTrainedModel.
+RewardLike = RewardFunction | Callable[..., Any] | str
 
 
-def reward_name(reward: RewardLike) -> str:
-    """The name a reward is logged under: ``name``, a function's ``__name__``, or the class name."""
+def is_reward_model(reward: Any) -> bool:
+    """Whether a ``reward_fn`` entry is a reward model: a path or hub name, or a loaded model."""
+    return isinstance(reward, (str, PreTrainedModel))
+
+
+def reward_name(reward: Any) -> str:
+    """The name a reward is logged under: ``name``, a function's ``__name__`` (a ``functools.partial``'s
+    with its arguments: ``score_scale=2``), a reward model's folder name, or the class name."""
     if isinstance(reward, RewardFunction):
         return reward.name
+    if isinstance(reward, functools.partial):
+        keywords = [f"{k}={_short(v)}" for k, v in reward.keywords.items()]
+        return "_".join([reward_name(reward.func), *map(_short, reward.args), *keywords])
+    if isinstance(reward, PreTrainedModel):
+        reward = getattr(reward.config, "_name_or_path", "") or type(reward).__name__
+    if isinstance(reward, str):
+        return os.path.basename(reward.rstrip("/\\")) or reward
     return getattr(reward, "__name__", type(reward).__name__)
+
+
+def _short(value: Any) -> str:
+    """An argument of a partial in a name: scalars as written, anything else by its type."""
+    return str(value) if isinstance(value, (str, int, float, bool)) or value is None else type(value).__name__
 
 
 OUR_CONVENTION = "fn(prompts, completions, batch)  # batch: lightning_ppo.rewards.ScoreInputs"
 TRL_CONVENTION = (
     "fn(prompts, completions, **kwargs)  # TRL's: completion_ids and every dataset column as keywords"
 )
-_TRL_KEYWORDS = ("prompts", "completions", "completion_ids")
+# What TRL passes besides the dataset's columns (and wins over a column of the same name).
+_TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 @dataclass
 class RewardCall:
-    """A reward on text and the convention it is called with, decided once from its signature.
+    """A reward and the convention it is called with, decided once from its signature.
 
     Ours: ``fn(prompts, completions, batch)``. TRL's reward functions:
-    ``fn(prompts=..., completions=..., completion_ids=..., **columns)``, where ``completion_ids``
-    are each response's token ids up to and including the stop token (no padding) and every other
-    dataset column arrives as a keyword argument of its own name.
+    ``fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=...,
+    log_metric=..., **columns)``, where ``completion_ids`` are each response's token ids up to and
+    including the stop token (no padding) and every other dataset column arrives as a keyword
+    argument of its own name; with conversational data ``prompts`` are the message lists and each
+    completion is ``[{"role": "assistant", "content": text}]``, as TRL passes them. Either may be a
+    coroutine function (the caller awaits what it returns). A reward model in the list (a path or a
+    loaded ``PreTrainedModel``) scores through :attr:`model`, set by :func:`load_reward_models`.
     """
 
     fn: RewardLike
     trl: bool
+    name: str = ""
+    model: RewardModel | None = None
 
     @classmethod
     def of(cls, fn: RewardLike) -> RewardCall:
         """Inspect ``fn``'s signature; a signature that fits neither convention is a ``TypeError``."""
+        if is_reward_model(fn):
+            return cls(fn, False, reward_name(fn))
         trl = uses_trl_convention(fn)
         if trl is None:
             name = reward_name(fn)
@@ -95,17 +167,32 @@ class RewardCall:
                 f"reward_fn {name!r} has the signature {name}{inspect.signature(fn)}, which fits neither "
                 f"way a reward is called:\n  {OUR_CONVENTION}\n  {TRL_CONVENTION}"
             )
-        return cls(fn, trl)
+        return cls(fn, trl, reward_name(fn))
 
     @property
-    def name(self) -> str:
-        return reward_name(self.fn)
+    def is_model(self) -> bool:
+        return is_reward_model(self.fn)
 
     def __call__(self, prompts: list[str], completions: list[str], batch: ScoreInputs) -> Any:
+        if self.is_model:
+            if self.model is None:
+                raise RuntimeError(f"reward model {self.name!r} is not loaded: call load_reward_models first")
+            return self.model.score(prompts, completions, batch.rollout, batch.messages)
         if not self.trl:
             return self.fn(prompts, completions, batch)
-        # The three names TRL passes win over dataset columns of the same name.
-        kwargs = {**batch.extras, "prompts": prompts, "completions": completions}
+        trl_prompts: list[Any] = prompts
+        trl_completions: list[Any] = completions
+        if batch.messages is not None:  # conversational data: TRL's shapes
+            trl_prompts = batch.messages
+            trl_completions = [[{"role": "assistant", "content": c}] for c in completions]
+        kwargs = {
+            **batch.extras,
+            "prompts": trl_prompts,
+            "completions": trl_completions,
+            "trainer_state": batch.trainer_state,
+            "log_extra": batch.log_extra,
+            "log_metric": batch.log_metric,
+        }
         if batch.rollout is not None:
             kwargs["completion_ids"] = completion_ids(batch.rollout)
         self._check_columns(kwargs)
@@ -130,9 +217,9 @@ class RewardCall:
 def uses_trl_convention(fn: RewardLike) -> bool | None:
     """``True``: TRL's keyword convention; ``False``: ours; ``None``: neither fits.
 
-    A ``**kwargs`` parameter and no third positional parameter (or one not named ``batch``, as in
-    TRL's ``f(prompts, completions, answer, **kwargs)``) means TRL's; otherwise a callable that takes
-    three positional arguments is ours.
+    A ``**kwargs`` parameter and no parameter named ``batch`` (TRL's ``f(prompts, completions,
+    answer, **kwargs)``, or a catch-all ``f(*args, **kwargs)``) means TRL's, unless a positional-only
+    parameter rules keywords out; otherwise a callable that takes three positional arguments is ours.
     """
     Kind = inspect.Parameter
     try:
@@ -141,17 +228,78 @@ def uses_trl_convention(fn: RewardLike) -> bool | None:
         return False  # no inspectable signature (a builtin or C extension): call it our way
     params = list(signature.parameters.values())
     kinds = {p.kind for p in params}
-    named = [p for p in params if p.kind in (Kind.POSITIONAL_ONLY, Kind.POSITIONAL_OR_KEYWORD)]
-    third = named[2] if len(named) > 2 else None
-    takes_third = third is not None or Kind.VAR_POSITIONAL in kinds
     if Kind.VAR_KEYWORD in kinds and Kind.POSITIONAL_ONLY not in kinds:
-        if not takes_third or (third is not None and third.name != "batch"):
+        if "batch" not in signature.parameters:
             return True
     try:
         signature.bind(None, None, None)
     except TypeError:
         return None
     return False
+
+
+def reward_calls(entries: Sequence[Any]) -> list[RewardCall]:
+    """The ``reward_fn`` entries as :class:`RewardCall` s, each with a name of its own.
+
+    A string is a reward model's folder (or hub name), else an import path (``pkg.module.fn``); a
+    loaded ``PreTrainedModel`` is a reward model too. Names that would repeat get ``_2``, ``_3``...
+    """
+    calls = []
+    for entry in entries:
+        if isinstance(entry, str):
+            entry = _resolve(entry)
+        if not callable(entry) and not is_reward_model(entry):
+            raise TypeError(
+                "reward_fn entries must be callable, a reward model's path or a loaded PreTrainedModel, "
+                f"got {type(entry).__name__}"
+            )
+        calls.append(RewardCall.of(entry))
+    seen: Counter[str] = Counter()
+    for call in calls:
+        seen[call.name] += 1
+        if seen[call.name] > 1:
+            call.name = f"{call.name}_{seen[call.name]}"
+    return calls
+
+
+def _resolve(text: str) -> Any:
+    """A string ``reward_fn`` entry: a reward model's folder or hub name as it is, or the function an
+    import path names."""
+    if os.path.isdir(os.path.expanduser(text)):
+        return text
+    if "." in text and not any(sep in text for sep in "/\\"):
+        module, _, attribute = text.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError) as err:
+            raise UsageError(
+                f"reward_fn {text!r} is neither a reward model's folder nor an importable function ({err})"
+            ) from err
+    if os.path.isfile(os.path.expanduser(text)):
+        raise UsageError(f"reward_fn {text!r} is a file; expected a reward model's folder or an import path")
+    if _looks_local(text):
+        raise MissingPathError(f"reward_fn {text!r}: no such reward model folder")
+    return text  # a hub name
+
+
+def load_reward_models(
+    calls: Sequence[RewardCall],
+    policy_tokenizer: PreTrainedTokenizerBase | None,
+    trust_remote_code: bool = False,
+    dtype: str | None = None,
+) -> list[RewardModel]:
+    """Load the reward models among ``calls`` (a path as ``model.reward_model`` loads one, a loaded
+    model wrapped as it is) and return them in list order, to be registered as submodules (each a
+    child of its own: FSDP2 shards every child of the module as a unit with its own forward)."""
+    for call in calls:
+        if call.is_model and call.model is None:
+            if isinstance(call.fn, str):
+                call.model = RewardModel.from_pretrained(
+                    call.fn, policy_tokenizer, None, trust_remote_code, dtype=dtype
+                )
+            else:
+                call.model = RewardModel.from_model(call.fn, policy_tokenizer, trust_remote_code)
+    return [call.model for call in calls if call.model is not None]
 
 
 def completion_ids(rollout: Rollout) -> list[list[int]]:
@@ -226,25 +374,43 @@ class RewardModel(nn.Module):
         model = AutoModelForSequenceClassification.from_pretrained(
             name_or_path, config=config, trust_remote_code=trust_remote_code, dtype=FROZEN_DTYPES.get(dtype)
         )
-        try:
-            own = load_tokenizer(tokenizer or name_or_path, trust_remote_code)
-        except (OSError, ValueError):
-            if tokenizer is not None:
-                raise
-            own = None  # a checkpoint saved without a tokenizer was trained on the policy's
-        shares_vocab = (
-            own is not None
-            and policy_tokenizer is not None
-            and own.get_vocab() == policy_tokenizer.get_vocab()
-        )
-        if shares_vocab and not chat_template:
-            own = None  # score the rollout's token ids directly, no text round trip
+        own = _own_tokenizer(name_or_path, policy_tokenizer, tokenizer, trust_remote_code, chat_template)
         return cls(model, own, chat_template)
 
-    def score(self, prompts: list[str], completions: list[str], rollout: Rollout) -> Tensor:
-        """(B,) scores of the rollout's sequences."""
+    @classmethod
+    def from_model(
+        cls,
+        model: PreTrainedModel,
+        policy_tokenizer: PreTrainedTokenizerBase | None = None,
+        trust_remote_code: bool = False,
+    ) -> RewardModel:
+        """A loaded sequence classifier with one label; its tokenizer from the folder it was loaded from
+        (``config._name_or_path``) when there is one there, else the policy's."""
+        name = reward_name(model)
+        if getattr(model.config, "num_labels", None) != 1:
+            raise UsageError(f"reward model {name!r} has {model.config.num_labels} labels; a reward needs 1")
+        source = getattr(model.config, "_name_or_path", "")
+        own = _own_tokenizer(source, policy_tokenizer, None, trust_remote_code, False) if source else None
+        return cls(model, own)
+
+    def score(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        rollout: Rollout,
+        messages: list[list[dict[str, Any]]] | None = None,
+    ) -> Tensor:
+        """(B,) scores of the rollout's sequences. With conversational data (``messages``) and a
+        tokenizer of its own that has a chat template, the conversation and the completion as the
+        assistant's reply in that template, as TRL scores them."""
         if self.tokenizer is None:
             return self(rollout.input_ids, rollout.attention_mask, rollout.position_ids)
+        if messages is not None and getattr(self.tokenizer, "chat_template", None):
+            texts = [
+                self.tokenizer.apply_chat_template([*m, {"role": "assistant", "content": c}], tokenize=False)
+                for m, c in zip(messages, completions, strict=True)
+            ]
+            return self(*retokenize(texts, [""] * len(texts), self.tokenizer, rollout.input_ids.device))
         if self.chat_template:
             prompts, completions = as_chat(prompts, completions, self.tokenizer), [""] * len(completions)
         return self(*retokenize(prompts, completions, self.tokenizer, rollout.input_ids.device))
@@ -257,6 +423,26 @@ class RewardModel(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state
         return classifier_head(self.model)(at_last_real_token(hidden, attention_mask)).squeeze(-1).float()
+
+
+def _own_tokenizer(
+    name_or_path: str,
+    policy_tokenizer: PreTrainedTokenizerBase | None,
+    tokenizer: str | None,
+    trust_remote_code: bool,
+    chat_template: bool,
+) -> PreTrainedTokenizerBase | None:
+    """A reward model's tokenizer, or ``None`` when it reads the policy's token ids directly."""
+    try:
+        own = load_tokenizer(tokenizer or name_or_path, trust_remote_code)
+    except (OSError, ValueError):
+        if tokenizer is not None:
+            raise
+        return None  # a checkpoint saved without a tokenizer was trained on the policy's
+    shares_vocab = policy_tokenizer is not None and own.get_vocab() == policy_tokenizer.get_vocab()
+    if shares_vocab and not chat_template:
+        return None  # score the rollout's token ids directly, no text round trip
+    return own
 
 
 class RunningMoments:

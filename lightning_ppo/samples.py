@@ -1,8 +1,8 @@
 """Sample tables on disk: what the policy wrote, one jsonl file per logged iteration.
 
 ``SampleTable`` writes ``<log folder>/samples/iteration_000100.jsonl``, one JSON object per sample
-(iteration, prompt, completion, score, kl); ``lightning-ppo samples RUN_DIR`` prints the latest
-one, so the text of a run can be read without W&B.
+(iteration, prompt, completion, score, kl, then any column a reward added with ``log_extra``);
+``lightning-ppo samples RUN_DIR`` prints the latest one, so the text of a run can be read without W&B.
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ def sample_rows(
     completions: Sequence[str],
     scores: Sequence[float],
     kl: Sequence[float],
+    extra: dict[str, Sequence[Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per sample; a non-finite score (dropped by ``on_bad_reward: drop``) becomes ``None``."""
+    """One row per sample; a non-finite score (dropped by ``on_bad_reward: drop``, or scored by no
+    reward) becomes ``None``. ``extra``: further columns, one value per sample (``log_extra``)."""
+    extra = {name: values for name, values in (extra or {}).items() if name not in COLUMNS}
     return [
         {
             "iteration": iteration,
@@ -32,8 +35,9 @@ def sample_rows(
             "completion": c,
             "score": s if math.isfinite(s) else None,
             "kl": k,
+            **{name: values[i] for name, values in extra.items()},
         }
-        for p, c, s, k in zip(prompts, completions, scores, kl, strict=True)
+        for i, (p, c, s, k) in enumerate(zip(prompts, completions, scores, kl, strict=True))
     ]
 
 
@@ -41,7 +45,9 @@ def write_samples(log_dir: str | Path, iteration: int, rows: list[dict[str, Any]
     """Write ``rows`` to ``log_dir/samples/iteration_<iteration>.jsonl`` and return its path."""
     path = Path(log_dir) / SAMPLES_FOLDER / f"iteration_{iteration:06d}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    # default=str: a reward's log_extra column may hold values JSON has no type for
+    text = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows)
+    path.write_text(text, encoding="utf-8")
     return path
 
 
@@ -73,9 +79,10 @@ def read_samples(path: str | Path) -> list[dict[str, Any]]:
 
 def format_samples(rows: list[dict[str, Any]]) -> str:
     """One line per sample: score, KL, and the prompt and completion as Python string literals
-    (so whitespace, newlines and an empty completion are visible)."""
+    (so whitespace, newlines and an empty completion are visible), then any extra column."""
     lines = []
     for row in rows:
         score = "   n/a" if row["score"] is None else f"{row['score']:6.3f}"
-        lines.append(f"score {score}  kl {row['kl']:7.3f}  {row['prompt']!r} -> {row['completion']!r}")
+        extra = "".join(f"  {name}={value!r}" for name, value in row.items() if name not in COLUMNS)
+        lines.append(f"score {score}  kl {row['kl']:7.3f}  {row['prompt']!r} -> {row['completion']!r}{extra}")
     return "\n".join(lines)

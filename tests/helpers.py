@@ -61,6 +61,21 @@ class TRLLengthReward:
         return [-abs(len(c) - len(a)) for c, a in zip(completions, answer, strict=True)]
 
 
+def trl_chat_reward(prompts, completions, completion_ids, answer, **kwargs):
+    """A TRL reward on conversational data: ``prompts`` are message lists, each completion a list
+    holding the assistant's message. 1 where the reply starts with the ``answer`` column."""
+    TRL_CALLS.append(
+        {"prompts": prompts, "completions": completions, "answer": answer, "ids": completion_ids}
+    )
+    return [float(c[0]["content"].startswith(a)) for c, a in zip(completions, answer, strict=True)]
+
+
+def text_chat_reward(prompts, completions, batch):
+    """Our convention on conversational data: the prompts as templated text, the messages beside them."""
+    TRL_CALLS.append({"text": prompts, "completions": completions, "messages": batch.messages})
+    return [0.0] * len(completions)
+
+
 class ShortAnswerModule(PPOLightningModule):
     """A subclass with its own reward: 1 for a response of at most two characters, else 0.
 

@@ -193,6 +193,49 @@ def test_chat_template_missing_names_tokenizer(tmp_path):
         PromptDataModule(tokenizer=path, prompts=["hi"], system_prompt="be")
 
 
+def _conversation(text: str, system: str | None = None) -> list[dict]:
+    messages = [{"role": "user", "content": text}]
+    return messages if system is None else [{"role": "system", "content": system}, *messages]
+
+
+def test_conversational_prompts_get_the_chat_template_and_keep_their_messages(tok_path, tmp_path):
+    """TRL's conversational prompt-only format: the template applies without chat_template: true,
+    with its generation prompt and no special tokens added; the messages reach the batch as given."""
+    rows = [
+        {"prompt": _conversation("hi", system="be"), "answer": "x"},
+        {"prompt": _conversation("yo"), "answer": "y"},
+        {"prompt": [], "answer": "blank"},  # no message: dropped like a blank text prompt
+    ]
+    write_rows(tmp_path / "chat.jsonl", rows)
+    dm = make_dm(tok_path, data_files=str(tmp_path / "chat.jsonl"), batch_size=2)
+    batch = first_batch(dm)
+    assert batch.prompts == ["s:be u:hi a:", "u:yo a:"]
+    assert batch.prompt_ids[1].tolist() == [PAD] * 5 + ids("u:yo a:")
+    assert batch.messages == [rows[0]["prompt"], rows[1]["prompt"]]
+    assert batch.extras == {"answer": ["x", "y"]}
+    twice = batch.repeat_interleave(2)
+    assert twice.messages == [rows[0]["prompt"]] * 2 + [rows[1]["prompt"]] * 2
+    # a system prompt opens the conversations that have none of their own
+    with_system = make_dm(
+        tok_path, data_files=str(tmp_path / "chat.jsonl"), batch_size=2, chat_template=True, system_prompt="s"
+    )
+    assert first_batch(with_system).prompts == ["s:be u:hi a:", "s:s u:yo a:"]
+    made = dm.make_batch([_conversation("ab")], extras={"answer": ["z"]})
+    assert made.prompts == ["u:ab a:"] and made.messages == [_conversation("ab")]
+    assert dm.make_batch(["ab"]).messages is None  # text prompts carry no messages
+
+
+def test_conversational_prompts_without_a_chat_template_or_mixed_with_text_are_refused(tok_path, tmp_path):
+    plain = save_tokenizer(tmp_path / "plain_tok", eos_token="<eos>", pad_token="<pad>")
+    with pytest.raises(ValueError, match=r"^tokenizer '.*plain_tok' has no chat template, which the train"):
+        make_dm(plain, prompts=[_conversation("hi")], batch_size=1)
+    with pytest.raises(ValueError, match=r"given row 1: prompt column 'prompt' holds conversations .* str"):
+        make_dm(tok_path, prompts=["hi"], batch_size=1).make_batch([_conversation("hi"), "hi"])
+    write_rows(tmp_path / "n.jsonl", [{"prompt": 3}])
+    with pytest.raises(ValueError, match=r"train row 0: .* must hold strings or conversations .* got int"):
+        make_dm(tok_path, data_files=str(tmp_path / "n.jsonl"), batch_size=1)
+
+
 def test_missing_column_lists_present_columns(tok_path, tmp_path):
     path = tmp_path / "p.jsonl"
     write_rows(path, [{"question": "ab", "answer": "x"}])
