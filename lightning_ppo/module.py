@@ -52,6 +52,7 @@ from lightning_ppo.rollout import Rollout, generate, hf_generation_config
 from lightning_ppo.scoring import Scorer
 from lightning_ppo.sharding import (
     data_parallel_mesh,
+    gathered_for_generation,
     is_sharded,
     mixed_precision_policy,
     no_gradient_sync,
@@ -371,7 +372,8 @@ class PPOLightningModule(LightningModule):
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""
-        rollout = generate(self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_eval_generation)
+        with gathered_for_generation(self.policy):
+            rollout = generate(self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_eval_generation)
         completions = self.decode_responses(rollout)
         scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
         scores = check_scores(scores, len(batch), self.reward_label, self.device, allow_nonfinite=True)
@@ -416,6 +418,11 @@ class PPOLightningModule(LightningModule):
         """Sample one response (or, with an environment, one episode) per (repeated) prompt."""
         self._warn_if_prompts_end_with_stop(batch)
         self.engine.sync_weights(self.policy)
+        with gathered_for_generation(self.policy):  # FSDP2: one all-gather per block, not per token
+            return self._sample(batch)
+
+    def _sample(self, batch: PromptBatch) -> Rollout:
+        """One engine call, or the episode runner's one per turn."""
         if self.episode_runner is not None:  # multi-turn: one generate per turn, the environment between
             # Every rank takes each turn while any rank has an episode running (FSDP2 gathers per forward).
             strategy = self._trainer.strategy if self._trainer is not None else None
