@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,47 @@ def test_fsdp2_trains_multi_turn_episodes_as_ddp_does(tiny_digits, tmp_path):
         done = run_cli(tiny_digits, out[name], strategy, *budget, config="agents.yaml")
         assert done.returncode == 0, done.stderr[-3000:]
     assert_same_training(trained(out["ddp"], 0), trained(out["fsdp2"], 0))
+
+
+def _count_generation_all_gathers(rank: int, port: int, policy: str, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_ppo.sharding import gathered_for_generation, shard_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(policy)
+        shard_model(model, init_device_mesh("cpu", (2,)), None)
+        gathers, original = [], param_group.foreach_all_gather  # FSDP2's one call per unit gathered
+        param_group.foreach_all_gather = lambda *a, **k: gathers.append(1) or original(*a, **k)
+        ids = torch.tensor([[5, 6, 7, 13]] * 2)
+        kwargs = {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": True, "pad_token_id": 0}
+        counts = []
+        for gathered in (False, True):
+            gathers.clear()
+            with gathered_for_generation(model) if gathered else nullcontext():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), synced_gpus=True, **kwargs)
+            counts.append(len(gathers))
+        Path(out, f"gathers{rank}.json").write_text(json.dumps(counts))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_generation_gathers_each_block_once_not_once_per_token(tiny_digits, tmp_path):
+    """16 new tokens through a 2-block GPT-2 sharded on 2 ranks: 33 all-gathers (each block per
+    token, and the root once) without gathering for generation, 2 with it (each block once)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_count_generation_all_gathers, args=(port, str(tiny_digits), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"gathers{rank}.json").read_text()) == [33, 2]
