@@ -174,7 +174,7 @@ def resolve_suppressed_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[s
     for token in tokens:
         if isinstance(token, int):
             if not 0 <= token < len(tokenizer):
-                raise ValueError(
+                raise UsageError(
                     f"generation.suppress_tokens: id {token} is outside the tokenizer's "
                     f"{len(tokenizer)} tokens"
                 )
@@ -182,7 +182,7 @@ def resolve_suppressed_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[s
             continue
         token_id = tokenizer.convert_tokens_to_ids(token)
         if token_id is None or token_id == tokenizer.unk_token_id and token != tokenizer.unk_token:
-            raise ValueError(
+            raise UsageError(
                 f"generation.suppress_tokens: {token!r} is not a single token of the tokenizer's vocabulary"
             )
         ids.append(token_id)

@@ -26,7 +26,7 @@ from lightning_ppo.config import EpisodeConfig, GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.engines import GenerationEngine, Placement, compute_dtype, make_engine
 from lightning_ppo.episodes import Environment, make_episode_runner
-from lightning_ppo.errors import UsageError
+from lightning_ppo.errors import UsageError, UsageTypeError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.guardrails import Guardrails, IterationView
 from lightning_ppo.kl import make_kl_controller
@@ -268,7 +268,7 @@ class PPOLightningModule(LightningModule):
             )
         for fn in self.reward_fns:
             if not callable(fn):
-                raise TypeError(f"reward_fn entries must be callable, got {type(fn).__name__}")
+                raise UsageTypeError(f"reward_fn entries must be callable, got {type(fn).__name__}")
         # Decided once, here, before any model loads: a wrong signature fails now, not mid-run.
         self.reward_calls = [RewardCall.of(fn) for fn in self.reward_fns]
         if weights is not None and len(weights) != count:

@@ -23,7 +23,14 @@ from lightning_ppo.tasks.tiny import (
     build_char_tokenizer,
     make_tiny_checkpoint,
 )
-from tests.helpers import CountCharReward, cli_usage_error, prompt_data, quiet_trainer
+from tests.helpers import (
+    CountCharReward,
+    cli_process,
+    cli_usage_error,
+    one_line_error,
+    prompt_data,
+    quiet_trainer,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -102,6 +109,47 @@ def test_error_raised_while_building_the_datamodule_is_unwrapped(tiny_digits, tm
     # jsonargparse wraps errors of __init__ in a report that dumps the whole model section.
     line = _usage_error(capsys, *_fit_args(tmp_path, tiny_digits, "--data.init_args.batch_size", "0"))
     assert line.endswith("error: batch_size must be at least 1, got 0")
+
+
+def _fit_process(tmp_path: Path, policy: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``lightning-ppo fit`` of :func:`_fit_args` in a process of its own."""
+    return cli_process(["fit", "--config", QUICKSTART, *_fit_args(tmp_path, policy, *extra)])
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ("--model.init_args.reward_fn", "tests.helpers.one_score_short"),
+            "reward 'one_score_short' must return one score per completion, shape (8,), got shape (7,)",
+        ),
+        (
+            ("--model.init_args.reward_fn", "tests.helpers.two_argument_reward"),
+            "reward_fn 'two_argument_reward' has the signature two_argument_reward(prompts, completions), "
+            "which fits neither way a reward is called: fn(prompts, completions, batch)",
+        ),
+        (
+            ("--model.init_args.generation.suppress_tokens", '["x"]'),
+            "generation.suppress_tokens: 'x' is not a single token of the tokenizer's vocabulary",
+        ),
+        (
+            ("--model.init_args.generation.suppress_tokens", "[99]"),
+            "generation.suppress_tokens: id 99 is outside the tokenizer's 14 tokens",
+        ),
+        (
+            ("--model.init_args.reward_fn", "tests.helpers.one_score_shrt"),
+            "model.init_args.reward_fn: cannot import 'tests.helpers.one_score_shrt': "
+            "module 'tests.helpers' has no attribute 'one_score_shrt'",
+        ),
+    ],
+    ids=["reward-shape-first-rollout", "reward-signature", "suppress-unknown", "suppress-id", "import-path"],
+)
+def test_mistakes_found_building_the_module_or_in_the_first_rollout_are_one_line(
+    args, expected, tiny_digits, tmp_path
+):
+    # jsonargparse wraps what __init__ raises, Lightning re-raises what training raises: both used to
+    # reach the console as 55-90-line tracebacks with exit status 1.
+    assert one_line_error(_fit_process(tmp_path, tiny_digits, *args)).startswith(expected)
 
 
 # ----------------------------------------------------------------- paths, positions, checkpoints
