@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning_ppo.checkpoint import PPOCheckpoint
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptDataModule
-from lightning_ppo.errors import TRACEBACK_ENV, usage_errors_exit
+from lightning_ppo.errors import TRACEBACK_ENV, UsageError, condense_parser_error, usage_errors_exit
 from lightning_ppo.export import export_main
 from lightning_ppo.log_continuity import continue_logs
 from lightning_ppo.module import PPOLightningModule
@@ -30,6 +31,7 @@ from lightning_ppo.roles import LoraSettings
 from lightning_ppo.samples import find_latest_samples, format_samples, read_samples
 from lightning_ppo.sharding import reject_fsdp1
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
+from lightning_ppo.typos import suggestion
 from lightning_ppo.writable import check_configured_folders, class_configs
 
 DESCRIPTION = (
@@ -57,8 +59,17 @@ class PPOLightningCLI(LightningCLI):
         """
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
-        """Parse, then check ``ckpt_path``: LightningCLI reads the checkpoint right after parsing."""
-        super().parse_arguments(parser, args)
+        """Parse, then check ``ckpt_path``: LightningCLI reads the checkpoint right after parsing.
+
+        A misspelt key gets the closest valid one: ``...; did you mean kl_coef?``.
+        """
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            hint = suggestion(str(err), parser, sys.argv[1:] if args is None else args)
+            if hint is None:
+                raise
+            raise UsageError(f"{condense_parser_error(str(err))}; {hint}") from err
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path:

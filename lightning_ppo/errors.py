@@ -69,6 +69,8 @@ def condense_parser_error(message: str) -> str:
         import_failure = _import_failure(text, lines[number + 1 :])
         if import_failure is not None:  # that is the error, not the other types jsonargparse tried
             return f"{'.'.join(keys) or 'class_path'}: cannot import{import_failure}"
+        # "Type Callable[...] expects a function or a callable class: <why>. Got value: <the section>"
+        text = text.partition(_CALLABLE_FAILURE)[2].split(". Got value: Namespace(")[0] or text
         match = _PARSER_KEY.match(text)
         if match:
             keys.append(match[1])
@@ -76,10 +78,10 @@ def condense_parser_error(message: str) -> str:
         elif _CLASS_PATH.match(text):
             keys.append("init_args")
             continue
-        elif text.startswith("Given value type:"):
+        elif text.startswith("Given value type:") and given_type is None:  # the innermost: the bad value's
             given_type = text.removeprefix("Given value type:").strip()
-        elif text.startswith("Given value:"):
-            given = text.removeprefix("Given value:").strip()
+        elif text.startswith("Given value:") and given is None:
+            given = text.removeprefix("Given value:").strip().split(". Got value: Namespace(")[0]
         if detail is None and text and not text.startswith(_SEARCH_NOISE):
             detail = re.sub(r"<class '(?:\w+\.)*(\w+)'>", r"\1", text)
             detail = re.sub(r"^Expected a (\w+)(?:\. Got value: (.*))?", _expected, detail)

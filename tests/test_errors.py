@@ -99,6 +99,36 @@ def test_parser_errors_name_the_key_without_usage_or_config_dump(args, expected,
     assert "Given value" not in line and "Namespace(" not in line
 
 
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        (
+            "command line",
+            "model.init_args: unrecognized arguments: --ppo.kl_coeff=0.1; did you mean ppo.kl_coef?",
+        ),
+        ("yaml", "model.init_args: Group 'ppo' does not accept option 'kl_coeff'; did you mean kl_coef?"),
+        (
+            "trainer",
+            "Subcommand 'fit' does not accept option 'trainer.max_step'; did you mean trainer.max_steps?",
+        ),
+        ("class_path", "data.init_args: Option 'batch_sise' is not accepted; did you mean batch_size?"),
+    ],
+)
+def test_a_misspelt_key_gets_the_closest_valid_one(where, expected, tmp_path):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(
+        {
+            "yaml": "model: {init_args: {ppo: {kl_coeff: 0.1}}}",
+            "trainer": "trainer: {max_step: 3}",
+            "class_path": "data: {init_args: {batch_sise: 3}}",
+        }.get(where, "{}")
+    )
+    args = ["--model.init_args.ppo.kl_coeff", "0.1"] if where == "command line" else ["--config", str(typo)]
+    done = cli_process(["fit", "--config", QUICKSTART, "--model.init_args.policy", NO_MODEL, *args])
+    assert one_line_error(done) == expected
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
 def test_traceback_variable_lets_the_usage_error_through(monkeypatch):
     monkeypatch.setenv(TRACEBACK_ENV, "1")
     with pytest.raises(UsageError, match="ppo.gamma must be in"):
