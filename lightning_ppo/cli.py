@@ -25,7 +25,7 @@ from lightning_ppo.export import export_main
 from lightning_ppo.log_continuity import continue_logs
 from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.plot import DEFAULT_KEYS, plot_run
-from lightning_ppo.preflight import check_checkpoint_file, check_run_inputs
+from lightning_ppo.preflight import check_checkpoint_file, check_packages, check_run_inputs
 from lightning_ppo.quiet import silence_intended_warnings
 from lightning_ppo.roles import LoraSettings
 from lightning_ppo.samples import find_latest_samples, format_samples, read_samples
@@ -80,9 +80,10 @@ class PPOLightningCLI(LightningCLI):
         (minutes, for big ones)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         reject_fsdp1(config.get("trainer.strategy"))
+        model, data = _as_dict(config.get("model.init_args")), _as_dict(config.get("data.init_args"))
+        check_packages(model, config.get("trainer.strategy"))
         _loggers_follow_root(config)
         check_configured_folders(config)
-        model, data = _as_dict(config.get("model.init_args")), _as_dict(config.get("data.init_args"))
         # Values first (no I/O: the dataclasses check themselves when built), then paths and models.
         if model.get("generation") is not None:
             GenerationConfig(**model["generation"])

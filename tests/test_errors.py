@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import datasets
@@ -180,6 +181,36 @@ def test_mistakes_found_building_the_module_or_in_the_first_rollout_are_one_line
     # jsonargparse wraps what __init__ raises, Lightning re-raises what training raises: both used to
     # reach the console as 55-90-line tracebacks with exit status 1.
     assert one_line_error(_fit_process(tmp_path, tiny_digits, *args)).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("args", "package", "expected"),
+    [
+        (
+            ("--model.init_args.generation.engine", "vllm"),
+            "vllm",
+            "generation.engine 'vllm' needs the vllm package, which is not installed: pip install",
+        ),
+        (
+            ("--trainer.strategy", "deepspeed"),
+            "deepspeed",
+            "trainer.strategy 'deepspeed' needs the deepspeed package, which is not installed: pip install",
+        ),
+        (
+            ("--config", str(ROOT / "configs" / "gpu" / "deepspeed_zero2.yaml")),
+            "deepspeed",
+            "trainer.strategy 'DeepSpeedStrategy' needs the deepspeed package, which is not installed",
+        ),
+    ],
+    ids=["vllm-engine", "strategy-name", "strategy-class-path"],
+)
+def test_a_missing_engine_or_strategy_package_fails_before_any_model_loads(args, package, expected):
+    if find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    # The policy does not exist: the package is checked before the model paths, long before loading.
+    done = cli_process(["fit", "--config", QUICKSTART, *args, "--model.init_args.policy", NO_MODEL])
+    assert one_line_error(done).startswith(expected)
+    assert len(done.stderr.strip().splitlines()) <= 2  # "Seed set to 0" and the error
 
 
 # ----------------------------------------------------------------- paths, positions, checkpoints
