@@ -168,10 +168,17 @@ def resolve_stop_token(tokenizer: PreTrainedTokenizerBase, stop_token: str | Non
     return token_id
 
 
-def resolve_suppressed_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[str | int]) -> list[int]:
-    """Ids of ``generation.suppress_tokens``: token strings through the vocabulary, ids as given."""
+def resolve_suppressed_tokens(
+    tokenizer: PreTrainedTokenizerBase, tokens: list[str | int], stop_token: str | None = None
+) -> list[int]:
+    """Ids of ``generation.suppress_tokens``: token strings through the vocabulary, ids as given.
+
+    The stop token (``generation.stop_token``, None: EOS) is refused: suppressed, no response could end.
+    """
+    stop_id = resolve_stop_token(tokenizer, stop_token) if tokens else None
     ids = []
     for token in tokens:
+        _refuse_stop_token(tokenizer, token, stop_id, stop_token)
         if isinstance(token, int):
             if not 0 <= token < len(tokenizer):
                 raise UsageError(
@@ -187,3 +194,20 @@ def resolve_suppressed_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[s
             )
         ids.append(token_id)
     return sorted(set(ids))
+
+
+def _refuse_stop_token(
+    tokenizer: PreTrainedTokenizerBase, token: str | int, stop_id: int | None, stop_token: str | None
+) -> None:
+    token_id = token if isinstance(token, int) else tokenizer.convert_tokens_to_ids(token)
+    if stop_id is None or token_id != stop_id:
+        return
+    eos = f"null: the tokenizer's EOS {tokenizer.convert_ids_to_tokens(stop_id)!r}"
+    stop = (
+        f"generation.stop_token {stop_token!r}" if stop_token is not None else f"generation.stop_token {eos}"
+    )
+    raise UsageError(
+        f"generation.suppress_tokens: {token!r} is the stop token ({stop}, id {stop_id}): suppressed, "
+        "no response could ever end; remove it from generation.suppress_tokens or set another "
+        "generation.stop_token"
+    )

@@ -197,7 +197,9 @@ class PPOLightningModule(LightningModule):
         self.scheduler_factory = lr_scheduler
         self.tokenizer = load_tokenizer(tokenizer or policy, trust_remote_code)
         self.stop_token_id = resolve_stop_token(self.tokenizer, generation.stop_token)
-        self.suppressed_ids = resolve_suppressed_tokens(self.tokenizer, generation.suppress_tokens)
+        self.suppressed_ids = resolve_suppressed_tokens(
+            self.tokenizer, generation.suppress_tokens, generation.stop_token
+        )
         pad_id = self.tokenizer.pad_token_id
         self.hf_generation = hf_generation_config(
             generation, self.stop_token_id, pad_id, suppressed=self.suppressed_ids

@@ -13,6 +13,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
 from lightning_ppo.cli import main
@@ -211,6 +212,22 @@ def test_a_missing_engine_or_strategy_package_fails_before_any_model_loads(args,
     done = cli_process(["fit", "--config", QUICKSTART, *args, "--model.init_args.policy", NO_MODEL])
     assert one_line_error(done).startswith(expected)
     assert len(done.stderr.strip().splitlines()) <= 2  # "Seed set to 0" and the error
+
+
+@pytest.mark.parametrize("stop", ["eos-by-id", "stop-token-by-text"])
+def test_suppressing_the_stop_token_is_refused_naming_both_fields(stop, tiny_digits, tmp_path):
+    # Accepted silently before: no response could end (response/eos_fraction 0.0 every iteration).
+    if stop == "eos-by-id":
+        eos = AutoTokenizer.from_pretrained(tiny_digits).eos_token_id
+        args = ("--model.init_args.generation.suppress_tokens", f"[{eos}]")
+        shown = f"{eos} is the stop token (generation.stop_token null: the tokenizer's EOS '<eos>', id {eos})"
+    else:
+        args = ("--model.init_args.generation.suppress_tokens", '["="]')
+        args += ("--model.init_args.generation.stop_token", "=")
+        shown = "'=' is the stop token (generation.stop_token '=', id "
+    line = one_line_error(_fit_process(tmp_path, tiny_digits, *args))
+    assert line.startswith(f"generation.suppress_tokens: {shown}")
+    assert line.endswith("remove it from generation.suppress_tokens or set another generation.stop_token")
 
 
 # ----------------------------------------------------------------- paths, positions, checkpoints
