@@ -27,6 +27,7 @@ from transformers import AutoConfig, PretrainedConfig
 from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.engines.vllm import INSTALL_HINT as VLLM_INSTALL_HINT
 from lightning_ppo.errors import MissingPathError, UsageError
+from lightning_ppo.rewards import check_reward_head
 
 # Checkpoint-holding roles of PPOLightningModule, by argument name.
 MODEL_FIELDS = ("policy", "reference", "value", "reward_model")
@@ -174,6 +175,8 @@ def check_run_inputs(model: Mapping[str, Any], data: Mapping[str, Any]) -> None:
         for name in MODEL_FIELDS
         if isinstance(model.get(name), str)
     }
+    if "reward_model" in configs:
+        check_reward_head(model["reward_model"])
     # The module loads its tokenizer from the policy's folder unless model.tokenizer is set.
     tokenizer_field = "tokenizer" if model.get("tokenizer") else "policy"
     tokenizers = {

@@ -7,12 +7,15 @@ float tensor of shape (B,) or raises an error that names the reward and what was
 from __future__ import annotations
 
 import inspect
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import Tensor, nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -227,9 +230,17 @@ class RewardModel(nn.Module):
         """Load the classifier; its tokenizer from ``tokenizer``, the checkpoint, or else the policy's."""
         config = load_config(name_or_path, trust_remote_code)
         config.num_labels = 1
-        model = AutoModelForSequenceClassification.from_pretrained(
-            name_or_path, config=config, trust_remote_code=trust_remote_code, dtype=FROZEN_DTYPES.get(dtype)
+        model, loading = AutoModelForSequenceClassification.from_pretrained(
+            name_or_path,
+            config=config,
+            trust_remote_code=trust_remote_code,
+            dtype=FROZEN_DTYPES.get(dtype),
+            output_loading_info=True,
         )
+        head = "score" if hasattr(model, "score") else "classifier"  # as classifier_head() reads it
+        missing = sorted(key for key in loading["missing_keys"] if key.split(".")[0] == head)
+        if missing:  # transformers initialised the head at random: every score would be noise
+            raise UsageError(no_head_message(name_or_path, f"{', '.join(missing)} missing"))
         try:
             own = load_tokenizer(tokenizer or name_or_path, trust_remote_code)
         except (OSError, ValueError):
@@ -261,6 +272,33 @@ class RewardModel(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state
         return classifier_head(self.model)(at_last_real_token(hidden, attention_mask)).squeeze(-1).float()
+
+
+def no_head_message(source: str, detail: str) -> str:
+    return (
+        f"model.reward_model: {source!r} has no scoring head in its weights ({detail}; a causal "
+        "LM?): a reward model is a checkpoint of AutoModelForSequenceClassification with num_labels=1"
+    )
+
+
+def check_reward_head(source: str) -> None:
+    """Fail, before loading, when a local reward-model folder's safetensors hold no scoring head.
+
+    Loaded as a sequence classifier, such a checkpoint (e.g. a causal LM) gets a randomly initialised
+    head, and the critic would start from it too. Heads are ``score`` or ``classifier`` (as
+    :func:`~lightning_ppo.models.classifier_head` reads them); other formats are checked when loading.
+    """
+    folder = Path(source).expanduser()
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if index.is_file():
+        keys = set(json.loads(index.read_text())["weight_map"])
+    elif single.is_file():
+        with safe_open(single, "pt") as file:
+            keys = set(file.keys())
+    else:
+        return
+    if not any({"score", "classifier"} & set(key.split(".")) for key in keys):
+        raise UsageError(no_head_message(source, "no score.* or classifier.* tensor"))
 
 
 class RunningMoments:

@@ -19,6 +19,7 @@ from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, Promp
 from lightning_ppo.cli import main
 from lightning_ppo.errors import TRACEBACK_ENV, UsageError
 from lightning_ppo.preflight import check_checkpoint_file
+from lightning_ppo.rewards import RewardModel
 from lightning_ppo.tasks.tiny import (
     DEFAULT_ALPHABET,
     TinyModelSpec,
@@ -255,6 +256,20 @@ def test_folder_without_config_json_holds_no_model(tiny_digits, tmp_path, capsys
         capsys, "--model.init_args.policy", str(tiny_digits), "--model.init_args.tokenizer", str(empty)
     )
     assert f"model.tokenizer: folder {str(empty)!r} holds no tokenizer" in line
+
+
+def test_a_reward_model_without_a_scoring_head_is_refused(tiny_digits, tmp_path):
+    # The policy's own folder, a causal LM: loaded as a classifier it used to train with a random head.
+    args = ("--model.init_args.reward_model", str(tiny_digits))
+    line = one_line_error(_fit_process(tmp_path, tiny_digits, *args))
+    assert line == (
+        f"model.reward_model: {str(tiny_digits)!r} has no scoring head in its weights (no score.* or "
+        "classifier.* tensor; a causal LM?): a reward model is a checkpoint of "
+        "AutoModelForSequenceClassification with num_labels=1"
+    )
+    # Loading checks too (hub names and other weight formats skip the check of the files).
+    with pytest.raises(UsageError, match=r"has no scoring head in its weights \(score.weight missing;"):
+        RewardModel.from_pretrained(str(tiny_digits))
 
 
 def test_prompt_plus_response_past_the_positions_fails_before_loading(tiny_digits, capsys):
