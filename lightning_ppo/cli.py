@@ -28,6 +28,7 @@ from lightning_ppo.plot import DEFAULT_KEYS, plot_run
 from lightning_ppo.preflight import check_checkpoint_file, check_packages, check_run_inputs
 from lightning_ppo.quiet import silence_intended_warnings
 from lightning_ppo.roles import LoraSettings
+from lightning_ppo.run_length import check_step_limit
 from lightning_ppo.samples import find_latest_samples, format_samples, read_samples
 from lightning_ppo.sharding import reject_fsdp1
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
@@ -89,8 +90,11 @@ class PPOLightningCLI(LightningCLI):
             GenerationConfig(**model["generation"])
         if model.get("lora") is not None:
             LoraSettings(**model["lora"])
-        if model.get("ppo") is not None and data.get("batch_size") is not None:
-            PPOConfig(**model["ppo"]).check_batch_size(data["batch_size"])
+        ppo = PPOConfig(**model["ppo"]) if model.get("ppo") is not None else None
+        if ppo is not None:
+            check_step_limit(config.get("trainer.max_steps"), ppo)
+        if ppo is not None and data.get("batch_size") is not None:
+            ppo.check_batch_size(data["batch_size"])
         check_run_inputs(model, data)
 
     def before_fit(self) -> None:

@@ -231,6 +231,26 @@ def test_suppressing_the_stop_token_is_refused_naming_both_fields(stop, tiny_dig
     assert line.endswith("remove it from generation.suppress_tokens or set another generation.stop_token")
 
 
+# ----------------------------------------------------------------- run length
+
+
+def test_max_steps_is_said_in_iterations_and_one_that_would_be_overshot_is_refused(tiny_digits, tmp_path):
+    # 1 epoch x 2 minibatches = 2 optimizer steps per iteration; max_steps 3 used to run 2 iterations (4).
+    steps = ("--model.init_args.ppo.ppo_epochs", "1", "--trainer.limit_train_batches", "5")
+    line = one_line_error(_fit_process(tmp_path, tiny_digits, *steps, "--trainer.max_steps", "3"))
+    assert line == (
+        "trainer.max_steps 3 counts optimizer steps, 2 per PPO iteration (ppo.ppo_epochs 1 x "
+        "ppo.num_minibatches 2), and is checked between iterations: the run would stop after 4; use a "
+        "multiple of 2 (2, 4), or set the length in iterations with trainer.limit_train_batches and "
+        "trainer.max_epochs"
+    )
+    done = _fit_process(tmp_path, tiny_digits, *steps, "--trainer.max_steps", "4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = "lightning_ppo: trainer.max_steps 4 = 2 PPO iterations of 2 optimizer steps "
+    assert (done.stdout + done.stderr).count(said + "(ppo.ppo_epochs 1 x ppo.num_minibatches 2)") == 1
+    assert "`max_steps=4` reached" in done.stdout + done.stderr
+
+
 # ----------------------------------------------------------------- paths, positions, checkpoints
 
 
