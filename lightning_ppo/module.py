@@ -48,7 +48,7 @@ from lightning_ppo.rewards import (
 )
 from lightning_ppo.roles import LoraSettings, Roles
 from lightning_ppo.rollout import Rollout, generate, hf_generation_config
-from lightning_ppo.run_length import announce_step_limit
+from lightning_ppo.run_length import announce_step_limit, explain_idle_resume
 from lightning_ppo.sharding import (
     data_parallel_mesh,
     is_sharded,
@@ -298,6 +298,9 @@ class PPOLightningModule(LightningModule):
         # A resumed run then overwrites this with each rank's saved state (on_load_checkpoint).
         if self.trainer.world_size > 1:
             torch.manual_seed(torch.initial_seed() + 1_000_003 * self.trainer.global_rank)
+
+    def on_fit_end(self) -> None:
+        explain_idle_resume(self.trainer, getattr(self, "_resumed_at", None), self.iteration)
 
     def configure_model(self) -> None:
         # Only ModelParallelStrategy (FSDP2) asks the module to shard itself; Lightning calls this
@@ -743,7 +746,7 @@ class PPOLightningModule(LightningModule):
         state = checkpoint.get("ppo_state", {})
         saved_kl = state.get("kl_controller", {"value": state.get("kl_coef", self.kl_ctl.value)})
         self.kl_ctl.load_state_dict(saved_kl)  # checkpoints before the controller had state: kl_coef
-        self.iteration = state.get("iteration", 0)
+        self.iteration = self._resumed_at = state.get("iteration", 0)
         self.episodes = state.get("episodes", 0)
         self.consecutive_skips = state.get("consecutive_skips", 0)
         if "score_moments" in state:

@@ -5,12 +5,16 @@ iteration takes ``ppo.ppo_epochs x ppo.num_minibatches`` of them; Lightning chec
 between iterations. A limit that is not a whole number of iterations would be overshot (``max_steps:
 3`` with 2 steps per iteration stopped after 4), so it is refused; a valid one is translated into
 iterations once at the start.
+
+A resumed run that has nothing left to do (its limits were reached when the checkpoint was written)
+trains 0 iterations; :func:`explain_idle_resume` says which limit, and what would go on.
 """
 
 from __future__ import annotations
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ppo.config import PPOConfig
 from lightning_ppo.errors import UsageError
@@ -48,3 +52,29 @@ def announce_step_limit(trainer: Trainer, ppo: PPOConfig, stage: str) -> None:
     sentence = check_step_limit(trainer.max_steps, ppo)
     if sentence is not None:
         rank_zero_info(f"lightning_ppo: {sentence}")
+
+
+def explain_idle_resume(trainer: Trainer, resumed_at: int | None, iteration: int) -> None:
+    """After ``fit``: warn when a run resumed at iteration ``resumed_at`` trained no iteration, naming
+    the limit it had already reached."""
+    if resumed_at is None or iteration != resumed_at or trainer.ckpt_path is None:
+        return
+    fit_loop = trainer.fit_loop
+    timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer) and cb.time_remaining() is not None]
+    if 0 <= fit_loop.max_steps <= trainer.global_step:
+        why = (
+            f"trainer.max_steps {fit_loop.max_steps} was reached already ({trainer.global_step} optimizer "
+            "steps in the checkpoint): give a larger one"
+        )
+    elif 0 <= fit_loop.max_epochs <= trainer.current_epoch:
+        why = (
+            f"the checkpoint's run had finished {trainer.current_epoch} of trainer.max_epochs "
+            f"{fit_loop.max_epochs} epochs (an epoch cut short by trainer.limit_train_batches counts as "
+            "finished: a larger limit_train_batches does not reopen it): raise trainer.max_epochs to "
+            "train more"
+        )
+    elif any(timer.time_remaining() <= 0 for timer in timers):
+        why = "trainer.max_time was used up already (it counts the whole run, across resumes): give more"
+    else:
+        why = "the Trainer's loop had nothing left to do"
+    rank_zero_warn(f"nothing trained: resumed from {trainer.ckpt_path} at iteration {iteration}, {why}")

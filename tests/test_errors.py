@@ -33,6 +33,7 @@ from tests.helpers import (
     one_line_error,
     prompt_data,
     quiet_trainer,
+    saver,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,6 +250,27 @@ def test_max_steps_is_said_in_iterations_and_one_that_would_be_overshot_is_refus
     said = "lightning_ppo: trainer.max_steps 4 = 2 PPO iterations of 2 optimizer steps "
     assert (done.stdout + done.stderr).count(said + "(ppo.ppo_epochs 1 x ppo.num_minibatches 2)") == 1
     assert "`max_steps=4` reached" in done.stdout + done.stderr
+
+
+def test_resuming_a_finished_run_that_trains_nothing_says_why(tiny_digits, tmp_path):
+    saving = ("--trainer.callbacks", json.dumps([saver(every_n_iterations=1)]))
+    saving += ("--trainer.enable_checkpointing", "true", "--model.init_args.ppo.ppo_epochs", "1")
+    first = _fit_process(tmp_path, tiny_digits, *saving, "--trainer.limit_train_batches", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    saved = last.read_bytes()
+    # A larger limit_train_batches does not reopen the epoch the first run finished: 0 iterations,
+    # which used to pass in silence.
+    args = (*saving, "--trainer.limit_train_batches", "4", "--ckpt_path", "last")
+    resumed = _fit_process(tmp_path, tiny_digits, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    said = [line for line in resumed.stderr.splitlines() if "nothing trained" in line]
+    assert len(said) == 1 and said[0].endswith(
+        f"nothing trained: resumed from {last} at iteration 2, the checkpoint's run had finished 1 of "
+        "trainer.max_epochs 1 epochs (an epoch cut short by trainer.limit_train_batches counts as finished: "
+        "a larger limit_train_batches does not reopen it): raise trainer.max_epochs to train more"
+    )
+    assert last.read_bytes() == saved
 
 
 # ----------------------------------------------------------------- paths, positions, checkpoints
