@@ -91,7 +91,7 @@ class PPOLightningCLI(LightningCLI):
         if model.get("lora") is not None:
             LoraSettings(**model["lora"])
         ppo = PPOConfig(**model["ppo"]) if model.get("ppo") is not None else None
-        if ppo is not None:
+        if ppo is not None and not config.get("ckpt_path"):  # resumed: checked once the loop is restored
             check_step_limit(config.get("trainer.max_steps"), ppo)
         if ppo is not None and data.get("batch_size") is not None:
             ppo.check_batch_size(data["batch_size"])

@@ -48,7 +48,7 @@ from lightning_ppo.rewards import (
 )
 from lightning_ppo.roles import LoraSettings, Roles
 from lightning_ppo.rollout import Rollout, generate, hf_generation_config
-from lightning_ppo.run_length import announce_step_limit, explain_idle_resume
+from lightning_ppo.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.sharding import (
     data_parallel_mesh,
     is_sharded,
@@ -293,11 +293,13 @@ class PPOLightningModule(LightningModule):
             }
         )
         check_sequence_fits(self.policy.config, "model.policy", max_prompt_length, budget[1], budget[0])
-        announce_step_limit(self.trainer, self.ppo, stage)
         # seed_everything gives every rank the same generator: offset it so ranks sample differently.
         # A resumed run then overwrites this with each rank's saved state (on_load_checkpoint).
         if self.trainer.world_size > 1:
             torch.manual_seed(torch.initial_seed() + 1_000_003 * self.trainer.global_rank)
+
+    def on_train_start(self) -> None:
+        check_training_plan(self.trainer, self.ppo)
 
     def on_fit_end(self) -> None:
         explain_idle_resume(self.trainer, getattr(self, "_resumed_at", None), self.iteration)

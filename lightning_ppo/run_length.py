@@ -25,31 +25,32 @@ def steps_per_iteration(ppo: PPOConfig) -> int:
     return ppo.ppo_epochs * ppo.num_minibatches
 
 
-def check_step_limit(max_steps: int | None, ppo: PPOConfig) -> str | None:
-    """Refuse a ``trainer.max_steps`` that is not a whole number of PPO iterations; else say, in a
-    sentence, what it means in iterations (None: no limit)."""
-    if max_steps is None or max_steps < 0:  # Lightning's -1: no limit
+def check_step_limit(max_steps: int | None, ppo: PPOConfig, done: int = 0) -> str | None:
+    """Refuse a ``trainer.max_steps`` that is not a whole number of PPO iterations past the ``done``
+    steps a resumed run starts from; else say, in a sentence, what it means in iterations (None: no
+    limit, or nothing left)."""
+    if max_steps is None or max_steps < 0 or max_steps <= done:  # Lightning's -1: no limit
         return None
-    per = steps_per_iteration(ppo)
+    per, left = steps_per_iteration(ppo), max_steps - done
     why = f"ppo.ppo_epochs {ppo.ppo_epochs} x ppo.num_minibatches {ppo.num_minibatches}"
-    if max_steps % per:
-        below, above = max_steps // per * per, (max_steps // per + 1) * per
+    if left % per:
+        below, above = done + left // per * per, done + (left // per + 1) * per
+        fits = f"{done} (the checkpoint's steps) plus a multiple of {per}" if done else f"a multiple of {per}"
         raise UsageError(
             f"trainer.max_steps {max_steps} counts optimizer steps, {per} per PPO iteration ({why}), and "
-            f"is checked between iterations: the run would stop after {above}; use a multiple of {per} "
-            f"({', '.join(str(n) for n in (below, above) if n)}), or set the length in iterations with "
-            "trainer.limit_train_batches and trainer.max_epochs"
+            f"is checked between iterations: the run would stop after {above}; use {fits} "
+            f"({', '.join(str(n) for n in (below, above) if n > done)}), or set the length in iterations "
+            "with trainer.limit_train_batches and trainer.max_epochs"
         )
-    return (
-        f"trainer.max_steps {max_steps} = {max_steps // per} PPO iterations of {per} optimizer steps ({why})"
-    )
+    iterations = f"{left // per} PPO iteration{'s' if left // per > 1 else ''} of {per} optimizer steps"
+    resumed = f"the checkpoint's {done} steps + " if done else ""
+    return f"trainer.max_steps {max_steps} = {resumed}{iterations} ({why})"
 
 
-def announce_step_limit(trainer: Trainer, ppo: PPOConfig, stage: str) -> None:
-    """At the start of ``fit``: refuse a step limit that would be overshot, or say what it means."""
-    if stage != "fit":
-        return
-    sentence = check_step_limit(trainer.max_steps, ppo)
+def check_training_plan(trainer: Trainer, ppo: PPOConfig) -> None:
+    """As training starts (a resumed run's loop restored, so ``global_step`` is the checkpoint's):
+    refuse a step limit that would be overshot, or say what it means."""
+    sentence = check_step_limit(trainer.max_steps, ppo, trainer.global_step)
     if sentence is not None:
         rank_zero_info(f"lightning_ppo: {sentence}")
 

@@ -20,6 +20,7 @@ from lightning_ppo.cli import main
 from lightning_ppo.errors import TRACEBACK_ENV, UsageError
 from lightning_ppo.preflight import check_checkpoint_file
 from lightning_ppo.rewards import RewardModel
+from lightning_ppo.run_length import check_step_limit
 from lightning_ppo.tasks.tiny import (
     DEFAULT_ALPHABET,
     TinyModelSpec,
@@ -250,6 +251,18 @@ def test_max_steps_is_said_in_iterations_and_one_that_would_be_overshot_is_refus
     said = "lightning_ppo: trainer.max_steps 4 = 2 PPO iterations of 2 optimizer steps "
     assert (done.stdout + done.stderr).count(said + "(ppo.ppo_epochs 1 x ppo.num_minibatches 2)") == 1
     assert "`max_steps=4` reached" in done.stdout + done.stderr
+
+
+def test_a_resumed_run_counts_max_steps_from_the_checkpoints_steps():
+    # 4 iterations of 8 steps saved, then resumed with 4 minibatches: 16 steps per iteration from step 32.
+    ppo = PPOConfig(ppo_epochs=4, num_minibatches=4)
+    with pytest.raises(UsageError, match=r"stop after 48; use 32 \(the checkpoint's steps\) plus a multiple"):
+        check_step_limit(40, ppo, done=32)
+    assert check_step_limit(48, ppo, done=32) == (
+        "trainer.max_steps 48 = the checkpoint's 32 steps + 1 PPO iteration of 16 optimizer steps "
+        "(ppo.ppo_epochs 4 x ppo.num_minibatches 4)"
+    )
+    assert check_step_limit(32, ppo, done=32) is None  # nothing left: said after fit (explain_idle_resume)
 
 
 def test_resuming_a_finished_run_that_trains_nothing_says_why(tiny_digits, tmp_path):
