@@ -7,10 +7,13 @@ between iterations. A limit that is not a whole number of iterations would be ov
 iterations once at the start.
 
 A resumed run that has nothing left to do (its limits were reached when the checkpoint was written)
-trains 0 iterations; :func:`explain_idle_resume` says which limit, and what would go on.
+trains 0 iterations; :func:`explain_idle_resume` says which limit, and what would go on. With
+``data.drop_last: false`` the epoch's short last batch must split into the minibatches too.
 """
 
 from __future__ import annotations
+
+import math
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Timer
@@ -47,9 +50,40 @@ def check_step_limit(max_steps: int | None, ppo: PPOConfig, done: int = 0) -> st
     return f"trainer.max_steps {max_steps} = {resumed}{iterations} ({why})"
 
 
+def check_last_batch(trainer: Trainer, ppo: PPOConfig) -> None:
+    """With ``data.drop_last: false``, refuse a last batch of the epoch that the training loop will
+    reach and that does not split into the minibatches (it used to fail at the end of the epoch).
+
+    The sizes are a ``PromptDataModule``'s: its train set once set up, and a ``DistributedSampler``
+    that gives every rank ``ceil(size / ranks)`` prompts.
+    """
+    data = trainer.datamodule
+    dataset = getattr(data, "train_dataset", None)
+    if getattr(data, "drop_last", True) or dataset is None or not isinstance(data.batch_size, int):
+        return
+    per_rank = math.ceil(len(dataset) / trainer.world_size)
+    last, batches = per_rank % data.batch_size, math.ceil(per_rank / data.batch_size)
+    if last == 0 or trainer.num_training_batches < batches:  # limit_train_batches stops before it
+        return
+    parts = ppo.num_minibatches * ppo.gradient_accumulation_steps
+    if last * ppo.num_generations % parts == 0:
+        return
+    ranks = f" over {trainer.world_size} ranks ({per_rank} each)" if trainer.world_size > 1 else ""
+    sequences = f" x ppo.num_generations {ppo.num_generations}" if ppo.num_generations > 1 else ""
+    raise UsageError(
+        f"data.drop_last is false and the train set's {len(dataset)} prompts{ranks} in batches of "
+        f"data.batch_size {data.batch_size} leave a last batch of {last}{sequences}, which does not divide "
+        f"into ppo.num_minibatches x ppo.gradient_accumulation_steps = {ppo.num_minibatches} x "
+        f"{ppo.gradient_accumulation_steps} = {parts} equal parts: set data.drop_last: true, or another "
+        "data.batch_size"
+    )
+
+
 def check_training_plan(trainer: Trainer, ppo: PPOConfig) -> None:
     """As training starts (a resumed run's loop restored, so ``global_step`` is the checkpoint's):
-    refuse a step limit that would be overshot, or say what it means."""
+    refuse a step limit that would be overshot or a last batch that cannot be split, and say what
+    the step limit means."""
+    check_last_batch(trainer, ppo)
     sentence = check_step_limit(trainer.max_steps, ppo, trainer.global_step)
     if sentence is not None:
         rank_zero_info(f"lightning_ppo: {sentence}")

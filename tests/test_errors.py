@@ -253,6 +253,23 @@ def test_max_steps_is_said_in_iterations_and_one_that_would_be_overshot_is_refus
     assert "`max_steps=4` reached" in done.stdout + done.stderr
 
 
+def test_a_last_batch_that_cannot_be_split_is_refused_before_training(tiny_digits, tmp_path):
+    # 18 prompts in batches of 8 leave 2, which 4 minibatches cannot split: this used to fail at the end
+    # of the epoch, naming "data.batch_size 2".
+    args = ("--data.init_args.drop_last", "false", "--data.init_args.num_prompts", "18")
+    args += ("--model.init_args.ppo.num_minibatches", "4", "--trainer.limit_train_batches", "5")
+    counter = {"class_path": "tests.helpers.Throttle", "init_args": {"seconds": 0.0, "progress_file": "done"}}
+    counter["init_args"]["progress_file"] = str(tmp_path / "done")  # written after every iteration
+    args += ("--trainer.callbacks", json.dumps([counter]))
+    line = one_line_error(_fit_process(tmp_path, tiny_digits, *args))
+    assert line == (
+        "data.drop_last is false and the train set's 18 prompts in batches of data.batch_size 8 leave a "
+        "last batch of 2, which does not divide into ppo.num_minibatches x ppo.gradient_accumulation_steps "
+        "= 4 x 1 = 4 equal parts: set data.drop_last: true, or another data.batch_size"
+    )
+    assert not (tmp_path / "done").exists()  # before the first iteration
+
+
 def test_a_resumed_run_counts_max_steps_from_the_checkpoints_steps():
     # 4 iterations of 8 steps saved, then resumed with 4 minibatches: 16 steps per iteration from step 32.
     ppo = PPOConfig(ppo_epochs=4, num_minibatches=4)
