@@ -9,6 +9,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_ppo.errors import UsageError
 from lightning_ppo.samples import sample_rows, write_samples
 
 
@@ -105,7 +106,7 @@ class SampleTable(Callback):
 
     def __init__(self, every_n_iterations: int = 50, max_rows: int = 16) -> None:
         if every_n_iterations < 1 or max_rows < 1:
-            raise ValueError(
+            raise UsageError(
                 f"every_n_iterations and max_rows must be >= 1, got {every_n_iterations}, {max_rows}"
             )
         self.every_n_iterations, self.max_rows = every_n_iterations, max_rows

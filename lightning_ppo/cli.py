@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +20,19 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning_ppo.checkpoint import PPOCheckpoint
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptDataModule
-from lightning_ppo.errors import TRACEBACK_ENV, usage_errors_exit
+from lightning_ppo.errors import TRACEBACK_ENV, UsageError, condense_parser_error, usage_errors_exit
 from lightning_ppo.export import export_main
 from lightning_ppo.log_continuity import continue_logs
 from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.plot import DEFAULT_KEYS, plot_run
-from lightning_ppo.preflight import check_checkpoint_file, check_run_inputs
+from lightning_ppo.preflight import check_checkpoint_file, check_packages, check_run_inputs
 from lightning_ppo.quiet import silence_intended_warnings
 from lightning_ppo.roles import LoraSettings
+from lightning_ppo.run_length import check_step_limit
 from lightning_ppo.samples import find_latest_samples, format_samples, read_samples
 from lightning_ppo.sharding import reject_fsdp1
 from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
+from lightning_ppo.typos import suggestion
 from lightning_ppo.writable import check_configured_folders, class_configs
 
 DESCRIPTION = (
@@ -57,8 +60,17 @@ class PPOLightningCLI(LightningCLI):
         """
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
-        """Parse, then check ``ckpt_path``: LightningCLI reads the checkpoint right after parsing."""
-        super().parse_arguments(parser, args)
+        """Parse, then check ``ckpt_path``: LightningCLI reads the checkpoint right after parsing.
+
+        A misspelt key gets the closest valid one: ``...; did you mean kl_coef?``.
+        """
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            hint = suggestion(str(err), parser, sys.argv[1:] if args is None else args)
+            if hint is None:
+                raise
+            raise UsageError(f"{condense_parser_error(str(err))}; {hint}") from err
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path:
@@ -69,16 +81,20 @@ class PPOLightningCLI(LightningCLI):
         (minutes, for big ones)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         reject_fsdp1(config.get("trainer.strategy"))
+        model, data = _as_dict(config.get("model.init_args")), _as_dict(config.get("data.init_args"))
+        check_packages(model, config.get("trainer.strategy"))
         _loggers_follow_root(config)
         check_configured_folders(config)
-        model, data = _as_dict(config.get("model.init_args")), _as_dict(config.get("data.init_args"))
         # Values first (no I/O: the dataclasses check themselves when built), then paths and models.
         if model.get("generation") is not None:
             GenerationConfig(**model["generation"])
         if model.get("lora") is not None:
             LoraSettings(**model["lora"])
-        if model.get("ppo") is not None and data.get("batch_size") is not None:
-            PPOConfig(**model["ppo"]).check_batch_size(data["batch_size"])
+        ppo = PPOConfig(**model["ppo"]) if model.get("ppo") is not None else None
+        if ppo is not None and not config.get("ckpt_path"):  # resumed: checked once the loop is restored
+            check_step_limit(config.get("trainer.max_steps"), ppo)
+        if ppo is not None and data.get("batch_size") is not None:
+            ppo.check_batch_size(data["batch_size"])
         check_run_inputs(model, data)
 
     def before_fit(self) -> None:

@@ -23,12 +23,16 @@ USAGE_EXIT_CODE = 2  # argparse's status for a bad command line
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)":\s*(.*)')
 _SEARCH_NOISE = (
     "Does not validate against any of the Union subtypes",
+    "Expected a path but",  # jsonargparse tried the value as a config file's path first
     "Subtypes:",
     "Errors:",
     "Given value",  # the dump of the whole section the bad value sits in
     "Expected a <class 'NoneType'>",  # the "or null" alternative of every optional section
 )
 _SCALAR_TYPES = ("<class 'str'>", "<class 'int'>", "<class 'float'>", "<class 'bool'>")
+_CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)':")
+_CALLABLE_FAILURE = "expects a function or a callable class: "
+_IMPORT_FAILURE = re.compile(r"No module named |module '[^']+' has no attribute |cannot import name ")
 
 
 class UsageError(ValueError):
@@ -40,6 +44,11 @@ class UsageError(ValueError):
 
 class MissingPathError(UsageError, FileNotFoundError):
     """A file or folder the user named does not exist (still a ``FileNotFoundError`` for callers)."""
+
+
+class UsageTypeError(UsageError, TypeError):
+    """Something the user gave has the wrong kind (a reward with a signature no convention fits, a
+    reward returning text): still a ``TypeError`` for callers."""
 
 
 def show_tracebacks() -> bool:
@@ -55,19 +64,24 @@ def condense_parser_error(message: str) -> str:
     """
     keys: list[str] = []
     detail = given = given_type = None
-    for line in message.splitlines():
-        text = line.strip().removeprefix("- ")
+    lines = [line.strip().removeprefix("- ") for line in message.splitlines()]
+    for number, text in enumerate(lines):
+        import_failure = _import_failure(text, lines[number + 1 :])
+        if import_failure is not None:  # that is the error, not the other types jsonargparse tried
+            return f"{'.'.join(keys) or 'class_path'}: cannot import{import_failure}"
+        # "Type Callable[...] expects a function or a callable class: <why>. Got value: <the section>"
+        text = text.partition(_CALLABLE_FAILURE)[2].split(". Got value: Namespace(")[0] or text
         match = _PARSER_KEY.match(text)
         if match:
             keys.append(match[1])
             text = match[2]
-        elif text.startswith("Problem with given class_path"):
+        elif _CLASS_PATH.match(text):
             keys.append("init_args")
             continue
-        elif text.startswith("Given value type:"):
+        elif text.startswith("Given value type:") and given_type is None:  # the innermost: the bad value's
             given_type = text.removeprefix("Given value type:").strip()
-        elif text.startswith("Given value:"):
-            given = text.removeprefix("Given value:").strip()
+        elif text.startswith("Given value:") and given is None:
+            given = text.removeprefix("Given value:").strip().split(". Got value: Namespace(")[0]
         if detail is None and text and not text.startswith(_SEARCH_NOISE):
             detail = re.sub(r"<class '(?:\w+\.)*(\w+)'>", r"\1", text)
             detail = re.sub(r"^Expected a (\w+)(?:\. Got value: (.*))?", _expected, detail)
@@ -76,6 +90,16 @@ def condense_parser_error(message: str) -> str:
     if given_type in _SCALAR_TYPES and ", got " not in detail:  # a scalar, not a dumped section
         detail = f"{detail}, got {given}"
     return f"{'.'.join(keys)}: {detail}"
+
+
+def _import_failure(text: str, following: list[str]) -> str | None:
+    """`` 'a.b': reason`` when ``text`` says that a class_path or a callable's import path failed."""
+    class_path = _CLASS_PATH.match(text)
+    if class_path:
+        reason = next((line for line in following if line), "")
+        return f" {class_path[1]!r}: {reason}" if _IMPORT_FAILURE.match(reason) else None
+    reason = text.partition(_CALLABLE_FAILURE)[2].split(". Got value")[0]
+    return f": {reason}" if _IMPORT_FAILURE.match(reason) else None
 
 
 def _expected(match: re.Match[str]) -> str:

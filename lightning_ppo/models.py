@@ -170,10 +170,21 @@ def resolve_stop_token(tokenizer: PreTrainedTokenizerBase, stop_token: str | Non
     return token_id
 
 
-def resolve_suppressed_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[str | int]) -> list[int]:
+def resolve_suppressed_tokens(
+    tokenizer: PreTrainedTokenizerBase, tokens: list[str | int], stop_token: str | None = None
+) -> list[int]:
     """Ids of ``generation.suppress_tokens``: ids as given, token strings through the vocabulary, and
-    patterns (``*`` / ``?`` wildcards, see :func:`token_pattern`) to every token they match."""
-    ids = {token_id for token in tokens for token_id in _suppressed_ids(tokenizer, token)}
+    patterns (``*`` / ``?`` wildcards, see :func:`token_pattern`) to every token they match.
+
+    The stop token (``generation.stop_token``, None: EOS) is refused: suppressed, no response could end.
+    """
+    stop_id = resolve_stop_token(tokenizer, stop_token) if tokens else None
+    ids: set[int] = set()
+    for token in tokens:
+        matched = _suppressed_ids(tokenizer, token)
+        if stop_id in matched:
+            _refuse_stop_token(tokenizer, token, stop_id, stop_token)
+        ids.update(matched)
     if len(ids) >= len(tokenizer):  # nothing left to sample: generate would fail on NaN probabilities
         raise UsageError(f"generation.suppress_tokens {tokens!r} suppresses every token of the vocabulary")
     return sorted(ids)
@@ -215,3 +226,19 @@ def token_pattern(token: str) -> re.Pattern[str] | None:
         return None
     wildcards = {"*": ".*", "?": "."}
     return re.compile("".join(wildcards.get(char) or re.escape(char) for char in token), re.DOTALL)
+
+
+def _refuse_stop_token(
+    tokenizer: PreTrainedTokenizerBase, token: str | int, stop_id: int, stop_token: str | None
+) -> None:
+    is_pattern = isinstance(token, str) and token_pattern(token) is not None
+    eos = f"null: the tokenizer's EOS {tokenizer.convert_ids_to_tokens(stop_id)!r}"
+    stop = (
+        f"generation.stop_token {stop_token!r}" if stop_token is not None else f"generation.stop_token {eos}"
+    )
+    raise UsageError(
+        f"generation.suppress_tokens: {token!r} {'matches' if is_pattern else 'is'} the stop token ({stop}, "
+        f"id {stop_id}): suppressed, "
+        "no response could ever end; remove it from generation.suppress_tokens or set another "
+        "generation.stop_token"
+    )

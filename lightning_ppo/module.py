@@ -24,13 +24,13 @@ from lightning_ppo import optim
 from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
 from lightning_ppo.config import EpisodeConfig, GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptBatch
-from lightning_ppo.engines import GenerationEngine, engine_for_trainer
+from lightning_ppo.engines import GenerationEngine, engine_for_trainer, engine_is_weights, engine_mismatch
 from lightning_ppo.episodes import Environment, StepResult, make_episode_runner
 from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.guardrails import Guardrails, IterationView
 from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.metrics import TrailingMean, engine_metrics, experience_metrics, score_metrics
+from lightning_ppo.metrics import TrailingMean, experience_metrics, score_metrics
 from lightning_ppo.microbatches import Share, plan_micro_batches
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
@@ -49,6 +49,7 @@ from lightning_ppo.rewards import (
 )
 from lightning_ppo.roles import LoraSettings, Roles
 from lightning_ppo.rollout import Rollout, generate, hf_generation_config
+from lightning_ppo.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.scoring import Scorer
 from lightning_ppo.sharding import (
     data_parallel_mesh,
@@ -204,7 +205,9 @@ class PPOLightningModule(LightningModule):
         self.scheduler_factory = lr_scheduler
         self.tokenizer = load_tokenizer(tokenizer or policy, trust_remote_code)
         self.stop_token_id = resolve_stop_token(self.tokenizer, generation.stop_token)
-        self.suppressed_ids = resolve_suppressed_tokens(self.tokenizer, generation.suppress_tokens)
+        self.suppressed_ids = resolve_suppressed_tokens(
+            self.tokenizer, generation.suppress_tokens, generation.stop_token
+        )
         pad_id = self.tokenizer.pad_token_id
         self.hf_generation = hf_generation_config(
             generation, self.stop_token_id, pad_id, suppressed=self.suppressed_ids
@@ -310,6 +313,12 @@ class PPOLightningModule(LightningModule):
         if self.trainer.world_size > 1:
             torch.manual_seed(torch.initial_seed() + 1_000_003 * self.trainer.global_rank)
 
+    def on_train_start(self) -> None:
+        check_training_plan(self.trainer, self.ppo)
+
+    def on_fit_end(self) -> None:
+        explain_idle_resume(self.trainer, getattr(self, "_resumed_at", None), self.iteration)
+
     def configure_model(self) -> None:
         # Only ModelParallelStrategy (FSDP2) asks the module to shard itself; Lightning calls this
         # hook once per fit/validate, so an already sharded module is left as it is.
@@ -338,7 +347,7 @@ class PPOLightningModule(LightningModule):
             scores.shaped,
             kl_coef,
             self.ppo,
-            self.engine_is_weights(rollout, forwards.logprobs),
+            engine_is_weights(self.generation_config, rollout, forwards.logprobs),
             self.sum_over_ranks,
         )
         stats = self.ppo_update(exp)
@@ -350,7 +359,7 @@ class PPOLightningModule(LightningModule):
         )
         raw = scores.raw if rollout.turn_rewards is None else scores.raw + rollout.turn_rewards.sum(1)
         stats.update(score_metrics(raw, scores.shaped, scores.dropped, self.ppo.shapes_scores, reduce))
-        stats.update(self.engine_mismatch(rollout, forwards.logprobs))
+        stats.update(engine_mismatch(self.generation_config, rollout, forwards.logprobs))
         if self.episode_runner is not None:
             stats.update(self.episode_runner.metrics(reduce))
         stats["objective/scores_smoothed"] = self.smoothed_score.add(float(stats["objective/scores"]))
@@ -444,24 +453,6 @@ class PPOLightningModule(LightningModule):
                 self.policy,
             )
         return self._engine
-
-    def engine_is_weights(self, rollout: Rollout, logprobs: Tensor) -> Tensor | None:
-        """Truncated engine-vs-trainer importance weights of the policy loss, if configured."""
-        level = self.generation_config.engine_is_correction
-        if level is None or rollout.engine_logprobs is None:
-            return None
-        cap = self.generation_config.engine_is_cap
-        return F.truncated_is_weights(logprobs, rollout.engine_logprobs, rollout.response_mask, level, cap)
-
-    def engine_mismatch(self, rollout: Rollout, logprobs: Tensor) -> dict[str, Tensor]:
-        """``engine/*`` metrics when an engine other than the trainer sampled, else none."""
-        if rollout.engine_logprobs is None:
-            return {}
-        config = self.generation_config
-        level = config.engine_is_correction or "token"
-        return engine_metrics(
-            logprobs, rollout.engine_logprobs, rollout.response_mask, level, config.engine_is_cap
-        )
 
     def _warn_if_prompts_end_with_stop(self, batch: PromptBatch) -> None:
         """Once per run: a prompt ending with the stop token (a tokenizer's trailing ``[SEP]``) asks
@@ -742,7 +733,7 @@ class PPOLightningModule(LightningModule):
         state = checkpoint.get("ppo_state", {})
         saved_kl = state.get("kl_controller", {"value": state.get("kl_coef", self.kl_ctl.value)})
         self.kl_ctl.load_state_dict(saved_kl)  # checkpoints before the controller had state: kl_coef
-        self.iteration = state.get("iteration", 0)
+        self.iteration = self._resumed_at = state.get("iteration", 0)
         self.episodes = state.get("episodes", 0)
         self.consecutive_skips = state.get("consecutive_skips", 0)
         if "score_moments" in state:

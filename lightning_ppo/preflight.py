@@ -7,16 +7,27 @@ config; :func:`check_sequence_fits` also runs in the module's ``setup`` for the 
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 from collections.abc import Mapping
+from importlib import import_module
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.strategies import (
+    DeepSpeedStrategy,
+    SingleDeviceXLAStrategy,
+    StrategyRegistry,
+    XLAStrategy,
+)
+from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from lightning_ppo.config import EpisodeConfig
+from lightning_ppo.engines.vllm import INSTALL_HINT as VLLM_INSTALL_HINT
 from lightning_ppo.errors import MissingPathError, UsageError
 
 # Checkpoint-holding roles of PPOLightningModule, by argument name.
@@ -36,6 +47,13 @@ TOKENIZER_FILES = (
 )
 # ckpt_path values Lightning resolves itself rather than reading as a path.
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
+# Strategies whose package Lightning looks for only when the Trainer is built, after every model has
+# loaded: (strategy class, its package, how to install it).
+STRATEGY_PACKAGES = (
+    (DeepSpeedStrategy, "deepspeed", "pip install deepspeed"),
+    (XLAStrategy, "torch_xla", "pip install torch_xla (see pytorch/xla)"),
+    (SingleDeviceXLAStrategy, "torch_xla", "pip install torch_xla (see pytorch/xla)"),
+)
 
 
 def _looks_local(source: str) -> bool:
@@ -158,6 +176,8 @@ def check_run_inputs(model: Mapping[str, Any], data: Mapping[str, Any]) -> None:
         for name in MODEL_FIELDS
         if isinstance(model.get(name), str)
     }
+    if "reward_model" in configs:
+        check_reward_head(model["reward_model"])
     # The module loads its tokenizer from the policy's folder unless model.tokenizer is set.
     tokenizer_field = "tokenizer" if model.get("tokenizer") else "policy"
     tokenizers = {
@@ -184,3 +204,63 @@ def response_budget(model: dict[str, Any]) -> tuple[str, int | None]:
             "max_tokens", EpisodeConfig.max_tokens
         )
     return "model.generation.max_new_tokens", (model.get("generation") or {}).get("max_new_tokens")
+
+
+def check_packages(model: Mapping[str, Any], strategy: Any) -> None:
+    """Fail when the generation engine or the Trainer's strategy needs a package that is not installed.
+
+    Found without importing it (vLLM takes seconds to import); the engine and Lightning import it later.
+    """
+    if (model.get("generation") or {}).get("engine") == "vllm" and find_spec("vllm") is None:
+        raise UsageError(
+            f"generation.engine 'vllm' needs the vllm package, which is not installed: {VLLM_INSTALL_HINT}"
+        )
+    cls = strategy_class(strategy)
+    for base, package, hint in STRATEGY_PACKAGES:
+        if cls is not None and issubclass(cls, base) and find_spec(package) is None:
+            shown = strategy if isinstance(strategy, str) else cls.__name__
+            raise UsageError(
+                f"trainer.strategy {shown!r} needs the {package} package, which is not installed: {hint}"
+            )
+
+
+def strategy_class(strategy: Any) -> type | None:
+    """The class of ``trainer.strategy`` given as a registered name or a ``class_path``; else None."""
+    if isinstance(strategy, str):
+        return StrategyRegistry[strategy]["strategy"] if strategy in StrategyRegistry else None
+    class_path = getattr(strategy, "class_path", None)
+    if not isinstance(class_path, str) or "." not in class_path:
+        return None
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        found = getattr(import_module(module_name), name)
+    except (ImportError, AttributeError):
+        return None  # jsonargparse names a class_path that does not import
+    return found if isinstance(found, type) else None
+
+
+def no_head_message(source: str, detail: str) -> str:
+    return (
+        f"model.reward_model: {source!r} has no scoring head in its weights ({detail}; a causal "
+        "LM?): a reward model is a checkpoint of AutoModelForSequenceClassification with num_labels=1"
+    )
+
+
+def check_reward_head(source: str) -> None:
+    """Fail, before loading, when a local reward-model folder's safetensors hold no scoring head.
+
+    Loaded as a sequence classifier, such a checkpoint (e.g. a causal LM) gets a randomly initialised
+    head, and the critic would start from it too. Heads are ``score`` or ``classifier`` (as
+    :func:`~lightning_ppo.models.classifier_head` reads them); other formats are checked when loading.
+    """
+    folder = Path(source).expanduser()
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if index.is_file():
+        keys = set(json.loads(index.read_text())["weight_map"])
+    elif single.is_file():
+        with safe_open(single, "pt") as file:
+            keys = set(file.keys())
+    else:
+        return
+    if not any({"score", "classifier"} & set(key.split(".")) for key in keys):
+        raise UsageError(no_head_message(source, "no score.* or classifier.* tensor"))

@@ -20,10 +20,10 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_ppo.errors import MissingPathError, UsageError
+from lightning_ppo.errors import MissingPathError, UsageError, UsageTypeError
 from lightning_ppo.functional import Reduce, masked_mean, masked_var
 from lightning_ppo.models import FROZEN_DTYPES, classifier_head, freeze, load_config, load_tokenizer
-from lightning_ppo.preflight import _looks_local
+from lightning_ppo.preflight import _looks_local, no_head_message
 from lightning_ppo.rollout import Rollout, position_ids_from_mask
 
 
@@ -128,9 +128,9 @@ def _short(value: Any) -> str:
     return str(value) if isinstance(value, (str, int, float, bool)) or value is None else type(value).__name__
 
 
-OUR_CONVENTION = "fn(prompts, completions, batch)  # batch: lightning_ppo.rewards.ScoreInputs"
+OUR_CONVENTION = "fn(prompts, completions, batch) with batch a lightning_ppo.rewards.ScoreInputs"
 TRL_CONVENTION = (
-    "fn(prompts, completions, **kwargs)  # TRL's: completion_ids and every dataset column as keywords"
+    "TRL's fn(prompts, completions, **kwargs), given completion_ids and every dataset column as keywords"
 )
 # What TRL passes besides the dataset's columns (and wins over a column of the same name).
 _TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
@@ -163,9 +163,9 @@ class RewardCall:
         trl = uses_trl_convention(fn)
         if trl is None:
             name = reward_name(fn)
-            raise TypeError(
+            raise UsageTypeError(
                 f"reward_fn {name!r} has the signature {name}{inspect.signature(fn)}, which fits neither "
-                f"way a reward is called:\n  {OUR_CONVENTION}\n  {TRL_CONVENTION}"
+                f"way a reward is called: {OUR_CONVENTION}, or {TRL_CONVENTION}"
             )
         return cls(fn, trl, reward_name(fn))
 
@@ -209,7 +209,7 @@ class RewardCall:
         missing = [name for name in required if name not in kwargs]
         if missing:
             columns = sorted(set(kwargs) - set(_TRL_KEYWORDS))
-            raise TypeError(
+            raise UsageTypeError(
                 f"reward {self.name!r} needs the dataset column(s) {missing}; the batch has {columns}"
             )
 
@@ -313,24 +313,28 @@ def check_scores(
 ) -> Tensor:
     """Validate a reward's output and return it as a float32 tensor of shape (batch_size,).
 
-    NaN and inf raise unless ``allow_nonfinite`` (the caller then drops those samples).
+    NaN and inf raise unless ``allow_nonfinite`` (the caller then drops those samples). Every error
+    here is the reward's, so a usage error: the command reports it in one line.
     """
     try:
         tensor = torch.as_tensor(scores, dtype=torch.float32, device=device)
     except (TypeError, ValueError, RuntimeError) as err:
-        raise TypeError(
+        raise UsageTypeError(
             f"reward {name!r} must return numbers (a list or a tensor), got {type(scores).__name__}"
         ) from err
     if tensor.dim() == 2 and tensor.shape[1] == 1:
         tensor = tensor.squeeze(1)
     if tensor.shape != (batch_size,):
-        raise ValueError(
+        raise UsageError(
             f"reward {name!r} must return one score per completion, shape ({batch_size},), "
             f"got shape {tuple(tensor.shape)}"
         )
     if not allow_nonfinite and not torch.isfinite(tensor).all():
         bad = (~torch.isfinite(tensor)).nonzero().flatten().tolist()
-        raise ValueError(f"reward {name!r} returned NaN or inf at positions {bad[:10]}")
+        raise UsageError(
+            f"reward {name!r} returned NaN or inf at positions {bad[:10]} (ppo.on_bad_reward: drop leaves "
+            "such samples out of the update)"
+        )
     return tensor
 
 
@@ -371,9 +375,17 @@ class RewardModel(nn.Module):
         """Load the classifier; its tokenizer from ``tokenizer``, the checkpoint, or else the policy's."""
         config = load_config(name_or_path, trust_remote_code)
         config.num_labels = 1
-        model = AutoModelForSequenceClassification.from_pretrained(
-            name_or_path, config=config, trust_remote_code=trust_remote_code, dtype=FROZEN_DTYPES.get(dtype)
+        model, loading = AutoModelForSequenceClassification.from_pretrained(
+            name_or_path,
+            config=config,
+            trust_remote_code=trust_remote_code,
+            dtype=FROZEN_DTYPES.get(dtype),
+            output_loading_info=True,
         )
+        head = "score" if hasattr(model, "score") else "classifier"  # as classifier_head() reads it
+        missing = sorted(key for key in loading["missing_keys"] if key.split(".")[0] == head)
+        if missing:  # transformers initialised the head at random: every score would be noise
+            raise UsageError(no_head_message(name_or_path, f"{', '.join(missing)} missing"))
         own = _own_tokenizer(name_or_path, policy_tokenizer, tokenizer, trust_remote_code, chat_template)
         return cls(model, own, chat_template)
 

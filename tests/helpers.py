@@ -53,6 +53,16 @@ def trl_answer_reward(prompts, completions, **kwargs):
     return [float(c.startswith(a)) for c, a in zip(completions, kwargs["answer"], strict=True)]
 
 
+def one_score_short(prompts, completions, batch):
+    """A reward that returns one score fewer than there are completions."""
+    return [0.0] * (len(completions) - 1)
+
+
+def two_argument_reward(prompts, completions):
+    """A reward whose signature fits neither calling convention (no batch, no **kwargs)."""
+    return [0.0] * len(completions)
+
+
 class TRLLengthReward:
     """A TRL-style callable class that names the dataset column it needs."""
 
@@ -328,6 +338,18 @@ def cli_process(args: list[str], timeout: int = 300, **env: str) -> subprocess.C
     full_env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(root), **env}
     command = [sys.executable, "-m", "lightning_ppo.cli", *args]
     return subprocess.run(command, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    """The error a ``cli_process`` run ended with: exit status 2, no traceback, and the error one line,
+    the last (Lightning's start-up lines may come before an error raised in training). Returned
+    without its ``lightning-ppo: error: `` prefix."""
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("lightning-ppo: error: ")]
+    assert errors == [len(lines) - 1], done.stderr[-3000:]
+    return lines[-1].removeprefix("lightning-ppo: error: ")
 
 
 def two_cpu_ranks(strategy: str | dict, iterations: int = 2) -> tuple[str, ...]:

@@ -7,23 +7,35 @@ import os
 import random
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import datasets
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
 from lightning_ppo.cli import main
 from lightning_ppo.errors import TRACEBACK_ENV, UsageError
 from lightning_ppo.preflight import check_checkpoint_file
+from lightning_ppo.rewards import RewardModel
+from lightning_ppo.run_length import check_step_limit
 from lightning_ppo.tasks.tiny import (
     DEFAULT_ALPHABET,
     TinyModelSpec,
     build_char_tokenizer,
     make_tiny_checkpoint,
 )
-from tests.helpers import CountCharReward, cli_usage_error, prompt_data, quiet_trainer
+from tests.helpers import (
+    CountCharReward,
+    cli_process,
+    cli_usage_error,
+    one_line_error,
+    prompt_data,
+    quiet_trainer,
+    saver,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -92,6 +104,36 @@ def test_parser_errors_name_the_key_without_usage_or_config_dump(args, expected,
     assert "Given value" not in line and "Namespace(" not in line
 
 
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        (
+            "command line",
+            "model.init_args: unrecognized arguments: --ppo.kl_coeff=0.1; did you mean ppo.kl_coef?",
+        ),
+        ("yaml", "model.init_args: Group 'ppo' does not accept option 'kl_coeff'; did you mean kl_coef?"),
+        (
+            "trainer",
+            "Subcommand 'fit' does not accept option 'trainer.max_step'; did you mean trainer.max_steps?",
+        ),
+        ("class_path", "data.init_args: Option 'batch_sise' is not accepted; did you mean batch_size?"),
+    ],
+)
+def test_a_misspelt_key_gets_the_closest_valid_one(where, expected, tmp_path):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(
+        {
+            "yaml": "model: {init_args: {ppo: {kl_coeff: 0.1}}}",
+            "trainer": "trainer: {max_step: 3}",
+            "class_path": "data: {init_args: {batch_sise: 3}}",
+        }.get(where, "{}")
+    )
+    args = ["--model.init_args.ppo.kl_coeff", "0.1"] if where == "command line" else ["--config", str(typo)]
+    done = cli_process(["fit", "--config", QUICKSTART, "--model.init_args.policy", NO_MODEL, *args])
+    assert one_line_error(done) == expected
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
 def test_traceback_variable_lets_the_usage_error_through(monkeypatch):
     monkeypatch.setenv(TRACEBACK_ENV, "1")
     with pytest.raises(UsageError, match="ppo.gamma must be in"):
@@ -112,6 +154,163 @@ def test_a_suppress_tokens_pattern_matching_no_token_is_one_line(tiny_digits, tm
         "error: generation.suppress_tokens: pattern '[unused*]' matches no token of the "
         "tokenizer's vocabulary"
     )
+
+
+def _fit_process(tmp_path: Path, policy: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``lightning-ppo fit`` of :func:`_fit_args` in a process of its own."""
+    return cli_process(["fit", "--config", QUICKSTART, *_fit_args(tmp_path, policy, *extra)])
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ("--model.init_args.reward_fn", "tests.helpers.one_score_short"),
+            "reward 'one_score_short' must return one score per completion, shape (8,), got shape (7,)",
+        ),
+        (
+            ("--model.init_args.reward_fn", "tests.helpers.two_argument_reward"),
+            "reward_fn 'two_argument_reward' has the signature two_argument_reward(prompts, completions), "
+            "which fits neither way a reward is called: fn(prompts, completions, batch)",
+        ),
+        (
+            ("--model.init_args.generation.suppress_tokens", '["x"]'),
+            "generation.suppress_tokens: 'x' is not a single token of the tokenizer's vocabulary",
+        ),
+        (
+            ("--model.init_args.generation.suppress_tokens", "[99]"),
+            "generation.suppress_tokens: id 99 is outside the tokenizer's 14 tokens",
+        ),
+        (
+            ("--model.init_args.reward_fn", "tests.helpers.one_score_shrt"),
+            "model.init_args.reward_fn: cannot import 'tests.helpers.one_score_shrt': "
+            "module 'tests.helpers' has no attribute 'one_score_shrt'",
+        ),
+    ],
+    ids=["reward-shape-first-rollout", "reward-signature", "suppress-unknown", "suppress-id", "import-path"],
+)
+def test_mistakes_found_building_the_module_or_in_the_first_rollout_are_one_line(
+    args, expected, tiny_digits, tmp_path
+):
+    # jsonargparse wraps what __init__ raises, Lightning re-raises what training raises: both used to
+    # reach the console as 55-90-line tracebacks with exit status 1.
+    assert one_line_error(_fit_process(tmp_path, tiny_digits, *args)).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("args", "package", "expected"),
+    [
+        (
+            ("--model.init_args.generation.engine", "vllm"),
+            "vllm",
+            "generation.engine 'vllm' needs the vllm package, which is not installed: pip install",
+        ),
+        (
+            ("--trainer.strategy", "deepspeed"),
+            "deepspeed",
+            "trainer.strategy 'deepspeed' needs the deepspeed package, which is not installed: pip install",
+        ),
+        (
+            ("--config", str(ROOT / "configs" / "gpu" / "deepspeed_zero2.yaml")),
+            "deepspeed",
+            "trainer.strategy 'DeepSpeedStrategy' needs the deepspeed package, which is not installed",
+        ),
+    ],
+    ids=["vllm-engine", "strategy-name", "strategy-class-path"],
+)
+def test_a_missing_engine_or_strategy_package_fails_before_any_model_loads(args, package, expected):
+    if find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    # The policy does not exist: the package is checked before the model paths, long before loading.
+    done = cli_process(["fit", "--config", QUICKSTART, *args, "--model.init_args.policy", NO_MODEL])
+    assert one_line_error(done).startswith(expected)
+    assert len(done.stderr.strip().splitlines()) <= 2  # "Seed set to 0" and the error
+
+
+@pytest.mark.parametrize("stop", ["eos-by-id", "stop-token-by-text"])
+def test_suppressing_the_stop_token_is_refused_naming_both_fields(stop, tiny_digits, tmp_path):
+    # Accepted silently before: no response could end (response/eos_fraction 0.0 every iteration).
+    if stop == "eos-by-id":
+        eos = AutoTokenizer.from_pretrained(tiny_digits).eos_token_id
+        args = ("--model.init_args.generation.suppress_tokens", f"[{eos}]")
+        shown = f"{eos} is the stop token (generation.stop_token null: the tokenizer's EOS '<eos>', id {eos})"
+    else:
+        args = ("--model.init_args.generation.suppress_tokens", '["="]')
+        args += ("--model.init_args.generation.stop_token", "=")
+        shown = "'=' is the stop token (generation.stop_token '=', id "
+    line = one_line_error(_fit_process(tmp_path, tiny_digits, *args))
+    assert line.startswith(f"generation.suppress_tokens: {shown}")
+    assert line.endswith("remove it from generation.suppress_tokens or set another generation.stop_token")
+
+
+# ----------------------------------------------------------------- run length
+
+
+def test_max_steps_is_said_in_iterations_and_one_that_would_be_overshot_is_refused(tiny_digits, tmp_path):
+    # 1 epoch x 2 minibatches = 2 optimizer steps per iteration; max_steps 3 used to run 2 iterations (4).
+    steps = ("--model.init_args.ppo.ppo_epochs", "1", "--trainer.limit_train_batches", "5")
+    line = one_line_error(_fit_process(tmp_path, tiny_digits, *steps, "--trainer.max_steps", "3"))
+    assert line == (
+        "trainer.max_steps 3 counts optimizer steps, 2 per PPO iteration (ppo.ppo_epochs 1 x "
+        "ppo.num_minibatches 2), and is checked between iterations: the run would stop after 4; use a "
+        "multiple of 2 (2, 4), or set the length in iterations with trainer.limit_train_batches and "
+        "trainer.max_epochs"
+    )
+    done = _fit_process(tmp_path, tiny_digits, *steps, "--trainer.max_steps", "4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = "lightning_ppo: trainer.max_steps 4 = 2 PPO iterations of 2 optimizer steps "
+    assert (done.stdout + done.stderr).count(said + "(ppo.ppo_epochs 1 x ppo.num_minibatches 2)") == 1
+    assert "`max_steps=4` reached" in done.stdout + done.stderr
+
+
+def test_a_last_batch_that_cannot_be_split_is_refused_before_training(tiny_digits, tmp_path):
+    # 18 prompts in batches of 8 leave 2, which 4 minibatches cannot split: this used to fail at the end
+    # of the epoch, naming "data.batch_size 2".
+    args = ("--data.init_args.drop_last", "false", "--data.init_args.num_prompts", "18")
+    args += ("--model.init_args.ppo.num_minibatches", "4", "--trainer.limit_train_batches", "5")
+    counter = {"class_path": "tests.helpers.Throttle", "init_args": {"seconds": 0.0, "progress_file": "done"}}
+    counter["init_args"]["progress_file"] = str(tmp_path / "done")  # written after every iteration
+    args += ("--trainer.callbacks", json.dumps([counter]))
+    line = one_line_error(_fit_process(tmp_path, tiny_digits, *args))
+    assert line == (
+        "data.drop_last is false and the train set's 18 prompts in batches of data.batch_size 8 leave a "
+        "last batch of 2, which does not divide into ppo.num_minibatches x ppo.gradient_accumulation_steps "
+        "= 4 x 1 = 4 equal parts: set data.drop_last: true, or another data.batch_size"
+    )
+    assert not (tmp_path / "done").exists()  # before the first iteration
+
+
+def test_a_resumed_run_counts_max_steps_from_the_checkpoints_steps():
+    # 4 iterations of 8 steps saved, then resumed with 4 minibatches: 16 steps per iteration from step 32.
+    ppo = PPOConfig(ppo_epochs=4, num_minibatches=4)
+    with pytest.raises(UsageError, match=r"stop after 48; use 32 \(the checkpoint's steps\) plus a multiple"):
+        check_step_limit(40, ppo, done=32)
+    assert check_step_limit(48, ppo, done=32) == (
+        "trainer.max_steps 48 = the checkpoint's 32 steps + 1 PPO iteration of 16 optimizer steps "
+        "(ppo.ppo_epochs 4 x ppo.num_minibatches 4)"
+    )
+    assert check_step_limit(32, ppo, done=32) is None  # nothing left: said after fit (explain_idle_resume)
+
+
+def test_resuming_a_finished_run_that_trains_nothing_says_why(tiny_digits, tmp_path):
+    saving = ("--trainer.callbacks", json.dumps([saver(every_n_iterations=1)]))
+    saving += ("--trainer.enable_checkpointing", "true", "--model.init_args.ppo.ppo_epochs", "1")
+    first = _fit_process(tmp_path, tiny_digits, *saving, "--trainer.limit_train_batches", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    saved = last.read_bytes()
+    # A larger limit_train_batches does not reopen the epoch the first run finished: 0 iterations,
+    # which used to pass in silence.
+    args = (*saving, "--trainer.limit_train_batches", "4", "--ckpt_path", "last")
+    resumed = _fit_process(tmp_path, tiny_digits, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    said = [line for line in resumed.stderr.splitlines() if "nothing trained" in line]
+    assert len(said) == 1 and said[0].endswith(
+        f"nothing trained: resumed from {last} at iteration 2, the checkpoint's run had finished 1 of "
+        "trainer.max_epochs 1 epochs (an epoch cut short by trainer.limit_train_batches counts as finished: "
+        "a larger limit_train_batches does not reopen it): raise trainer.max_epochs to train more"
+    )
+    assert last.read_bytes() == saved
 
 
 # ----------------------------------------------------------------- paths, positions, checkpoints
@@ -139,6 +338,20 @@ def test_folder_without_config_json_holds_no_model(tiny_digits, tmp_path, capsys
         capsys, "--model.init_args.policy", str(tiny_digits), "--model.init_args.tokenizer", str(empty)
     )
     assert f"model.tokenizer: folder {str(empty)!r} holds no tokenizer" in line
+
+
+def test_a_reward_model_without_a_scoring_head_is_refused(tiny_digits, tmp_path):
+    # The policy's own folder, a causal LM: loaded as a classifier it used to train with a random head.
+    args = ("--model.init_args.reward_model", str(tiny_digits))
+    line = one_line_error(_fit_process(tmp_path, tiny_digits, *args))
+    assert line == (
+        f"model.reward_model: {str(tiny_digits)!r} has no scoring head in its weights (no score.* or "
+        "classifier.* tensor; a causal LM?): a reward model is a checkpoint of "
+        "AutoModelForSequenceClassification with num_labels=1"
+    )
+    # Loading checks too (hub names and other weight formats skip the check of the files).
+    with pytest.raises(UsageError, match=r"has no scoring head in its weights \(score.weight missing;"):
+        RewardModel.from_pretrained(str(tiny_digits))
 
 
 def test_prompt_plus_response_past_the_positions_fails_before_loading(tiny_digits, capsys):

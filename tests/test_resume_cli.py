@@ -60,6 +60,8 @@ def test_changed_settings_that_fit_warn_field_by_field(runs, tiny_digits, tmp_pa
     changed = [
         *("--model.init_args.generation.max_new_tokens", "6"),
         *("--model.init_args.ppo.num_minibatches", "4"),
+        # 4 iterations of 8 steps in the checkpoint, then 16 per iteration: one more is step 48
+        *("--trainer.max_steps", str(4 * STEPS_PER_ITERATION + 16)),
     ]
     with pytest.warns(UserWarning, match="differ from the checkpoint") as record:
         resumed = main(

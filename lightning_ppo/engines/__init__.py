@@ -15,7 +15,9 @@ import torch
 import transformers
 from torch import Tensor, nn
 
+from lightning_ppo import functional as F
 from lightning_ppo.config import GenerationConfig
+from lightning_ppo.metrics import engine_metrics
 from lightning_ppo.rollout import Rollout
 
 ENGINES = ("hf", "vllm")
@@ -91,3 +93,22 @@ def engine_for_trainer(
     precision = str(trainer.precision) if trainer is not None else "32-true"
     dtype = compute_dtype(precision, policy.dtype)
     return make_engine(config, hf_generation, policy_path, placement, seed + placement.rank, dtype)
+
+
+def engine_is_weights(config: GenerationConfig, rollout: Rollout, logprobs: Tensor) -> Tensor | None:
+    """Truncated engine-vs-trainer importance weights of the policy loss, if configured
+    (``generation.engine_is_correction``) and the engine gave its log-probs."""
+    if config.engine_is_correction is None or rollout.engine_logprobs is None:
+        return None
+    level, cap = config.engine_is_correction, config.engine_is_cap
+    return F.truncated_is_weights(logprobs, rollout.engine_logprobs, rollout.response_mask, level, cap)
+
+
+def engine_mismatch(config: GenerationConfig, rollout: Rollout, logprobs: Tensor) -> dict[str, Tensor]:
+    """``engine/*`` metrics when an engine other than the trainer sampled, else none."""
+    if rollout.engine_logprobs is None:
+        return {}
+    level = config.engine_is_correction or "token"
+    return engine_metrics(
+        logprobs, rollout.engine_logprobs, rollout.response_mask, level, config.engine_is_cap
+    )
