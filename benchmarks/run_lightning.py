@@ -101,14 +101,14 @@ def instrument(module: PPOLightningModule, timer: common.PhaseTimer, result: com
             setattr(lightning_ppo.module, name, timer.wrap(phase, getattr(lightning_ppo.module, name)))
     module.training_step = timer.wrap("training_step", module.training_step)
 
-    make_engine = lightning_ppo.module.make_engine
+    make_engine = lightning_ppo.module.engine_for_trainer
 
     def make_timed_engine(*args, **kwargs):
         engine = make_engine(*args, **kwargs)
         engine.sync_weights = timer.wrap("weight_push", engine.sync_weights)
         return engine
 
-    lightning_ppo.module.make_engine = make_timed_engine
+    lightning_ppo.module.engine_for_trainer = make_timed_engine
 
     generate = module.generate
 

@@ -178,7 +178,10 @@ def resolve_suppressed_tokens(
 
     The stop token (``generation.stop_token``, None: EOS) is refused: suppressed, no response could end.
     """
-    stop_id = resolve_stop_token(tokenizer, stop_token) if tokens else None
+    try:
+        stop_id = resolve_stop_token(tokenizer, stop_token) if tokens else None
+    except UsageError:  # no stop token to resolve: the module says so itself, in its own words
+        stop_id = None
     ids: set[int] = set()
     for token in tokens:
         matched = _suppressed_ids(tokenizer, token)

@@ -106,8 +106,8 @@ class NaNLossModule(PPOLightningModule):
         super().__init__(*args, **kwargs)
         self.nan_steps = set(nan_steps)
 
-    def ppo_loss(self, mb):
-        loss, stats = super().ppo_loss(mb)
+    def ppo_loss(self, mb, *args):
+        loss, stats = super().ppo_loss(mb, *args)
         self.loss_calls = getattr(self, "loss_calls", -1) + 1
         if self.loss_calls in self.nan_steps:
             loss = loss * float("nan")

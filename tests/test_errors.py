@@ -183,8 +183,8 @@ def _fit_process(tmp_path: Path, policy: Path, *extra: str) -> subprocess.Comple
         ),
         (
             ("--model.init_args.reward_fn", "tests.helpers.one_score_shrt"),
-            "model.init_args.reward_fn: cannot import 'tests.helpers.one_score_shrt': "
-            "module 'tests.helpers' has no attribute 'one_score_shrt'",
+            "reward_fn 'tests.helpers.one_score_shrt' is neither a reward model's folder nor an importable "
+            "function (module 'tests.helpers' has no attribute 'one_score_shrt')",
         ),
     ],
     ids=["reward-shape-first-rollout", "reward-signature", "suppress-unknown", "suppress-id", "import-path"],
