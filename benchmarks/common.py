@@ -384,3 +384,16 @@ def peak_tflops(name: str, precision: str) -> float | None:
         if key in name:
             return bf16 if precision.startswith("bf16") else fp32
     return None
+
+
+def quiet_fit_command(config: str, policy: str, out: Path, iterations: int) -> list[str]:
+    """``lightning-ppo fit`` of ``configs/<config>`` for ``iterations`` iterations under ``out``: a CSV
+    log only, no callbacks, checkpoints, validation or progress bar (the learning benchmarks' runs)."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "lightning_ppo.cli", "fit", "--config", str(root / "configs" / config)]
+    cmd += ["--model.init_args.policy", policy, "--trainer.default_root_dir", str(out)]
+    cmd += ["--trainer.limit_train_batches", str(iterations), "--trainer.enable_progress_bar", "false"]
+    cmd += ["--trainer.val_check_interval", "null", "--trainer.limit_val_batches", "0"]
+    cmd += ["--trainer.logger", '[{"class_path": "lightning_ppo.loggers.CSVLogger"}]']
+    cmd += ["--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false"]
+    return cmd

@@ -17,10 +17,11 @@ import argparse
 import csv
 import os
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.common import quiet_fit_command
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHT = 0.03
@@ -52,19 +53,7 @@ VARIANTS = (
 
 
 def run(variant: Variant, policy: str, iterations: int, horizon: int, out: Path) -> dict[str, float]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_ppo.cli",
-        "fit",
-        "--config",
-        str(ROOT / "configs" / variant.config),
-    ]
-    cmd += ["--model.init_args.policy", policy, "--trainer.default_root_dir", str(out)]
-    cmd += ["--trainer.limit_train_batches", str(iterations), "--trainer.enable_progress_bar", "false"]
-    cmd += ["--trainer.val_check_interval", "null", "--trainer.limit_val_batches", "0"]
-    cmd += ["--trainer.logger", '[{"class_path": "lightning_ppo.loggers.CSVLogger"}]']
-    cmd += ["--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false"]
+    cmd = quiet_fit_command(variant.config, policy, out, iterations)
     cmd += ["--model.init_args.reward_weights", f"[{variant.weight}]"]
     cmd += ["--model.init_args.ppo.kl_horizon", str(horizon), *variant.overrides]
     env = {**os.environ, "WANDB_MODE": "disabled"}

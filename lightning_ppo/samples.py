@@ -45,7 +45,7 @@ def write_samples(log_dir: str | Path, iteration: int, rows: list[dict[str, Any]
     """Write ``rows`` to ``log_dir/samples/iteration_<iteration>.jsonl`` and return its path."""
     path = Path(log_dir) / SAMPLES_FOLDER / f"iteration_{iteration:06d}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    # default=str: a reward's log_extra column may hold values JSON has no type for
+    # A reward's log_extra column may hold values JSON has no type for: they are written as text.
     text = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows)
     path.write_text(text, encoding="utf-8")
     return path

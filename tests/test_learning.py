@@ -21,33 +21,28 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("estimator", list(RUNS))
-def test_quickstart_task_score_rises(estimator, tiny_digits, tmp_path):
-    config, extra = RUNS[estimator]
+def _fit(config: str, policy, root, iterations: int, *extra: str, logger: str = "false"):
+    """``lightning-ppo fit`` of ``configs/<config>`` for ``iterations`` iterations under ``root``, with
+    the TrainingSummary callback only; returns the CLI and the run's summary."""
     cli = main(
         [
-            "fit",
-            "--config",
-            str(ROOT / "configs" / config),
-            "--model.init_args.policy",
-            str(tiny_digits),
-            "--trainer.limit_train_batches",
-            "60",
-            "--trainer.default_root_dir",
-            str(tmp_path),
-            "--trainer.logger",
-            "false",
-            "--trainer.enable_progress_bar",
-            "false",
-            "--trainer.enable_checkpointing",
-            "false",
-            "--trainer.callbacks",
-            '[{"class_path": "lightning_ppo.callbacks.TrainingSummary"}]',
+            *("fit", "--config", str(ROOT / "configs" / config), "--model.init_args.policy", str(policy)),
+            *("--trainer.limit_train_batches", str(iterations), "--trainer.default_root_dir", str(root)),
+            *("--trainer.logger", logger, "--trainer.enable_progress_bar", "false"),
+            *("--trainer.enable_checkpointing", "false"),
+            *("--trainer.callbacks", '[{"class_path": "lightning_ppo.callbacks.TrainingSummary"}]'),
             *extra,
         ]
     )
-    assert cli.model.ppo.advantage_estimator == estimator
     summary = next(cb for cb in cli.trainer.callbacks if isinstance(cb, TrainingSummary)).summary
+    return cli, summary
+
+
+@pytest.mark.parametrize("estimator", list(RUNS))
+def test_quickstart_task_score_rises(estimator, tiny_digits, tmp_path):
+    config, extra = RUNS[estimator]
+    cli, summary = _fit(config, tiny_digits, tmp_path, 60, *extra)
+    assert cli.model.ppo.advantage_estimator == estimator
     assert summary.iterations == 60
     assert cli.model.guardrails.fired == set()  # no guardrail speaks on a healthy run
     # a random policy earns about 0.25; the first 6 iterations average below 0.4
@@ -63,41 +58,16 @@ def test_a_small_spread_reward_learns_with_the_readme_recipe_and_the_kl_holds_th
     the default kl_horizon: the score rises and the KL neither overshoots (10-iteration mean <= 1.75 x
     target; measured 5.5 with one thread, 6.3 with two, as float sums differ) nor ends far from it."""
     iterations, target = 150, 4.0
-    cli = main(
-        [
-            "fit",
-            "--config",
-            str(ROOT / "configs" / "quickstart.yaml"),
-            "--model.init_args.policy",
-            str(tiny_digits),
-            "--trainer.limit_train_batches",
-            str(iterations),
-            "--trainer.default_root_dir",
-            str(tmp_path),
-            "--trainer.logger",
-            '[{"class_path": "lightning_ppo.loggers.CSVLogger"}]',
-            "--trainer.enable_progress_bar",
-            "false",
-            "--trainer.enable_checkpointing",
-            "false",
-            "--trainer.callbacks",
-            '[{"class_path": "lightning_ppo.callbacks.TrainingSummary"}]',
-            "--trainer.val_check_interval",
-            "null",
-            "--trainer.limit_val_batches",
-            "0",
-            "--model.init_args.reward_weights",
-            "[0.03]",
-            "--model.init_args.ppo.score_norm",
-            "true",
-            "--model.init_args.ppo.kl_target",
-            str(target),
-        ]
+    csv = '[{"class_path": "lightning_ppo.loggers.CSVLogger"}]'
+    recipe = ("--model.init_args.ppo.score_norm", "true", "--model.init_args.ppo.kl_target", str(target))
+    no_validation = ("--trainer.val_check_interval", "null", "--trainer.limit_val_batches", "0")
+    weight = ("--model.init_args.reward_weights", "[0.03]")
+    cli, summary = _fit(
+        "quickstart.yaml", tiny_digits, tmp_path, iterations, *no_validation, *weight, *recipe, logger=csv
     )
     _, series = read_metrics(find_metrics_csv(tmp_path))
     kl = series["objective/kl"][1]
     smoothed = moving_average(kl, 10)
-    summary = next(cb for cb in cli.trainer.callbacks if isinstance(cb, TrainingSummary)).summary
     assert summary.last_score / 0.03 > summary.first_score / 0.03 + 0.15
     assert max(smoothed) <= 1.75 * target  # Ziegler's rule alone: 10.4 on this task
     assert 0.5 * target <= sum(kl[-15:]) / 15 <= 1.5 * target
@@ -107,28 +77,7 @@ def test_a_small_spread_reward_learns_with_the_readme_recipe_and_the_kl_holds_th
 def test_the_reveal_task_is_learned_by_reading_the_environment(tiny_digits, tmp_path):
     """configs/agents.yaml: the digits to repeat come only in the environment's observation after the
     first turn, so the score can rise only through multi-turn episodes (a random policy: ~0.25)."""
-    cli = main(
-        [
-            "fit",
-            "--config",
-            str(ROOT / "configs" / "agents.yaml"),
-            "--model.init_args.policy",
-            str(tiny_digits),
-            "--trainer.limit_train_batches",
-            "150",
-            "--trainer.default_root_dir",
-            str(tmp_path),
-            "--trainer.logger",
-            "false",
-            "--trainer.enable_progress_bar",
-            "false",
-            "--trainer.enable_checkpointing",
-            "false",
-            "--trainer.callbacks",
-            '[{"class_path": "lightning_ppo.callbacks.TrainingSummary"}]',
-        ]
-    )
-    summary = next(cb for cb in cli.trainer.callbacks if isinstance(cb, TrainingSummary)).summary
+    cli, summary = _fit("agents.yaml", tiny_digits, tmp_path, 150)
     assert summary.first_score < 0.45
     assert summary.last_score > summary.first_score + 0.25
     assert cli.model.episode_runner.last_stats.turns.float().mean() == 2.0
