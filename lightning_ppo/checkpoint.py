@@ -22,6 +22,7 @@ from torch import Tensor
 from lightning_ppo.checkpoint_io import install_atomic_checkpoint_io, remove_stale_temp_files
 from lightning_ppo.errors import UsageError
 from lightning_ppo.log_continuity import LOGS_KEY, logger_records
+from lightning_ppo.run_lock import RunLock
 from lightning_ppo.writable import ensure_writable
 
 
@@ -76,7 +77,9 @@ class PPOCheckpoint(ModelCheckpoint):
 
     The folder defaults to ``<trainer.default_root_dir>/checkpoints``, the same for every run in
     that root, so ``--ckpt_path last`` finds it. A new run (no ``ckpt_path``) refuses to start
-    in a folder that holds another run's ``last.ckpt``, instead of mixing the two runs' files.
+    in a folder that holds another run's ``last.ckpt``, instead of mixing the two runs' files, and
+    while it trains it holds the folder's lock (:mod:`lightning_ppo.run_lock`), so a run started at
+    the same moment in the same folder is refused too.
 
     Ctrl-C during training finishes the current iteration, saves (top-k and last), and stops;
     ``fit --ckpt_path last`` then resumes exactly. A second Ctrl-C interrupts at once. The last
@@ -112,6 +115,7 @@ class PPOCheckpoint(ModelCheckpoint):
         super().__init__(save_last=save_last, filename=filename, **kwargs)
         self.every_n_iterations = every_n_iterations
         self.interrupt = InterruptRequest()
+        self.lock = RunLock(".")  # the real folder's once training starts
 
     def _monitor_candidates(self, trainer: Trainer) -> dict[str, Tensor]:
         # The values filenames are formatted from: the PPO iteration, as an integer (the logged
@@ -131,6 +135,7 @@ class PPOCheckpoint(ModelCheckpoint):
         return super()._find_last_checkpoints(trainer)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._lock_run_folder(trainer)
         last = os.path.join(str(self.dirpath), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
         if trainer.ckpt_path is None and os.path.exists(last):
             raise RunFolderInUseError(
@@ -184,9 +189,22 @@ class PPOCheckpoint(ModelCheckpoint):
         # the next epoch, or at max_epochs not at all. on_train_batch_end has saved the last
         # iteration with the state of a periodic save.
         self.interrupt.release()
+        self.lock.release()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.interrupt.release()
+        self.lock.release()
+
+    def _lock_run_folder(self, trainer: Trainer) -> None:
+        """Take the folder's lock (rank 0); every rank refuses together when another run holds it."""
+        self.lock = RunLock(str(self.dirpath))
+        holder = self.lock.acquire() if trainer.is_global_zero else None
+        holder = trainer.strategy.broadcast(holder)
+        if holder is not None:
+            raise RunFolderInUseError(
+                f"{self.dirpath} is in use by another run ({holder}): start this run elsewhere with "
+                "`--trainer.default_root_dir DIR` (or the checkpoint callback's dirpath), or wait for it"
+            )
 
 
 def fit_ends_after_this_batch(trainer: Trainer) -> bool:

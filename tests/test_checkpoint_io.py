@@ -207,3 +207,67 @@ def test_unwritable_dirpath_fails_at_setup_before_training(tiny_digits, tmp_path
     with pytest.raises(UnwritableFolderError, match=re.escape(message)):
         quiet_trainer(tmp_path, ITERATIONS, [saver]).fit(module, datamodule=_data())
     assert module.iteration == 0
+
+
+def test_two_runs_started_at_once_in_one_folder_one_refuses_in_one_line(tiny_digits, tmp_path):
+    """Both used to find no last.ckpt, train to the end and mix their checkpoints in one folder."""
+    import subprocess
+    import sys
+
+    from tests.helpers import quickstart_fit_args
+
+    throttle = {"class_path": "tests.helpers.Throttle", "init_args": {"seconds": 0.5}}
+    saver = {"class_path": "lightning_ppo.checkpoint.PPOCheckpoint", "init_args": {"every_n_iterations": 1}}
+    args = quickstart_fit_args(
+        tiny_digits, tmp_path / "run", [throttle, saver], "--trainer.limit_train_batches", "8"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(root)}
+    command = [sys.executable, "-m", "lightning_ppo.cli", *args]
+    runs = [
+        subprocess.Popen(
+            command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    ]
+    runs.append(
+        subprocess.Popen(
+            command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    )
+    errors = [run.communicate(timeout=300)[1] for run in runs]
+    results = [(run.returncode, err) for run, err in zip(runs, errors, strict=True)]
+    assert sorted(code for code, _ in results) == [0, 2]
+    (refused,) = [err for code, err in results if code == 2]
+    last = [line for line in refused.strip().splitlines() if line.strip()][-1]
+    assert "Traceback" not in refused
+    assert "is in use by another run" in last, last  # started together: the lock, not last.ckpt, refused it
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert "last-v1.ckpt" not in names and ".lightning_ppo.lock" not in names  # one run's files, unlocked
+
+
+def test_a_stale_lock_of_this_host_is_taken_over_and_another_hosts_is_not(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from lightning_ppo.run_lock import LOCK_NAME, RunLock
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    (tmp_path / LOCK_NAME).write_text(f"{socket.gethostname()} {int(dead.stdout)}\n")  # a killed run's
+    lock = RunLock(tmp_path)
+    assert lock.acquire() is None and lock.held
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:  # a run of this host that is still going
+        (tmp_path / LOCK_NAME).write_text(f"{socket.gethostname()} {alive.pid}\n")
+        assert RunLock(tmp_path).acquire() == f"{socket.gethostname()} {alive.pid}"
+    finally:
+        alive.kill()
+        alive.wait()
+    (tmp_path / LOCK_NAME).unlink()
+    assert not (tmp_path / LOCK_NAME).exists()
+    (tmp_path / LOCK_NAME).write_text("another-host 12345\n")  # its pid means nothing here
+    assert RunLock(tmp_path).acquire() == "another-host 12345"
