@@ -56,21 +56,26 @@ class Experience:
             for index in order.chunk(num):
                 yield self.select(index)
 
-    def trimmed(self) -> Experience:
+    def padding_bounds(self) -> Tensor:
+        """(2,) on the device: the first column any row attends to and the last one, for
+        :meth:`trimmed` (stacked with others' bounds, several micro-batches cost one host read)."""
+        length = self.input_ids.shape[1]
+        real = self.attention_mask.any(dim=0)
+        columns = torch.arange(length, device=real.device)
+        return torch.stack([columns.masked_fill(~real, length).min(), columns.masked_fill(~real, -1).max()])
+
+    def trimmed(self, bounds: list[int] | None = None) -> Experience:
         """The same rows without the columns that are padding in every one of them: the prompt's
         left padding shared by all rows, and the response's right padding past the longest.
 
         Exact: a causal LM's output at a real position does not depend on later positions, and
         masked columns are only ever masked (positions count real tokens). A minibatch of short
-        responses then pays for its own longest, not the whole batch's. Costs one host read of two
-        column indices.
+        responses then pays for its own longest, not the whole batch's. ``bounds`` are
+        :meth:`padding_bounds` already read to the host; without them this reads them (one sync).
         """
         length, width = self.input_ids.shape[1], self.response_ids.shape[1]
         prompt = length - width
-        real = self.attention_mask.any(dim=0)
-        columns = torch.arange(length, device=real.device)
-        bounds = torch.stack([columns.masked_fill(~real, length).min(), columns.masked_fill(~real, -1).max()])
-        first, last = bounds.tolist()  # one host read
+        first, last = bounds if bounds is not None else self.padding_bounds().tolist()
         first, last = min(first, prompt), max(last + 1 - prompt, 1)
         if first == 0 and last == width:
             return self

@@ -49,12 +49,12 @@ def plan_micro_batches(
     # per row: its tokens, whether it has any, 1; over the minibatch, the totals they are shares of
     per_row = torch.stack([lengths, (lengths > 0).float(), torch.ones_like(lengths)], dim=1)
     totals = per_row.sum(dim=0).clamp(min=1)
-    shares = torch.stack(
-        [per_row[g.to(device)].sum(dim=0) / totals for g in groups]
-    ).tolist()  # one host read
-    return [
-        (minibatch.select(g.to(device)).trimmed(), Share(*s)) for g, s in zip(groups, shares, strict=True)
-    ]
+    micros = [minibatch.select(g.to(device)) for g in groups]
+    # The shares and every micro-batch's padding bounds in one host read for the whole plan.
+    shares = torch.stack([per_row[g.to(device)].sum(dim=0) / totals for g in groups])
+    bounds = torch.stack([m.padding_bounds() for m in micros])
+    read = torch.cat([shares, bounds.to(shares.dtype)], dim=1).tolist()
+    return [(m.trimmed([int(r[3]), int(r[4])]), Share(*r[:3])) for m, r in zip(micros, read, strict=True)]
 
 
 def _by_count(size: int, count: int) -> list[torch.Tensor]:
