@@ -1,10 +1,11 @@
 """The micro-batches of a minibatch, and the shares that make their gradients add up to its own.
 
-A minibatch is split for gradient accumulation either into ``gradient_accumulation_steps`` equal
-counts of sequences (in order), or, with ``ppo.micro_batch_tokens``, by a token budget: sequences
-sorted by length and packed greedily so that each micro-batch's rectangle (rows x its longest
-sequence) stays within the budget, grouping similar lengths. Every micro-batch is then trimmed to
-its own longest sequence (:meth:`Experience.trimmed`), so short ones pay for short rectangles.
+A minibatch is split for gradient accumulation, its sequences sorted by length, either into
+``gradient_accumulation_steps`` equal counts of them, or, with ``ppo.micro_batch_tokens``, by a
+token budget: runs of similar lengths whose rectangles (rows x (longest prompt + longest
+response)) stay within the budget, chosen to leave out as much padding as an extra forward is
+worth (:mod:`lightning_ppo.row_groups`). Every micro-batch is then trimmed to its own longest
+prompt and response (:meth:`Experience.trimmed`), so short ones pay for short rectangles.
 
 Each loss term is a mean over the micro-batch's tokens (or, for the policy term under
 ``sequence_mean`` and ``constant`` aggregation, over its responses). Summing micro-batch means
@@ -19,8 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from lightning_ppo.experience import Experience
+from lightning_ppo.row_groups import equal_groups, plan_row_groups, row_extents
 
 
 @dataclass(frozen=True)
@@ -37,40 +40,51 @@ class Share:
         return {"sequence_mean": self.responses, "constant": self.rows}.get(aggregation, self.tokens)
 
 
+# Statistics averaged like the policy term (per response under sequence_mean); the others are
+# token means.
+POLICY_TERM_STATS = ("loss/policy_avg", "loss/kl_avg")
+
+
+def minibatch_stats(parts: list[tuple[dict[str, Tensor], Share]], aggregation: str) -> dict[str, Tensor]:
+    """A minibatch's statistics from its micro-batches': each weighted by the share its mean is
+    of, so that they read as the unsplit minibatch's, however it was split."""
+    weights = [
+        {
+            key: share.of_policy_term(aggregation) if key in POLICY_TERM_STATS else share.tokens
+            for key in stats
+        }
+        for stats, share in parts
+    ]
+    return {
+        key: torch.stack([stats[key] * w[key] for (stats, _), w in zip(parts, weights, strict=True)]).sum()
+        for key in parts[0][0]
+    }
+
+
 def plan_micro_batches(
     minibatch: Experience, count: int, token_budget: int | None = None
 ) -> list[tuple[Experience, Share]]:
-    """The micro-batches of ``minibatch``, each trimmed, with their shares."""
+    """The micro-batches of ``minibatch``, each trimmed, with their shares: ``count`` of equal row
+    counts, or as :func:`plan_row_groups` packs them within ``token_budget``; rows sorted by length
+    either way, so that each micro-batch holds similar lengths."""
     if count == 1 and not token_budget:
         return [(minibatch.trimmed(), Share())]
-    groups = _by_budget(minibatch, token_budget) if token_budget else _by_count(len(minibatch), count)
-    device = minibatch.input_ids.device
+    split = minibatch.input_ids.shape[1] - minibatch.response_ids.shape[1]
     lengths = minibatch.response_mask.sum(dim=1).float()
-    # per row: its tokens, whether it has any, 1; over the minibatch, the totals they are shares of
-    per_row = torch.stack([lengths, (lengths > 0).float(), torch.ones_like(lengths)], dim=1)
-    totals = per_row.sum(dim=0).clamp(min=1)
-    micros = [minibatch.select(g.to(device)) for g in groups]
-    # The shares and every micro-batch's padding bounds in one host read for the whole plan.
-    shares = torch.stack([per_row[g.to(device)].sum(dim=0) / totals for g in groups])
-    bounds = torch.stack([m.padding_bounds() for m in micros])
-    read = torch.cat([shares, bounds.to(shares.dtype)], dim=1).tolist()
-    return [(m.trimmed([int(r[3]), int(r[4])]), Share(*r[:3])) for m, r in zip(micros, read, strict=True)]
-
-
-def _by_count(size: int, count: int) -> list[torch.Tensor]:
-    return list(torch.arange(size).chunk(count))
-
-
-def _by_budget(minibatch: Experience, budget: int) -> list[torch.Tensor]:
-    """Row indices sorted by sequence length (prompt + response tokens), packed greedily so that
-    rows x longest <= budget (a sequence longer than the budget goes alone)."""
-    lengths = minibatch.attention_mask.sum(dim=1).cpu()
-    order = torch.argsort(lengths, stable=True).tolist()
-    groups: list[list[int]] = []
-    for row in order:
-        longest = int(lengths[row])  # sorted ascending: the newest row is the longest so far
-        if groups and (len(groups[-1]) + 1) * longest <= budget:
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    return [torch.tensor(g) for g in groups]
+    # per row: its tokens, whether it has any, 1; a micro-batch's share is its part of their totals
+    per_row = torch.stack([lengths, (lengths > 0).float(), torch.ones_like(lengths)])
+    # the one host read of the plan: extents and the share counts of every row
+    before, after, *counts = torch.cat([row_extents(minibatch.attention_mask, split), per_row]).tolist()
+    if token_budget:
+        groups = plan_row_groups(before, after, budget=token_budget)
+    else:
+        groups = equal_groups(before, after, count)
+    totals = [max(sum(c), 1.0) for c in counts]
+    plan = []
+    for group in groups:
+        rows = group.rows.tolist()
+        shares = (sum(c[i] for i in rows) / total for c, total in zip(counts, totals, strict=True))
+        columns = group.columns(split)
+        micro = minibatch.select(group.rows.to(minibatch.input_ids.device))
+        plan.append((micro.trimmed([columns.start, columns.stop - 1]), Share(*shares)))
+    return plan

@@ -31,7 +31,7 @@ from lightning_ppo.experience import Experience, make_experience
 from lightning_ppo.guardrails import Guardrails, IterationView
 from lightning_ppo.kl import make_kl_controller
 from lightning_ppo.metrics import TrailingMean, experience_metrics, score_metrics
-from lightning_ppo.microbatches import Share, plan_micro_batches
+from lightning_ppo.microbatches import Share, minibatch_stats, plan_micro_batches
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.preflight import check_sequence_fits, response_budget
@@ -49,6 +49,7 @@ from lightning_ppo.rewards import (
 )
 from lightning_ppo.roles import LoraSettings, Roles
 from lightning_ppo.rollout import Rollout, generate, hf_generation_config
+from lightning_ppo.row_groups import forward_groups
 from lightning_ppo.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.scoring import Scorer
 from lightning_ppo.sharding import (
@@ -510,31 +511,22 @@ class PPOLightningModule(LightningModule):
 
     @torch.no_grad()
     def rollout_forwards(self, rollout: Rollout) -> RolloutForwards:
-        """Log-probs, reference log-probs, values and entropy of the sampled responses."""
-        chunk = self.generation_config.forward_chunk_size or len(rollout.input_ids)
+        """Log-probs, reference log-probs, values and entropy of the sampled responses, computed for
+        groups of similar-length rows, each without the columns that are padding in all its rows."""
         ids, mask, pos = rollout.input_ids, rollout.attention_mask, rollout.position_ids
-        parts = []
-        for i in range(0, len(ids), chunk):
-            sl = slice(i, i + chunk)
-            tokens = rollout.response_ids[sl]
-            length = tokens.shape[1]
-            logits, values = self.roles.policy_forward(ids[sl], mask[sl], pos[sl], length)
-            ref_logits = self.roles.reference_logits(ids[sl], mask[sl], pos[sl], length)
-            if values is None:
-                values = torch.zeros_like(tokens, dtype=torch.float32)
-            parts.append(
-                (
-                    self.token_logprobs(logits, tokens),
-                    self.token_logprobs(ref_logits, tokens),
-                    values,
-                    self.token_entropy(logits),
-                )
-            )
-        zero = ~rollout.response_mask
-        logprobs, ref_logprobs, values, entropy = (
-            torch.cat(p).masked_fill(zero, 0.0) for p in zip(*parts, strict=True)
-        )
-        if is_sharded(self):
+        split, sharded = rollout.prompt_ids.shape[1], is_sharded(self)
+        out = torch.zeros(4, *rollout.response_ids.shape, device=ids.device)
+        for group in forward_groups(mask, split, self.generation_config.forward_chunk_size, sharded):
+            rows, cols, width = group.rows.to(ids.device), group.columns(split), group.after
+            tokens = rollout.response_ids[rows, :width]
+            inputs = ids[rows, cols], mask[rows, cols], pos[rows, cols]
+            logits, values = self.roles.policy_forward(*inputs, width)
+            logprobs = self.token_logprobs(logits, tokens)
+            ref_logprobs = self.token_logprobs(self.roles.reference_logits(*inputs, width), tokens)
+            values = torch.zeros_like(logprobs) if values is None else values
+            out[:, rows, :width] = torch.stack([logprobs, ref_logprobs, values, self.token_entropy(logits)])
+        logprobs, ref_logprobs, values, entropy = out.masked_fill(~rollout.response_mask, 0.0)
+        if sharded:
             reshard(self)  # the frozen roles' gathered weights, before the PPO epochs
         return RolloutForwards(logprobs, ref_logprobs, values, entropy)
 
@@ -575,13 +567,15 @@ class PPOLightningModule(LightningModule):
         stepped: list[Tensor] = []
         for minibatch in exp.minibatches(self.ppo.num_minibatches, generator, epochs=self.ppo.ppo_epochs):
             plan = plan_micro_batches(minibatch, accumulate, budget)  # trimmed, with their shares
+            parts = []
             for i, (micro, share) in enumerate(plan):
                 # Under DDP (FSDP2) only the last micro-batch of a minibatch all-reduces
                 # (reduce-scatters) gradients.
                 with nullcontext() if i == len(plan) - 1 else self._no_backward_sync():
                     loss, stats = self.ppo_loss(micro, share)
                     self.manual_backward(loss)
-                history.append(stats)
+                parts.append((stats, share))
+            history.append(minibatch_stats(parts, self.loss_aggregation.mode))
             stepped.append(self._step_if_finite(optimizer))
             optimizer.zero_grad(set_to_none=True)
             # The schedule counts attempted steps, so it does not depend on which were skipped.

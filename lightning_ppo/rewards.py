@@ -25,6 +25,8 @@ from lightning_ppo.functional import Reduce, masked_mean, masked_var
 from lightning_ppo.models import FROZEN_DTYPES, classifier_head, freeze, load_config, load_tokenizer
 from lightning_ppo.preflight import _looks_local, no_head_message
 from lightning_ppo.rollout import Rollout, position_ids_from_mask
+from lightning_ppo.row_groups import forward_groups
+from lightning_ppo.sharding import is_sharded
 
 
 @dataclass
@@ -429,12 +431,18 @@ class RewardModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        """(B,) score at the last real token of each sequence (any padding side)."""
-        backbone = getattr(self.model, self.model.base_model_prefix)
-        hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-        ).last_hidden_state
-        return classifier_head(self.model)(at_last_real_token(hidden, attention_mask)).squeeze(-1).float()
+        """(B,) score at the last real token of each sequence (any padding side), computed for groups
+        of similar-length rows without the columns that are padding in all of a group's rows."""
+        backbone, head = getattr(self.model, self.model.base_model_prefix), classifier_head(self.model)
+        scores = torch.zeros(len(input_ids), device=input_ids.device)
+        for group in forward_groups(attention_mask.bool(), 0, sharded=is_sharded(self.model)):
+            rows, cols = group.rows.to(input_ids.device), group.columns(0)
+            mask = attention_mask[rows, cols]
+            hidden = backbone(
+                input_ids=input_ids[rows, cols], attention_mask=mask, position_ids=position_ids[rows, cols]
+            )
+            scores[rows] = head(at_last_real_token(hidden.last_hidden_state, mask)).squeeze(-1).float()
+        return scores
 
 
 def _own_tokenizer(
