@@ -44,6 +44,8 @@ RUNNERS = {
     "floor": "benchmarks.floor",
     "lightning_ppo_shared": "benchmarks.run_lightning",
     "lightning_ppo_vllm": "benchmarks.run_lightning",
+    "lightning_ppo_padded": "benchmarks.run_lightning",
+    "lightning_ppo_budget": "benchmarks.run_lightning",
 }
 # The generation engine of each lightning_ppo variant (RunSpec.engine); "hf" where not named.
 ENGINES = {"lightning_ppo_vllm": "vllm"}
@@ -69,6 +71,12 @@ class Settings:
     scaling: bool = True
     scaling_config: str = "medium"
     scaling_precision: str = "32"
+    # the variable-length table: prompts of 8 to 2 x variable_response tokens, responses cut at 1
+    # to variable_response tokens, fp32; lightning_ppo padded / default / token budget, the floor
+    variable: bool = True
+    variable_config: str = "medium"
+    variable_response: int = 128
+    variable_iterations: int = 4
 
 
 DEFAULTS = {
@@ -79,6 +87,7 @@ DEFAULTS = {
         iterations=8,
         scaling_config="llama-0.5b",
         scaling_precision="bf16-mixed",
+        variable_config="llama-0.5b",
     ),
     "quick": Settings(
         configs="tiny",
@@ -91,6 +100,9 @@ DEFAULTS = {
         response_length=8,
         threads=1,
         scaling=False,
+        variable_config="tiny",
+        variable_response=16,
+        variable_iterations=2,
     ),
 }
 
@@ -115,6 +127,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scaling-variants", default="lightning_ppo,floor", help="variants of the scaling table")
     p.add_argument("--scaling-lengths", default="32,64,128,256", help="response lengths of the scaling table")
     p.add_argument("--scaling-batches", default="16,64,128", help="rollout batches of the scaling table")
+    p.add_argument("--variable", action=argparse.BooleanOptionalAction, help="the variable-length table")
+    p.add_argument("--variable-config", help="model preset of the variable-length table")
+    p.add_argument("--variable-response", type=int, help="longest response of the variable workload (128)")
+    p.add_argument("--variable-iterations", type=int, help="PPO iterations per variable-length run (4)")
     p.add_argument("--no-phases", action="store_true", help="no per-phase timers (they synchronise on CUDA)")
     p.add_argument("--peak-tflops", type=float, help="device peak for MFU where the device is not known")
     p.add_argument(
@@ -251,6 +267,28 @@ def plan(
                 if report.point_key(point) not in planned:
                     planned.add(report.point_key(point))
                     jobs.append(report.Job("scaling", point))
+    if s.variable:
+        jobs += variable_jobs(args, s, spec, skip)
+    return jobs
+
+
+def variable_jobs(args, s: Settings, spec, skip) -> list[report.Job]:
+    """The variable-length table's runs, in rotating order; the token budget is a quarter of a
+    minibatch's padded rectangle (prompts up to 2 x and responses up to 1 x the response length)."""
+    minibatch = s.batch_size // s.minibatches
+    budget = minibatch * 3 * s.variable_response // 4
+    variants = [v for v in report.VARIABLE_VARIANTS if (v, s.variable_config) not in skip]
+    jobs = []
+    for k in range(args.rounds):
+        for variant in variants[k % len(variants) :] + variants[: k % len(variants)]:
+            point = replace(
+                spec(variant, s.variable_config, "32"),
+                workload="variable",
+                response_length=s.variable_response,
+                iterations=s.variable_iterations,
+                micro_batch_tokens=budget if variant == "lightning_ppo_budget" else None,
+            )
+            jobs.append(report.Job("variable", point))
     return jobs
 
 
@@ -402,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lightning-ppo-bench-") as tmp:
         work = Path(tmp)
         presets = set(s.configs.split(",")) | ({s.scaling_config} if s.scaling else set())
+        presets |= {s.variable_config} if s.variable else set()
         checkpoints = {p: common.build_checkpoints(common.PRESETS[p], work / p) for p in sorted(presets)}
         flops = report.Flops(checkpoints, args.peak_tflops)
         jobs = plan(args, s, device, checkpoints, frozenset(skip))

@@ -16,10 +16,12 @@ from __future__ import annotations
 import gc
 import json
 import os
+import random
 import resource
 import statistics
 import sys
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -93,6 +95,11 @@ class RunSpec:
     phases: bool = True  # per-phase timers (synchronising on CUDA) in lightning_ppo and the floor
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default (one per physical core)
     engine: str = "hf"  # lightning_ppo's generation.engine: "hf" or "vllm" (lightning_ppo_vllm)
+    # "fixed": every prompt NUM_DIGITS + 1 tokens, every response response_length tokens.
+    # "variable": prompts of 8 to 2 x response_length tokens, responses cut at 1 to response_length
+    # tokens by length_schedule (see variable_prompts).
+    workload: str = "fixed"
+    micro_batch_tokens: int | None = None  # lightning_ppo's ppo.micro_batch_tokens
 
 
 @dataclass
@@ -108,6 +115,10 @@ class RunResult:
     response_width: int | None = None  # generated tokens per sequence (the last iteration's)
     device_name: str = ""
     error: str | None = None
+    # policy forward tokens of all iterations (rollout forward and every PPO pass): rows x columns
+    # computed, and the real (attended) ones among them
+    tokens_computed: int = 0
+    tokens_real: int = 0
 
     def median_s(self) -> float:
         """Median seconds per iteration, the first iteration (warm-up) excluded."""
@@ -186,6 +197,31 @@ def prompts(num: int, seed: int = 0) -> list[str]:
     from lightning_ppo.tasks.digits import digit_prompts
 
     return digit_prompts(num, NUM_DIGITS, seed)["prompt"]
+
+
+# ----------------------------------------------------------------------------- the variable-length workload
+def variable_prompts(num: int, max_response: int, seed: int = 0) -> list[str]:
+    """Digit prompts of 8 to ``2 x max_response`` tokens, uniform (one token per character)."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(7, 2 * max_response - 1) for _ in range(num)]
+    return ["".join(rng.choice("0123456789") for _ in range(n)) + "=" for n in lengths]
+
+
+def scheduled_length(prompt: str, max_response: int) -> int:
+    """The response length every variant gives ``prompt``: 1 to ``max_response``, from its text."""
+    return 1 + zlib.crc32(prompt.encode()) % max_response
+
+
+def length_schedule(responses: Any, prompts: list[str], max_response: int, pad: int):
+    """(responses, mask): the sampled responses cut at their prompts' scheduled lengths, so that
+    every variant computes on the same lengths (the benchmark's models never sample EOS, so
+    generation runs to ``max_response`` everywhere; the cut marks the rest as padding)."""
+    import torch
+
+    width = responses.shape[1]
+    lengths = torch.tensor([scheduled_length(p, max_response) for p in prompts], device=responses.device)
+    mask = torch.arange(width, device=responses.device)[None, :] < lengths.clamp(max=width)[:, None]
+    return responses.masked_fill(~mask, pad), mask
 
 
 # ----------------------------------------------------------------------------- timing and memory

@@ -126,15 +126,17 @@ def run(spec: common.RunSpec) -> common.RunResult:
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16) if spec.precision == "bf16-mixed" else nullcontext()
     )
-    texts = common.prompts(spec.batch_size * spec.iterations, spec.seed)
+    if spec.workload == "variable":
+        texts = common.variable_prompts(spec.batch_size * spec.iterations, spec.response_length, spec.seed)
+    else:
+        texts = common.prompts(spec.batch_size * spec.iterations, spec.seed)
     timer = common.PhaseTimer(spec.device, spec.phases)
     clock = common.IterationClock(spec.device)
     result = common.RunResult(spec=vars(spec))
     clock.mark()
     for it in range(spec.iterations):
-        encoded = tokenizer(
-            texts[it * spec.batch_size : (it + 1) * spec.batch_size], return_tensors="pt", padding=True
-        )
+        batch_texts = texts[it * spec.batch_size : (it + 1) * spec.batch_size]
+        encoded = tokenizer(batch_texts, return_tensors="pt", padding=True)
         prompt_ids = encoded["input_ids"].to(device)
         prompt_mask = encoded["attention_mask"].to(device).bool()
 
@@ -151,6 +153,10 @@ def run(spec: common.RunSpec) -> common.RunResult:
         stop_at = torch.where(is_stop.any(1), is_stop.int().argmax(1), width - 1)
         response_mask = torch.arange(width, device=device)[None, :] <= stop_at[:, None]
         responses = responses.masked_fill(~response_mask, pad)
+        if spec.workload == "variable":  # the lengths every variant cuts at (a cheap rewrite, timed)
+            responses, response_mask = common.length_schedule(
+                responses, batch_texts, spec.response_length, pad
+            )
         ids = torch.cat([prompt_ids, responses], dim=1)
         mask = torch.cat([prompt_mask, response_mask], dim=1)
         pos = (mask.long().cumsum(1) - 1).clamp(min=0)
@@ -191,6 +197,9 @@ def run(spec: common.RunSpec) -> common.RunResult:
                     loss.backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
+        if spec.workload == "variable":  # the policy's forwards: rollout + one per epoch, padded
+            result.tokens_computed += (1 + spec.ppo_epochs) * ids.numel()
+            result.tokens_real += (1 + spec.ppo_epochs) * int(mask.sum())
         clock.mark()
         timer.end_iteration()
         result.response_width = width

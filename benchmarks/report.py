@@ -15,6 +15,9 @@ from typing import Any
 from benchmarks import common
 
 VARIANTS = ("lightning_ppo", "trl", "floor", "lightning_ppo_shared", "lightning_ppo_vllm")
+# The variable-length table's variants: the padded rectangle, the default (row groups, trimmed
+# minibatches), a token budget for micro-batches, and the floor (padded).
+VARIABLE_VARIANTS = ("lightning_ppo_padded", "lightning_ppo", "lightning_ppo_budget", "floor")
 # lightning_ppo with ``value_model: shared`` (one backbone for policy and critic): not the same
 # work as the others, so it is compared with TRL's fp32 time only.
 SHARED = "lightning_ppo_shared"
@@ -406,7 +409,37 @@ def scaling_table(rows: dict[tuple, Row], dones: list[Done], s: Any, flops: Flop
     return f"{title}\n\n" + table(header, body) + "\n\n" + "\n".join(verdicts)
 
 
+def variable_table(dones: list[Done]) -> str:
+    """The variable-length workload: seconds per iteration and the policy tokens computed."""
+    rows = rows_by_point(dones)
+    by_variant = {key[0]: row for key, row in rows.items()}
+    padded, floor = by_variant.get("lightning_ppo_padded"), by_variant.get("floor")
+    body = []
+    for variant in VARIABLE_VARIANTS:
+        row = by_variant.get(variant)
+        if row is None:
+            continue
+        runs = [d.result for d in dones if d.job.spec.variant == variant and not d.result.error]
+        iterations = sum(len(r.iteration_s) for r in runs) or 1
+        computed = sum(r.tokens_computed for r in runs) / iterations
+        real = sum(r.tokens_real for r in runs) / iterations
+        body.append(
+            [
+                variant,
+                fmt(row.seconds),
+                fmt(row.seconds / padded.seconds, 2) if padded and not padded.error else "n/a",
+                fmt(row.seconds / floor.seconds, 2) if floor and not floor.error else "n/a",
+                f"{computed:,.0f}",
+                f"{real:,.0f} ({real / computed:.0%})" if computed else "n/a",
+            ]
+        )
+    header = ["variant", "s / iteration", "vs padded", "vs floor", "policy tokens computed / it", "real"]
+    return table(header, body)
+
+
 def render(dones: list[Done], s: Any, flops: Flops, facts: list[str]) -> str:
+    variable = [d for d in dones if d.job.group == "variable"]
+    dones = [d for d in dones if d.job.group != "variable"]
     rows = rows_by_point(dones)
     gpu = any(r.peak_gpu_mib is not None for r in rows.values()) or flops.peak_override is not None
     parts = ["# lightning_ppo benchmark", "\n".join(f"- {fact}" for fact in facts)]
@@ -421,7 +454,17 @@ def render(dones: list[Done], s: Any, flops: Flops, facts: list[str]) -> str:
     scaling = scaling_table(rows, dones, s, flops)
     if scaling:
         parts += ["## Scaling", scaling]
-    failed = [f"- {describe(d)}" for d in dones if d.result.error]
+    if variable:
+        spec = variable[0].job.spec
+        parts += [
+            "## Variable-length sequences",
+            f"{model_label(spec.preset)}, fp32, batch {spec.batch_size}: prompts of 8 to "
+            f"{2 * spec.response_length} tokens, responses cut at 1 to {spec.response_length} tokens "
+            "(the same lengths in every variant); policy tokens: its rollout forward and every PPO "
+            "pass, rows x columns computed, and the real ones among them.",
+            variable_table(variable),
+        ]
+    failed = [f"- {describe(d)}" for d in dones + variable if d.result.error]
     if failed:
         parts += ["## Failed runs", "\n".join(failed)]
     return "\n\n".join(parts) + "\n"

@@ -4,7 +4,9 @@ Logger, checkpointing, progress bar and model summary are off; ``ppo.advantage_e
 ``gae`` with the default separate value model (built from the policy checkpoint), or a value head
 on the policy's backbone for the ``lightning_ppo_shared`` variant; ``spec.engine`` is
 ``generation.engine`` (``vllm`` for the ``lightning_ppo_vllm`` variant, which the driver runs with
-the vLLM environment's interpreter); the reward is
+the vLLM environment's interpreter); ``lightning_ppo_budget`` sets ``ppo.micro_batch_tokens`` and
+``lightning_ppo_padded`` computes every forward on the padded rectangle (the row groups and
+micro-batch trimming patched out: what lightning_ppo computed before them); the reward is
 the same reward-model checkpoint TRL and the floor use; gradient clipping is off because TRL's
 PPO does not clip either. Phase timers wrap the module's own methods on the instance (the class
 is not changed), so the breakdown shows where an iteration's time goes.
@@ -14,6 +16,7 @@ is not changed), so the breakdown shows where an iteration's time goes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -21,9 +24,13 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 import lightning_ppo.module
+import lightning_ppo.rewards
 from benchmarks import common
 from lightning_ppo import PPOLightningModule
 from lightning_ppo.config import GenerationConfig, PPOConfig
+from lightning_ppo.data import PromptDataModule
+from lightning_ppo.microbatches import Share
+from lightning_ppo.row_groups import RowGroup
 from lightning_ppo.tasks.digits import DigitsDataModule
 
 # What one training_step calls, timed as phases (the floor times the same passes): methods of
@@ -70,6 +77,7 @@ def build_module(spec: common.RunSpec) -> PPOLightningModule:
         gamma=common.GAMMA,
         gae_lambda=common.GAE_LAMBDA,
         max_grad_norm=None,
+        micro_batch_tokens=spec.micro_batch_tokens,
     )
     generation = GenerationConfig(
         max_new_tokens=spec.response_length,
@@ -120,6 +128,68 @@ def instrument(module: PPOLightningModule, timer: common.PhaseTimer, result: com
     module.generate = generate_and_record_width
 
 
+def pad_every_forward() -> None:
+    """The padded path: every forward on the whole rectangle (one group of all rows and columns;
+    each minibatch one untrimmed micro-batch: the benchmark does not accumulate)."""
+
+    def one_group(mask, split, *args, **kwargs):
+        return [RowGroup(torch.arange(len(mask)), split, mask.shape[1] - split)]
+
+    lightning_ppo.module.forward_groups = lightning_ppo.rewards.forward_groups = one_group
+    lightning_ppo.module.plan_micro_batches = lambda minibatch, *args, **kwargs: [(minibatch, Share())]
+
+
+def count_tokens(result: common.RunResult) -> None:
+    """Add the policy forwards' computed (rows x columns) and real tokens up in ``result``."""
+    groups_of, plan_of = lightning_ppo.module.forward_groups, lightning_ppo.module.plan_micro_batches
+
+    def counted_groups(mask, split, *args, **kwargs):
+        groups = groups_of(mask, split, *args, **kwargs)
+        result.tokens_computed += sum(g.area for g in groups)
+        result.tokens_real += int(mask.sum())
+        return groups
+
+    def counted_plan(*args, **kwargs):
+        plan = plan_of(*args, **kwargs)
+        result.tokens_computed += sum(micro.input_ids.numel() for micro, _ in plan)
+        result.tokens_real += sum(int(micro.attention_mask.sum()) for micro, _ in plan)
+        return plan
+
+    lightning_ppo.module.forward_groups, lightning_ppo.module.plan_micro_batches = (
+        counted_groups,
+        counted_plan,
+    )
+
+
+def cut_at_scheduled_lengths(module: PPOLightningModule, spec: common.RunSpec) -> None:
+    """The variable workload: every response cut at its prompt's scheduled length."""
+    generate, pad = module.generate, module.tokenizer.pad_token_id
+
+    def scheduled(batch):
+        rollout = generate(batch)
+        ids, mask = common.length_schedule(rollout.response_ids, batch.prompts, spec.response_length, pad)
+        return dataclasses.replace(
+            rollout, response_ids=ids, response_mask=mask, ended=torch.ones_like(rollout.ended)
+        )
+
+    module.generate = scheduled
+
+
+def prompt_data(spec: common.RunSpec):
+    if spec.workload == "fixed":
+        return DigitsDataModule(
+            num_prompts=spec.batch_size * spec.iterations,
+            num_digits=common.NUM_DIGITS,
+            batch_size=spec.batch_size,
+            max_prompt_length=16,
+            seed=spec.seed,
+        )
+    prompts = common.variable_prompts(spec.batch_size * spec.iterations, spec.response_length, spec.seed)
+    return PromptDataModule(
+        prompts=prompts, batch_size=spec.batch_size, max_prompt_length=2 * spec.response_length, shuffle=False
+    )
+
+
 def split_overhead(phases: list[dict[str, float]], intervals: list[float]) -> list[dict[str, float]]:
     """Replace ``training_step`` by what the named phases leave of it (``step_other``) and add the
     time of the iteration spent outside ``training_step`` (``lightning_loop``: data, hooks, logging)."""
@@ -140,14 +210,13 @@ def run(spec: common.RunSpec) -> common.RunResult:
     timer = common.PhaseTimer(spec.device, spec.phases)
     clock = common.IterationClock(spec.device)
     module = build_module(spec)
+    if spec.variant == "lightning_ppo_padded":
+        pad_every_forward()
+    if spec.workload == "variable":
+        cut_at_scheduled_lengths(module, spec)
+        count_tokens(result)
     instrument(module, timer, result)
-    data = DigitsDataModule(
-        num_prompts=spec.batch_size * spec.iterations,
-        num_digits=common.NUM_DIGITS,
-        batch_size=spec.batch_size,
-        max_prompt_length=16,
-        seed=spec.seed,
-    )
+    data = prompt_data(spec)
     trainer = Trainer(
         accelerator="cuda" if spec.device.startswith("cuda") else "cpu",
         devices=1,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from benchmarks import bench
+from benchmarks import report as report_module
 
 
 def _table_rows(report: str, first_cell: str) -> list[list[str]]:
@@ -25,7 +26,8 @@ def test_quick_benchmark_reports_positive_numbers(tmp_path, capsys):
     report = (tmp_path / "report.md").read_text()
     assert report in printed
 
-    results = json.loads((tmp_path / "results.json").read_text())
+    records = json.loads((tmp_path / "results.json").read_text())
+    results = [r for r in records if r["group"] == "main"]
     assert sorted(r["spec"]["variant"] for r in results) == ["floor", "lightning_ppo", "lightning_ppo_shared"]
     for result in results:
         assert result["error"] is None
@@ -41,6 +43,16 @@ def test_quick_benchmark_reports_positive_numbers(tmp_path, capsys):
     ratios = [row for row in rows if len(row) == 7][0]
     assert float(ratios[2]) > 0  # lightning_ppo / floor
     assert ratios[6] == "n/a"  # shared / TRL fp32: the quick run has no TRL
+
+    # the variable-length workload: the same scheduled lengths in every variant, padding left out
+    variable = {r["spec"]["variant"]: r for r in records if r["group"] == "variable"}
+    assert sorted(variable) == sorted(report_module.VARIABLE_VARIANTS)
+    real = {r["tokens_real"] for r in variable.values()}
+    assert len(real) == 1 and real.pop() > 0  # the same work everywhere
+    computed = {name: r["tokens_computed"] for name, r in variable.items()}
+    assert computed["lightning_ppo_padded"] == computed["floor"]
+    assert computed["lightning_ppo_budget"] <= computed["lightning_ppo"] < computed["lightning_ppo_padded"]
+    assert len(_table_rows(report, "lightning_ppo_budget")) == 1
 
     train = [line for line in report.splitlines() if line.startswith("| train |")]
     assert train and all(float(x) >= 0 for x in re.findall(r"\d+\.\d+", train[0]))
