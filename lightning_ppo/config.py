@@ -35,8 +35,10 @@ class GenerationConfig:
         top_p: Nucleus sampling threshold in (0, 1]; 1.0 disables it.
         stop_token: Text of the token that ends a response. ``None`` means the tokenizer's EOS.
             Everything after the first stop token is padding.
-        forward_chunk_size: Rollout forwards (policy, reference, value, reward) run on chunks of
-            this many sequences to bound peak memory; 0 means the whole batch at once.
+        forward_chunk_size: Bounds the rollout forwards' memory (policy, reference, value, reward
+            model): each runs on at most this many sequences' padded tokens; 0 means no bound.
+            The forwards always run on groups of similar-length rows without the padding they
+            share (lightning_ppo.row_groups).
         eval_do_sample: Validation samples like training instead of decoding greedily.
         suppress_tokens: Tokens never sampled, as token strings (looked up in the tokenizer's
             vocabulary), ids, or patterns: a string that is not a token and holds ``*`` (any run of
@@ -120,11 +122,12 @@ class PPOConfig:
         ppo_epochs: Passes over each rollout batch per PPO iteration (>= 1).
         num_minibatches: Minibatches per epoch; the rollout batch must divide evenly into them.
         gradient_accumulation_steps: Micro-batches accumulated into each minibatch's optimizer step.
-        micro_batch_tokens: Split each minibatch by a token budget instead: sequences sorted by length
-            and packed so that rows x the longest stays within it (``null``: by count, as
-            ``gradient_accumulation_steps`` says). Either way each micro-batch is trimmed to its own
-            longest sequence and weighed by its share of the minibatch's tokens, so the update is
-            the unsplit minibatch's. Not with FSDP2 (its ranks must run equally many forwards).
+        micro_batch_tokens: Split each minibatch by a token budget instead: runs of sequences of
+            similar length whose rectangles (rows x (longest prompt + longest response)) stay within
+            it (``null``: equal counts, as ``gradient_accumulation_steps`` says). Either way each
+            micro-batch is trimmed to its own longest prompt and response and weighed by its share
+            of the minibatch's tokens, so the update is the unsplit minibatch's. Not with FSDP2
+            (its ranks must run equally many forwards).
         clip_range: Policy ratio clip epsilon (> 0).
         clip_range_low, clip_range_high: The two sides of the clip, ``1 - low`` and ``1 + high``
             (each > 0; ``None``: ``clip_range``). A larger ``high`` is DAPO's "clip-higher".
