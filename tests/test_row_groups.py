@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.data import PromptDataModule
 from lightning_ppo.rewards import RewardModel, at_last_real_token
-from lightning_ppo.roles import response_logits
+from lightning_ppo.roles import LoraSettings
 from lightning_ppo.row_groups import equal_groups, forward_groups, plan_row_groups, row_extents
 from tests.helpers import CountCharReward, quiet_trainer
 from tests.test_trimming import PROMPTS, TOLERANCE
@@ -52,14 +52,15 @@ def _spread_rollout(module: PPOLightningModule):
     return module.generate(next(iter(data.train_dataloader())))
 
 
-@pytest.mark.parametrize("layout", ["separate", "shared"])
+@pytest.mark.parametrize("layout", ["separate", "shared", "lora"])
 def test_grouped_rollout_forwards_equal_the_padded_rectangle(layout, tiny_gpt2):
     torch.manual_seed(0)
+    roles = {"lora": LoraSettings(r=4)} if layout == "lora" else {"value_model": layout}
     module = PPOLightningModule(
         policy=str(tiny_gpt2),
         reward_fn=CountCharReward(),
-        value_model=layout,
         generation=GenerationConfig(max_new_tokens=12, temperature=1.5),
+        **roles,
     )
     rollout = _spread_rollout(module)
     ids, mask, pos = rollout.input_ids, rollout.attention_mask, rollout.position_ids
@@ -69,7 +70,7 @@ def test_grouped_rollout_forwards_equal_the_padded_rectangle(layout, tiny_gpt2):
     with torch.no_grad():
         width = rollout.response_ids.shape[1]
         logits, values = module.roles.policy_forward(ids, mask, pos, width)
-        ref_logits = response_logits(module.ref_policy, ids, mask, pos, width)
+        ref_logits = module.roles.reference_logits(ids, mask, pos, width)
     real = rollout.response_mask
     padded = [
         module.token_logprobs(logits, rollout.response_ids),
