@@ -121,13 +121,15 @@ class PPOConfig:
         num_generations: Completions sampled per prompt (group sampling); grpo and rloo need >= 2.
         ppo_epochs: Passes over each rollout batch per PPO iteration (>= 1).
         num_minibatches: Minibatches per epoch; the rollout batch must divide evenly into them.
-        gradient_accumulation_steps: Micro-batches accumulated into each minibatch's optimizer step.
-        micro_batch_tokens: Split each minibatch by a token budget instead: runs of sequences of
-            similar length whose rectangles (rows x (longest prompt + longest response)) stay within
-            it (``null``: equal counts, as ``gradient_accumulation_steps`` says). Either way each
-            micro-batch is trimmed to its own longest prompt and response and weighed by its share
-            of the minibatch's tokens, so the update is the unsplit minibatch's. Not with FSDP2
-            (its ranks must run equally many forwards).
+        gradient_accumulation_steps: Micro-batches accumulated into each minibatch's optimizer step:
+            equal counts of its sequences sorted by length. With 1 (the default) the minibatch still
+            runs as micro-batches of similar-length sequences, as many as leave out padding worth
+            an extra forward (lightning_ppo.row_groups; under FSDP2 as one).
+        micro_batch_tokens: A token budget for those micro-batches: each one's rectangle (rows x
+            (longest prompt + longest response)) stays within it (``null``: no bound). Either way
+            each micro-batch is trimmed to its own longest prompt and response and weighed by its
+            share of the minibatch's tokens, so the update is the unsplit minibatch's. Not with
+            FSDP2 (its ranks must run equally many forwards).
         clip_range: Policy ratio clip epsilon (> 0).
         clip_range_low, clip_range_high: The two sides of the clip, ``1 - low`` and ``1 + high``
             (each > 0; ``None``: ``clip_range``). A larger ``high`` is DAPO's "clip-higher".

@@ -1,11 +1,12 @@
 """The micro-batches of a minibatch, and the shares that make their gradients add up to its own.
 
-A minibatch is split for gradient accumulation, its sequences sorted by length, either into
-``gradient_accumulation_steps`` equal counts of them, or, with ``ppo.micro_batch_tokens``, by a
-token budget: runs of similar lengths whose rectangles (rows x (longest prompt + longest
-response)) stay within the budget, chosen to leave out as much padding as an extra forward is
-worth (:mod:`lightning_ppo.row_groups`). Every micro-batch is then trimmed to its own longest
-prompt and response (:meth:`Experience.trimmed`), so short ones pay for short rectangles.
+A minibatch is split, its sequences sorted by length, into runs of similar lengths chosen to
+leave out as much padding as an extra forward is worth (:mod:`lightning_ppo.row_groups`), whose
+rectangles (rows x (longest prompt + longest response)) stay within ``ppo.micro_batch_tokens``
+where it is set; or, for ``gradient_accumulation_steps`` > 1, into that many equal counts of
+them (under FSDP2, whose ranks must run as many forwards, by count only). Every micro-batch is
+then trimmed to its own longest prompt and response (:meth:`Experience.trimmed`), so short ones
+pay for short rectangles.
 
 Each loss term is a mean over the micro-batch's tokens (or, for the policy term under
 ``sequence_mean`` and ``constant`` aggregation, over its responses). Summing micro-batch means
@@ -62,12 +63,14 @@ def minibatch_stats(parts: list[tuple[dict[str, Tensor], Share]], aggregation: s
 
 
 def plan_micro_batches(
-    minibatch: Experience, count: int, token_budget: int | None = None
+    minibatch: Experience, count: int, token_budget: int | None = None, sharded: bool = False
 ) -> list[tuple[Experience, Share]]:
-    """The micro-batches of ``minibatch``, each trimmed, with their shares: ``count`` of equal row
-    counts, or as :func:`plan_row_groups` packs them within ``token_budget``; rows sorted by length
-    either way, so that each micro-batch holds similar lengths."""
-    if count == 1 and not token_budget:
+    """The micro-batches of ``minibatch``, each trimmed, with their shares; its rows sorted by
+    length, so that each micro-batch holds similar lengths: ``count`` of equal row counts (count >
+    1), or runs of :func:`plan_row_groups` within ``token_budget`` (or with none, count 1: runs that
+    leave out padding worth an extra forward). ``sharded`` (FSDP2, where every rank must run as
+    many forwards) and count 1: the whole minibatch, trimmed."""
+    if sharded and count == 1:
         return [(minibatch.trimmed(), Share())]
     split = minibatch.input_ids.shape[1] - minibatch.response_ids.shape[1]
     lengths = minibatch.response_mask.sum(dim=1).float()
@@ -75,7 +78,7 @@ def plan_micro_batches(
     per_row = torch.stack([lengths, (lengths > 0).float(), torch.ones_like(lengths)])
     # the one host read of the plan: extents and the share counts of every row
     before, after, *counts = torch.cat([row_extents(minibatch.attention_mask, split), per_row]).tolist()
-    if token_budget:
+    if token_budget or count == 1:
         groups = plan_row_groups(before, after, budget=token_budget)
     else:
         groups = equal_groups(before, after, count)

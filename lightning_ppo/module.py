@@ -563,10 +563,11 @@ class PPOLightningModule(LightningModule):
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         generator = torch.Generator().manual_seed(self.seed + self.iteration)
         accumulate, budget = self.ppo.gradient_accumulation_steps, self.ppo.micro_batch_tokens
+        sharded = is_sharded(self)
         history: list[dict[str, Tensor]] = []
         stepped: list[Tensor] = []
         for minibatch in exp.minibatches(self.ppo.num_minibatches, generator, epochs=self.ppo.ppo_epochs):
-            plan = plan_micro_batches(minibatch, accumulate, budget)  # trimmed, with their shares
+            plan = plan_micro_batches(minibatch, accumulate, budget, sharded)  # trimmed, with shares
             parts = []
             for i, (micro, share) in enumerate(plan):
                 # Under DDP (FSDP2) only the last micro-batch of a minibatch all-reduces

@@ -7,7 +7,7 @@ import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.errors import UsageError
-from lightning_ppo.microbatches import plan_micro_batches
+from lightning_ppo.microbatches import Share, plan_micro_batches
 from tests.helpers import CountCharReward
 from tests.test_trimming import _experience
 
@@ -34,7 +34,7 @@ def test_micro_batches_add_up_to_the_unsplit_minibatch(aggregation, split, tiny_
         generation=GenerationConfig(max_new_tokens=12, temperature=1.5),
     )
     exp = _experience(module)
-    whole = _gradient(module, plan_micro_batches(exp, 1))
+    whole = _gradient(module, [(exp, Share())])
     kind, number = split.split()
     plan = plan_micro_batches(exp, 3) if kind == "count" else plan_micro_batches(exp, 1, int(number))
     assert len(plan) >= 3

@@ -7,8 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import lightning_ppo.module
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.data import PromptDataModule
+from lightning_ppo.microbatches import Share
 from lightning_ppo.rewards import RewardModel, at_last_real_token
 from lightning_ppo.roles import LoraSettings
 from lightning_ppo.row_groups import equal_groups, forward_groups, plan_row_groups, row_extents
@@ -133,17 +135,23 @@ def _initial(policy) -> dict[str, torch.Tensor]:
     [{"value_model": "separate"}, {"value_model": "shared"}, {"ppo": {"advantage_estimator": "grpo"}}],
     ids=["gae-separate", "gae-shared", "grpo"],
 )
-def test_token_budget_micro_batches_give_the_padded_update(kwargs, tiny_gpt2):
+def test_grouped_micro_batches_give_the_padded_update(kwargs, tiny_gpt2, monkeypatch):
     if "ppo" in kwargs:
         kwargs = {"ppo": {**kwargs["ppo"], "num_generations": 2}}
+    grouped = _one_update(tiny_gpt2, None, **dict(kwargs))  # runs that leave padding out
+    budget = _one_update(tiny_gpt2, 48, **dict(kwargs))  # and within 48 tokens each
+    # the padded path: each minibatch one micro-batch, its whole rectangle
+    monkeypatch.setattr(
+        lightning_ppo.module, "plan_micro_batches", lambda minibatch, *a: [(minibatch, Share())]
+    )
     padded, padded_metrics = _one_update(tiny_gpt2, None, **dict(kwargs))
-    packed, packed_metrics = _one_update(tiny_gpt2, 48, **dict(kwargs))
-    assert padded_metrics and padded_metrics.keys() == packed_metrics.keys()
-    for key, value in padded_metrics.items():
-        assert packed_metrics[key] == pytest.approx(value, abs=TOLERANCE), key
-    # 8 AdamW steps of lr 1e-5 move weights by up to 8e-5 (asserted below); gradients summed in
-    # another order moved them by 7e-8 at most (measured): 1e-6 is far below one step.
-    for name, weight in padded.items():
-        torch.testing.assert_close(packed[name], weight, rtol=0, atol=1e-6, msg=name)
     moved = max((padded[k] - initial).abs().max() for k, initial in _initial(tiny_gpt2).items())
     assert moved > 5e-5
+    for weights, metrics in (grouped, budget):
+        assert padded_metrics and padded_metrics.keys() == metrics.keys()
+        for key, value in padded_metrics.items():
+            assert metrics[key] == pytest.approx(value, abs=TOLERANCE), key
+        # 8 AdamW steps of lr 1e-5 moved weights by up to 8e-5 (asserted above); gradients summed
+        # in another order moved them by 7e-8 at most (measured): 1e-6 is far below one step.
+        for name, weight in padded.items():
+            torch.testing.assert_close(weights[name], weight, rtol=0, atol=1e-6, msg=name)
