@@ -23,8 +23,8 @@ def _rows(groups) -> list[list[int]]:
 
 
 def test_the_plan_splits_where_padding_costs_more_than_a_forward():
-    # padded: 4 rows x (2 + 10) = 48 tokens; overhead 48 / 32 = 1.5 per group. One group costs
-    # 48 + 1.5; rows {0, 1} and {2, 3} cost 4 x 3 / 2 = 6 and 2 x 12 = 24, + 3: 33; four: 30 + 6.
+    # padded: 4 rows x (2 + 10) = 48 tokens; overhead 48 / 64 = 0.75 per group. One group costs
+    # 48.75; rows {1, 3} and {0, 2} cost 2 x 3 = 6 and 2 x 12 = 24, + 1.5: 31.5; four: 30 + 3.
     groups = plan_row_groups([2, 2, 2, 2], [10, 1, 10, 1])
     assert _rows(groups) == [[1, 3], [0, 2]]
     assert [(g.before, g.after, g.area) for g in groups] == [(2, 1, 6), (2, 10, 24)]
@@ -42,7 +42,7 @@ def test_extents_count_the_real_columns_on_each_side_of_the_split():
     mask = torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
     assert row_extents(mask, 3).tolist() == [[2, 3, 1], [1, 2, 3]]
     # split 0: minus the first real column, and the last real column + 1: any layout. Alone, the
-    # rows cost 3 + 4 + 5 tokens + 3 x 18 / 32 overhead, less than the padded 18 + 18 / 32.
+    # rows cost 3 + 4 + 5 tokens + 3 x 18 / 64 overhead, less than the padded 18 + 18 / 64.
     groups = forward_groups(mask, 0)
     assert [(g.columns(0).start, g.columns(0).stop) for g in groups] == [(1, 4), (2, 6), (0, 5)]
 
