@@ -88,6 +88,7 @@ def plan_micro_batches(
         rows = group.rows.tolist()
         shares = (sum(c[i] for i in rows) / total for c, total in zip(counts, totals, strict=True))
         columns = group.columns(split)
-        micro = minibatch.select(group.rows.to(minibatch.input_ids.device))
+        whole = len(groups) == 1  # one group of every row: no copy to select them
+        micro = minibatch if whole else minibatch.select(group.rows.to(minibatch.input_ids.device))
         plan.append((micro.trimmed([columns.start, columns.stop - 1]), Share(*shares)))
     return plan
