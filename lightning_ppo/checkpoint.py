@@ -116,6 +116,7 @@ class PPOCheckpoint(ModelCheckpoint):
         self.every_n_iterations = every_n_iterations
         self.interrupt = InterruptRequest()
         self.lock = RunLock(".")  # the real folder's once training starts
+        self._resumed_here = False
 
     def _monitor_candidates(self, trainer: Trainer) -> dict[str, Tensor]:
         # The values filenames are formatted from: the PPO iteration, as an integer (the logged
@@ -183,6 +184,24 @@ class PPOCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             checkpoint[LOGS_KEY] = logger_records(trainer.loggers)
 
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Called just before load_state_dict: whether the checkpoint resumed from sits in this folder.
+        resumed = trainer.ckpt_path
+        here = resumed is not None and os.path.realpath(os.path.dirname(resumed)) == self.dirpath
+        self._resumed_here = here
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A run resumed from a checkpoint in its own folder, written when that folder had another path
+        (moved or copied since), keeps its files as its own: ``last.ckpt`` is overwritten, not joined
+        by ``last-v1.ckpt``, and top-k keeps counting its best files (Lightning drops that state when
+        the saved folder's path differs from this one's)."""
+        saved = state_dict.get("dirpath")
+        if self._resumed_here and saved is not None and saved != self.dirpath:
+            state_dict = rebased(state_dict, str(saved), str(self.dirpath))
+        super().load_state_dict(state_dict)
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Not ModelCheckpoint's fallback save of last.ckpt after the loop (when nothing was saved):
         # the loop state then marks the epoch finished, so a run stopped mid-epoch would resume into
@@ -205,6 +224,21 @@ class PPOCheckpoint(ModelCheckpoint):
                 f"{self.dirpath} is in use by another run ({holder}): start this run elsewhere with "
                 "`--trainer.default_root_dir DIR` (or the checkpoint callback's dirpath), or wait for it"
             )
+
+
+def rebased(state: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    """``ModelCheckpoint`` state with the paths of files in folder ``old`` moved to folder ``new``."""
+
+    def move(path: Any) -> Any:
+        if isinstance(path, str) and path and os.path.dirname(path) == old:
+            return os.path.join(new, os.path.basename(path))
+        return path
+
+    moved = {key: move(value) for key, value in state.items()}
+    moved["dirpath"] = new
+    if isinstance(state.get("best_k_models"), dict):
+        moved["best_k_models"] = {move(path): score for path, score in state["best_k_models"].items()}
+    return moved
 
 
 def fit_ends_after_this_batch(trainer: Trainer) -> bool:
