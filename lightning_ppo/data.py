@@ -27,6 +27,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_ppo.data_files import find_problem
 from lightning_ppo.errors import MissingPathError, UsageError
+from lightning_ppo.quiet import exact_mid_epoch_resume
 from lightning_ppo.vocab import check_representable
 
 log = logging.getLogger(__name__)
@@ -676,6 +677,8 @@ class PromptDataModule(pl.LightningDataModule):
             # DataLoader draws indices eagerly, before the loop restores; see the README's resume notes.
             progress = trainer.fit_loop.epoch_loop.batch_progress
             loader.sampler.batches_done = lambda: progress.current.processed
+            if self.num_workers == 0:  # exact: Lightning's "unreliable results" warning is false here
+                exact_mid_epoch_resume()
         return loader
 
     def val_dataloader(self) -> DataLoader | list:

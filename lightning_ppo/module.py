@@ -21,8 +21,9 @@ from torch import Tensor
 
 from lightning_ppo import functional as F
 from lightning_ppo import optim
-from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
+from lightning_ppo.checkpoint import gather_rng_states, newest_checkpoint, restore_rng_states
 from lightning_ppo.config import EpisodeConfig, GenerationConfig, PPOConfig
+from lightning_ppo.ctrl_c import training_started
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.engines import GenerationEngine, engine_for_trainer, engine_is_weights, engine_mismatch
 from lightning_ppo.episodes import Environment, StepResult, make_episode_runner
@@ -315,6 +316,7 @@ class PPOLightningModule(LightningModule):
 
     def on_train_start(self) -> None:
         check_training_plan(self.trainer, self.ppo)
+        training_started()  # a Ctrl-C from now on may find checkpoints written (lightning_ppo.ctrl_c)
 
     def on_fit_end(self) -> None:
         explain_idle_resume(self.trainer, getattr(self, "_resumed_at", None), self.iteration)
@@ -419,7 +421,7 @@ class PPOLightningModule(LightningModule):
             raise FloatingPointError(
                 f"the reward {self.reward_label!r} returned only NaN/inf for {self.consecutive_skips} "
                 f"iterations in a row (ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): "
-                "stopping. The last checkpoint on disk predates them."
+                f"stopping. {newest_checkpoint(self._trainer)}"
             )
         self.log("reward/dropped", float(batch_size), on_step=True, batch_size=batch_size)
 
@@ -619,8 +621,8 @@ class PPOLightningModule(LightningModule):
             if self.consecutive_skips >= self.ppo.max_consecutive_skips:
                 raise FloatingPointError(
                     f"{self.consecutive_skips} optimizer steps in a row had NaN/inf gradients "
-                    f"(ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): stopping. The "
-                    "last checkpoint on disk predates them. Check the learning rate, the reward scale "
+                    f"(ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): stopping. "
+                    f"{newest_checkpoint(self._trainer)} Check the learning rate, the reward scale "
                     "and the precision."
                 )
 
