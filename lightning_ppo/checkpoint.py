@@ -112,7 +112,7 @@ class PPOCheckpoint(ModelCheckpoint):
         **kwargs: Any,
     ) -> None:
         if every_n_iterations < 1:
-            raise UsageError(f"every_n_iterations must be >= 1, got {every_n_iterations}")
+            raise UsageError(f"PPOCheckpoint.every_n_iterations must be >= 1, got {every_n_iterations}")
         super().__init__(save_last=save_last, filename=filename, **kwargs)
         self.every_n_iterations = every_n_iterations
         self.interrupt = InterruptRequest()

@@ -249,7 +249,7 @@ class PPOLightningModule(LightningModule):
         if reward_adapter is not None:
             if lora is None:
                 raise UsageError(
-                    "reward_adapter needs lora: it is a second adapter on the policy's LoRA base"
+                    "model.reward_adapter needs model.lora: it is a second adapter on the policy's LoRA base"
                 )
             self.reward_adapter = AdapterReward(self.roles.policy, reward_adapter)
         self.reward_weights = reward_weights or [1.0] * (
@@ -281,15 +281,15 @@ class PPOLightningModule(LightningModule):
         count = len(self.reward_fns) + models
         if count == 0 and not env and type(self).score is PPOLightningModule.score:
             raise UsageError(
-                "no reward: set reward_fn, reward_model, reward_adapter or an environment, or override "
-                "score() in a subclass"
+                "no reward: set model.reward_fn, model.reward_model, model.reward_adapter or "
+                "model.environment, or override score() in a subclass"
             )
         # Decided once, here, before any model loads: a wrong signature fails now, not mid-run.
         self.reward_calls = reward_calls(self.reward_fns)
         if weights is not None and len(weights) != count:
             raise UsageError(
-                f"reward_weights has {len(weights)} entries but there are {count} rewards "
-                f"({len(self.reward_fns)} reward_fn + {models} reward model or adapter)"
+                f"model.reward_weights has {len(weights)} entries but there are {count} rewards "
+                f"({len(self.reward_fns)} model.reward_fn + {models} reward model or adapter)"
             )
 
     def setup(self, stage: str) -> None:
@@ -477,7 +477,8 @@ class PPOLightningModule(LightningModule):
         """One score per completion: the weighted sum of the configured rewards. Override for your own.
 
         Args:
-            prompts: Prompt text as given to the policy (after the chat template).
+            prompts: Prompt text as the policy saw it (after the chat template; a prompt cut to
+                ``data.max_prompt_length`` tokens is the text of the tokens kept).
             completions: Sampled response text, without the stop token.
             batch: The dataset's extra columns (``batch.extras``), the token ids (``batch.rollout``)
                 and, for conversational data, the prompts' messages (``batch.messages``).

@@ -16,8 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
 from lightning_ppo.cli import main
-from tests.helpers import cli_process, quickstart_fit_args, saver
+from lightning_ppo.rewards import RewardFunction
+from tests.helpers import (
+    cli_process,
+    cli_usage_error,
+    one_line_error,
+    quickstart_fit_args,
+    quiet_trainer,
+    saver,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,3 +139,62 @@ def test_ctrl_c_at_start_up_is_one_line_and_exit_130(slow, tiny_digits, tmp_path
         == "lightning-ppo: interrupted (Ctrl-C) before training started; nothing was trained or saved"
     )
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("--data.init_args.val_size", "1.5"), "a fractional data.val_size must be below 1, got 1.5"),
+        (("--model.init_args.value_model", "tied"), "model.value_model must be one of"),
+        (("--model.init_args.frozen_dtype", "fp8"), "model.frozen_dtype must be one of"),
+    ],
+    ids=["data", "model-value_model", "model-frozen_dtype"],
+)
+def test_a_bad_value_is_named_with_its_section(args, expected, tiny_digits, tmp_path, capsys):
+    """Item 11: ``batch_size must be at least 1`` said which ``batch_size``? Now ``data.batch_size``,
+    ``model.value_model``, as the keys are written in the config."""
+    line = cli_usage_error(capsys, quickstart_fit_args(tiny_digits, tmp_path, [], *args, prompts=64))
+    assert line.startswith(expected), line
+
+
+def test_a_bad_data_row_is_named_by_its_file_and_line(tiny_digits, tmp_path):
+    """Item 11: "train row 1" counted from 0 over the concatenation of every file (and after the
+    ``val_size`` shuffle); now the file and the line the row is on."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps({"prompt": f"{i}{i}="}) + "\n" for i in range(6)))
+    second.write_text('{"prompt": "12="}\n\n{"prompt": null}\n')  # the bad row is on line 3
+    data = {
+        "class_path": "lightning_ppo.PromptDataModule",
+        "init_args": {"data_files": [str(first), str(second)], "val_size": 2, "batch_size": 2},
+    }
+    done = cli_process(quickstart_fit_args(tiny_digits, tmp_path, [], "--data", json.dumps(data)))
+    assert one_line_error(done) == (
+        f"{str(second)!r} line 3: data.prompt_column 'prompt' must hold strings or conversations (lists of "
+        "{'role': ..., 'content': ...} messages), got NoneType (None)"
+    )
+
+
+class RecordPrompts(RewardFunction):
+    """Scores 0; keeps the prompt texts it was given."""
+
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+
+    def __call__(self, prompts, completions, batch):
+        self.prompts += prompts
+        return [0.0] * len(completions)
+
+
+def test_the_reward_gets_the_prompt_the_policy_saw(tiny_digits):
+    """Item 11: a prompt longer than ``data.max_prompt_length`` is cut to its last tokens for the
+    policy; the reward got the whole text. Now it gets the kept tokens' text, as the policy saw it."""
+    reward = RecordPrompts()
+    module = PPOLightningModule(
+        policy=str(tiny_digits),
+        reward_fn=reward,
+        ppo=PPOConfig(ppo_epochs=1, num_minibatches=1),
+        generation=GenerationConfig(max_new_tokens=2),
+    )
+    data = PromptDataModule(prompts=["1234567=", "89=", "9876543="], batch_size=3, max_prompt_length=4)
+    quiet_trainer("unused", iterations=1).fit(module, datamodule=data)
+    assert sorted(reward.prompts) == ["543=", "567=", "89="]
