@@ -141,9 +141,12 @@ class PPOCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._lock_run_folder(trainer)
         last = os.path.join(str(self.dirpath), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
-        if trainer.ckpt_path is None and os.path.exists(last):
+        # A run resumed from a checkpoint in this folder owns its last.ckpt; any other run would mix
+        # its files with the one that wrote it (Lightning would add last-v1.ckpt beside it).
+        if os.path.exists(last) and not self._resumed_here:
+            this = "this run" if trainer.ckpt_path is None else f"this run, resumed from {trainer.ckpt_path},"
             raise RunFolderInUseError(
-                f"{last} belongs to an earlier run: resume it with `--ckpt_path last`, start this run "
+                f"{last} belongs to an earlier run: resume it with `--ckpt_path last`, start {this} "
                 "elsewhere with `--trainer.default_root_dir DIR` (or the checkpoint callback's dirpath), "
                 "or delete that folder"
             )
@@ -196,7 +199,10 @@ class PPOCheckpoint(ModelCheckpoint):
     ) -> None:
         # Called just before load_state_dict: whether the checkpoint resumed from sits in this folder.
         resumed = trainer.ckpt_path
-        here = resumed is not None and os.path.realpath(os.path.dirname(resumed)) == self.dirpath
+        here = (
+            resumed is not None
+            and os.path.realpath(os.path.dirname(os.path.normpath(resumed))) == self.dirpath
+        )
         self._resumed_here = here
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -45,16 +45,26 @@ def _iteration(path: Path) -> int:
     return torch.load(path, weights_only=True)["ppo_state"]["iteration"]
 
 
-def test_a_moved_run_folder_resumes_into_its_own_last_ckpt(tiny_digits, tmp_path):
+def test_a_moved_run_folder_resumes_into_its_own_last_ckpt(tiny_digits, tmp_path, capsys):
     """Item 6: Lightning forgets a checkpoint folder's files when its path changed and wrote
-    ``last-v1.ckpt`` beside the moved ``last.ckpt``; a resumed run now overwrites its own."""
+    ``last-v1.ckpt`` beside the moved ``last.ckpt``; a resumed run now overwrites its own. A run
+    resumed from elsewhere into a folder holding another run's ``last.ckpt`` is refused, as a new
+    run is, instead of mixing the two."""
     main(_run_args(tiny_digits, tmp_path / "first", 2))
+    shutil.copytree(tmp_path / "first", tmp_path / "copy")
     moved = tmp_path / "moved"
     shutil.move(tmp_path / "first", moved)
     main([*_run_args(tiny_digits, moved, 3), "--ckpt_path", "last"])
     files = sorted(p.name for p in (moved / "checkpoints").glob("*.ckpt"))
     assert "last-v1.ckpt" not in files and len(files) == 2, files  # last.ckpt and one best (top-1)
     assert _iteration(moved / "checkpoints" / "last.ckpt") == 3
+
+    copied = sorted((tmp_path / "copy" / "checkpoints").iterdir())
+    elsewhere = str(moved / "checkpoints" / "last.ckpt")
+    error = cli_usage_error(capsys, [*_run_args(tiny_digits, tmp_path / "copy", 4), "--ckpt_path", elsewhere])
+    assert error.startswith(f"{os.path.realpath(tmp_path / 'copy' / 'checkpoints' / 'last.ckpt')} belongs to")
+    assert sorted((tmp_path / "copy" / "checkpoints").iterdir()) == copied
+    assert _iteration(tmp_path / "copy" / "checkpoints" / "last.ckpt") == 2  # untouched
 
 
 def test_a_run_says_nothing_that_is_false_for_it(tiny_digits, tmp_path):
