@@ -1,12 +1,34 @@
-"""lightning_ppo: PPO for RLHF of causal language models, as a PyTorch Lightning package."""
+"""lightning_ppo: PPO for RLHF of causal language models, as a PyTorch Lightning package.
 
-from lightning_ppo.config import GenerationConfig, PPOConfig
-from lightning_ppo.data import PromptBatch, PromptDataModule
-from lightning_ppo.experience import Experience, make_experience
-from lightning_ppo.module import PPOLightningModule
-from lightning_ppo.rewards import RewardFunction, ScoreInputs
-from lightning_ppo.rollout import Rollout
+The names below are imported when first used, not with the package: ``lightning-ppo`` starts in
+``lightning_ppo.console``, which must answer a Ctrl-C before torch, transformers and Lightning load.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_ppo.config import GenerationConfig, PPOConfig
+    from lightning_ppo.data import PromptBatch, PromptDataModule
+    from lightning_ppo.experience import Experience, make_experience
+    from lightning_ppo.module import PPOLightningModule
+    from lightning_ppo.rewards import RewardFunction, ScoreInputs
+    from lightning_ppo.rollout import Rollout
+
+_HOMES = {
+    "Experience": "lightning_ppo.experience",
+    "GenerationConfig": "lightning_ppo.config",
+    "PPOConfig": "lightning_ppo.config",
+    "PPOLightningModule": "lightning_ppo.module",
+    "PromptBatch": "lightning_ppo.data",
+    "PromptDataModule": "lightning_ppo.data",
+    "RewardFunction": "lightning_ppo.rewards",
+    "Rollout": "lightning_ppo.rollout",
+    "ScoreInputs": "lightning_ppo.rewards",
+    "make_experience": "lightning_ppo.experience",
+}
 __all__ = [
     "Experience",
     "GenerationConfig",
@@ -20,3 +42,15 @@ __all__ = [
     "make_experience",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'lightning_ppo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

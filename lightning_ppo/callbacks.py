@@ -107,7 +107,8 @@ class SampleTable(Callback):
     def __init__(self, every_n_iterations: int = 50, max_rows: int = 16) -> None:
         if every_n_iterations < 1 or max_rows < 1:
             raise UsageError(
-                f"every_n_iterations and max_rows must be >= 1, got {every_n_iterations}, {max_rows}"
+                "SampleTable.every_n_iterations and SampleTable.max_rows must be >= 1, "
+                f"got {every_n_iterations}, {max_rows}"
             )
         self.every_n_iterations, self.max_rows = every_n_iterations, max_rows
 

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from lightning_ppo.checkpoint_io import install_atomic_checkpoint_io, remove_stale_temp_files
 from lightning_ppo.errors import UsageError
-from lightning_ppo.log_continuity import LOGS_KEY, logger_records
+from lightning_ppo.log_continuity import LOGS_KEY, checkpoint_to_load, logger_records
+from lightning_ppo.quiet import DropMessages, stop_dropping, stopped_mid_epoch
 from lightning_ppo.run_lock import RunLock
 from lightning_ppo.writable import ensure_writable
 
@@ -111,11 +112,14 @@ class PPOCheckpoint(ModelCheckpoint):
         **kwargs: Any,
     ) -> None:
         if every_n_iterations < 1:
-            raise UsageError(f"every_n_iterations must be >= 1, got {every_n_iterations}")
+            raise UsageError(f"PPOCheckpoint.every_n_iterations must be >= 1, got {every_n_iterations}")
         super().__init__(save_last=save_last, filename=filename, **kwargs)
         self.every_n_iterations = every_n_iterations
         self.interrupt = InterruptRequest()
         self.lock = RunLock(".")  # the real folder's once training starts
+        self._resumed_here = False
+        self.saved_iteration: int | None = None  # of this run's latest save (for error messages)
+        self._dropper: DropMessages | None = None
 
     def _monitor_candidates(self, trainer: Trainer) -> dict[str, Tensor]:
         # The values filenames are formatted from: the PPO iteration, as an integer (the logged
@@ -137,9 +141,12 @@ class PPOCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._lock_run_folder(trainer)
         last = os.path.join(str(self.dirpath), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
-        if trainer.ckpt_path is None and os.path.exists(last):
+        # A run resumed from a checkpoint in this folder owns its last.ckpt; any other run would mix
+        # its files with the one that wrote it (Lightning would add last-v1.ckpt beside it).
+        if os.path.exists(last) and not self._resumed_here:
+            this = "this run" if trainer.ckpt_path is None else f"this run, resumed from {trainer.ckpt_path},"
             raise RunFolderInUseError(
-                f"{last} belongs to an earlier run: resume it with `--ckpt_path last`, start this run "
+                f"{last} belongs to an earlier run: resume it with `--ckpt_path last`, start {this} "
                 "elsewhere with `--trainer.default_root_dir DIR` (or the checkpoint callback's dirpath), "
                 "or delete that folder"
             )
@@ -170,10 +177,14 @@ class PPOCheckpoint(ModelCheckpoint):
         # saved here, mid-loop like the periodic saves, so that `--ckpt_path last` with a larger
         # limit goes on from it.
         last = fit_ends_after_this_batch(trainer)
+        if stops_early(trainer) and not epoch_ends_after_this_batch(trainer) and self._dropper is None:
+            # Stopped mid-epoch (Ctrl-C, max_time): Lightning would still say "max_epochs=1 reached".
+            self._dropper = stopped_mid_epoch()
         if (due or interrupted or last) and not self._should_skip_saving_checkpoint(trainer):
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
+            self.saved_iteration = iteration
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -183,6 +194,27 @@ class PPOCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             checkpoint[LOGS_KEY] = logger_records(trainer.loggers)
 
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Called just before load_state_dict: whether the checkpoint resumed from sits in this folder.
+        resumed = trainer.ckpt_path
+        here = (
+            resumed is not None
+            and os.path.realpath(os.path.dirname(os.path.normpath(resumed))) == self.dirpath
+        )
+        self._resumed_here = here
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A run resumed from a checkpoint in its own folder, written when that folder had another path
+        (moved or copied since), keeps its files as its own: ``last.ckpt`` is overwritten, not joined
+        by ``last-v1.ckpt``, and top-k keeps counting its best files (Lightning drops that state when
+        the saved folder's path differs from this one's)."""
+        saved = state_dict.get("dirpath")
+        if self._resumed_here and saved is not None and saved != self.dirpath:
+            state_dict = rebased(state_dict, str(saved), str(self.dirpath))
+        super().load_state_dict(state_dict)
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Not ModelCheckpoint's fallback save of last.ckpt after the loop (when nothing was saved):
         # the loop state then marks the epoch finished, so a run stopped mid-epoch would resume into
@@ -190,10 +222,14 @@ class PPOCheckpoint(ModelCheckpoint):
         # iteration with the state of a periodic save.
         self.interrupt.release()
         self.lock.release()
+        stop_dropping(self._dropper)
+        self._dropper = None
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.interrupt.release()
         self.lock.release()
+        stop_dropping(self._dropper)
+        self._dropper = None
 
     def _lock_run_folder(self, trainer: Trainer) -> None:
         """Take the folder's lock (rank 0); every rank refuses together when another run holds it."""
@@ -207,6 +243,53 @@ class PPOCheckpoint(ModelCheckpoint):
             )
 
 
+def newest_checkpoint(trainer: Trainer | None) -> str:
+    """For an error that stops training: the newest checkpoint this run wrote, as a sentence (the
+    files Lightning's other checkpoint callbacks wrote count too, without their iteration)."""
+    savers = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)] if trainer else []
+    ours = [(cb.saved_iteration, cb._last_checkpoint_saved) for cb in savers if isinstance(cb, PPOCheckpoint)]
+    ours = [(iteration, path) for iteration, path in ours if iteration is not None and path]
+    if ours:
+        iteration, path = max(ours)
+        return f"The newest checkpoint is {path}, of iteration {iteration}."
+    others = [cb._last_checkpoint_saved for cb in savers if cb._last_checkpoint_saved]
+    if others:
+        return f"The newest checkpoint is {others[-1]}."
+    if trainer is not None and trainer.ckpt_path is not None:
+        return f"This run saved no checkpoint since it resumed from {trainer.ckpt_path}."
+    return "This run saved no checkpoint."
+
+
+def nothing_to_resume(trainer: Trainer) -> str | None:
+    """Why ``fit --ckpt_path last`` finds no checkpoint (a sentence), or ``None`` when it finds one.
+
+    Not an error: a job script that always passes ``--ckpt_path last`` (requeued on a cluster)
+    starts a new run the first time.
+    """
+    if checkpoint_to_load(trainer, "last") is not None:
+        return None
+    savers = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.save_last]
+    folders = sorted({str(cb.dirpath) for cb in savers})
+    if not folders:
+        return "no checkpoint callback saves a last checkpoint, so there is nothing to resume"
+    return f"no last.ckpt in {' or '.join(folders)}: nothing to resume"
+
+
+def rebased(state: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    """``ModelCheckpoint`` state with the paths of files in folder ``old`` moved to folder ``new``."""
+
+    def move(path: Any) -> Any:
+        if isinstance(path, str) and path and os.path.dirname(path) == old:
+            return os.path.join(new, os.path.basename(path))
+        return path
+
+    moved = {key: move(value) for key, value in state.items()}
+    moved["dirpath"] = new
+    if isinstance(state.get("best_k_models"), dict):
+        moved["best_k_models"] = {move(path): score for path, score in state["best_k_models"].items()}
+    return moved
+
+
 def fit_ends_after_this_batch(trainer: Trainer) -> bool:
     """Whether the fit loop stops after the batch that just ended, by the checks Lightning makes.
 
@@ -217,13 +300,21 @@ def fit_ends_after_this_batch(trainer: Trainer) -> bool:
     seen here: it stops with the latest periodic save.
     """
     fit_loop = trainer.fit_loop
-    if trainer.should_stop and fit_loop._can_stop_early:  # min_steps/min_epochs not met: it goes on
+    if stops_early(trainer):
         return True
     if 0 <= fit_loop.max_steps <= trainer.global_step:  # -1: no limit
         return True
-    batches = fit_loop.epoch_loop.batch_progress
-    epoch_ends = batches.is_last_batch or batches.current.ready >= trainer.num_training_batches
-    return epoch_ends and 0 <= fit_loop.max_epochs <= trainer.current_epoch + 1
+    return epoch_ends_after_this_batch(trainer) and 0 <= fit_loop.max_epochs <= trainer.current_epoch + 1
+
+
+def stops_early(trainer: Trainer) -> bool:
+    """Whether a stop was asked for (``trainer.should_stop``) and the loop will obey it after this batch."""
+    return trainer.should_stop and trainer.fit_loop._can_stop_early  # min_steps/min_epochs unmet: goes on
+
+
+def epoch_ends_after_this_batch(trainer: Trainer) -> bool:
+    batches = trainer.fit_loop.epoch_loop.batch_progress
+    return batches.is_last_batch or batches.current.ready >= trainer.num_training_batches
 
 
 class RunFolderInUseError(UsageError, FileExistsError):
@@ -251,7 +342,10 @@ class InterruptRequest:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
             self.release()
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(
+                "aborted by a second Ctrl-C: the iteration under way is lost; `--ckpt_path last` resumes "
+                "from the newest checkpoint"
+            )
         self.requested = True
         rank_zero_info("lightning_ppo: Ctrl-C: finishing this iteration, then saving; Ctrl-C again to abort")
 

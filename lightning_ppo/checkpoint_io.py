@@ -23,14 +23,17 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info
 
-# ".last.ckpt.tmp-1234": hidden, so neither Lightning's "last" lookup nor a user's glob sees it, and
-# named after the writing process, so a new run can tell a dead run's leftovers from a live writer's.
-_TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.tmp-(?P<pid>\d+)$")
+from lightning_ppo.processes import host_name, writer_gone
+
+# ".last.ckpt.tmp-node7-1234": hidden, so neither Lightning's "last" lookup nor a user's glob sees it,
+# and named after the writing process (host and pid: the folder may be on a disk that several
+# machines share), so a new run can tell a dead run's leftovers from a live writer's.
+_TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.tmp-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)$")
 
 
 def temp_path(target: Path) -> Path:
     """The hidden file beside ``target`` that this process writes before renaming it to ``target``."""
-    return target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    return target.with_name(f".{target.name}.tmp-{host_name()}-{os.getpid()}")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -114,34 +117,19 @@ def install_atomic_checkpoint_io(strategy: Strategy) -> None:
 def remove_stale_temp_files(folder: _PATH) -> list[Path]:
     """Delete the temporary checkpoint files that killed runs left in ``folder``; returns them.
 
-    Only files named like :func:`temp_path`'s are touched, and only those whose writer is gone (a
-    live process on this machine may be saving right now; this process's own pid can only be an
-    earlier process's, as in a restarted container).
+    Only files named like :func:`temp_path`'s are touched, and only those whose writer is known to
+    be gone: a process of this host that no longer exists (one of another host sharing the folder
+    may be saving right now; its pid means nothing here).
     """
     if not _is_local_file_protocol(folder) or not os.path.isdir(folder):
         return []
     removed = []
     for path in Path(folder).iterdir():
         match = _TEMP_NAME.match(path.name)
-        if match is None or not path.is_file():
-            continue
-        pid = int(match["pid"])
-        if pid != os.getpid() and _process_exists(pid):
+        if match is None or not path.is_file() or not writer_gone(match["host"], int(match["pid"])):
             continue
         path.unlink(missing_ok=True)
         removed.append(path)
     if removed:
         rank_zero_info(f"removed {len(removed)} temporary checkpoint file(s) left by killed runs in {folder}")
     return removed
-
-
-def _process_exists(pid: int) -> bool:
-    if os.name != "posix":
-        return True  # os.kill(pid, 0) would terminate the process on Windows: keep the file there
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists but belongs to another user
-    return True

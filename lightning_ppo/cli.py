@@ -16,9 +16,11 @@ import datasets
 import transformers
 from jsonargparse import Namespace
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_ppo.checkpoint import PPOCheckpoint
+from lightning_ppo.checkpoint import PPOCheckpoint, nothing_to_resume
 from lightning_ppo.config import GenerationConfig, PPOConfig
+from lightning_ppo.ctrl_c import ctrl_c_exits
 from lightning_ppo.data import PromptDataModule
 from lightning_ppo.errors import TRACEBACK_ENV, UsageError, condense_parser_error, usage_errors_exit
 from lightning_ppo.export import export_main
@@ -98,9 +100,16 @@ class PPOLightningCLI(LightningCLI):
         check_run_inputs(model, data)
 
     def before_fit(self) -> None:
-        """A resumed run continues the logs of the run that wrote its checkpoint: its CSV version
+        """``--ckpt_path last`` with no checkpoint on disk starts a new run, saying so in one line.
+        A resumed run continues the logs of the run that wrote its checkpoint: its CSV version
         folder and its W&B run. Before ``fit``: the loggers create both when it starts."""
-        continue_logs(self.trainer, self.config[self.subcommand].get("ckpt_path"))
+        key = f"{self.subcommand}.ckpt_path"
+        if self.config.get(key) == "last":
+            nothing = nothing_to_resume(self.trainer)
+            if nothing is not None:
+                rank_zero_info(f"lightning_ppo: --ckpt_path last: {nothing}; starting a new run")
+                self.config[key] = self.config_init[key] = None  # and no Lightning hint about save_last
+        continue_logs(self.trainer, self.config.get(key))
 
 
 def _as_dict(value: Namespace | dict[str, Any] | None) -> dict[str, Any]:
@@ -180,7 +189,7 @@ def main(args: list[str] | None = None) -> PPOLightningCLI | int | None:
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()  # prompt files load in a moment; the bars only push logs away
     silence_intended_warnings()
-    with usage_errors_exit():
+    with ctrl_c_exits(), usage_errors_exit():
         cli = _run(args)
     if args is not None or cli is None:
         return cli

@@ -25,8 +25,9 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from lightning_ppo.data_files import find_problem
+from lightning_ppo.data_files import RowOrigin, find_problem
 from lightning_ppo.errors import MissingPathError, UsageError
+from lightning_ppo.quiet import exact_mid_epoch_resume
 from lightning_ppo.vocab import check_representable
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parq
 # Suffixes `datasets` decompresses on the fly, so "x.jsonl.gz" is still a json file.
 _COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
 _TOKENIZE_CHUNK = 1024
+# A column added before the val_size shuffle: each row's number in its split as loaded (for messages).
+_ROW = "__lightning_ppo_row__"
 
 
 @rank_zero_only
@@ -52,7 +55,8 @@ class PromptBatch:
             generation continues right after the last real token of every row.
         prompt_mask: ``(B, P)`` bool tensor, True on real tokens. Built from the prompt lengths, so it
             stays correct when the pad token doubles as a real token (pad == eos).
-        prompts: prompt text as tokenized (after the chat template, before truncation).
+        prompts: prompt text as the policy sees it (after the chat template; a prompt cut to
+            ``max_prompt_length`` tokens is the decoded text of the tokens kept).
         extras: every other dataset column, one value per sample (e.g. a reference answer).
         messages: the conversations of a conversational dataset (lists of ``{"role", "content"}``
             messages) as given, before the chat template; ``None`` for text prompts.
@@ -225,13 +229,13 @@ def infer_builder(data_files: str | Sequence[str] | Mapping[str, Any]) -> str:
     """
     files = _as_file_list(data_files)
     if not files:
-        raise UsageError("data_files is empty")
+        raise UsageError("data.data_files is empty")
     builders = set()
     for path in files:
         builders.add(_builder_for_file(path))
         _check_exists(path)
     if len(builders) > 1:
-        raise UsageError(f"data_files mixes formats {sorted(builders)}; use files of a single format")
+        raise UsageError(f"data.data_files mixes formats {sorted(builders)}; use files of a single format")
     return builders.pop()
 
 
@@ -330,7 +334,11 @@ class PromptDataModule(pl.LightningDataModule):
 
     def _check_args(self) -> None:
         """Reject inconsistent arguments at construction, before any loading."""
-        sources = {"data_files": self.data_files, "dataset_name": self.dataset_name, "prompts": self.prompts}
+        sources = {
+            "data.data_files": self.data_files,
+            "data.dataset_name": self.dataset_name,
+            "data.prompts": self.prompts,
+        }
         given = [name for name, value in sources.items() if value is not None]
         # Subclasses that override load_dataset generate their own prompts and need no source.
         if len(given) > 1 or (not given and type(self).load_dataset is PromptDataModule.load_dataset):
@@ -338,26 +346,28 @@ class PromptDataModule(pl.LightningDataModule):
         self.val_size = self._check_val_size(self.val_size)
         val_given = [
             name
-            for name, value in (("val_split", self.val_split), ("val_prompts", self.val_prompts))
+            for name, value in (("data.val_split", self.val_split), ("data.val_prompts", self.val_prompts))
             if value is not None
-        ] + (["val_size"] if self.val_size else [])
+        ] + (["data.val_size"] if self.val_size else [])
         if len(val_given) > 1:
-            raise UsageError(f"give at most one of val_split, val_size and val_prompts; got {val_given}")
+            raise UsageError(
+                f"give at most one of data.val_split, data.val_size and data.val_prompts; got {val_given}"
+            )
         if self.system_prompt is not None and not self.chat_template:
-            raise UsageError("system_prompt needs chat_template=True")
+            raise UsageError("data.system_prompt needs data.chat_template: true")
         for name in ("max_prompt_length", "batch_size"):
             if getattr(self, name) < 1:
-                raise UsageError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise UsageError(f"data.{name} must be at least 1, got {getattr(self, name)}")
 
     @staticmethod
     def _check_val_size(val_size: int | float) -> int | float:
         """Return ``val_size`` as a fraction in [0, 1) or a whole row count."""
         if isinstance(val_size, bool) or val_size < 0:
-            raise UsageError(f"val_size must be a fraction in (0, 1) or a row count, got {val_size!r}")
+            raise UsageError(f"data.val_size must be a fraction in (0, 1) or a row count, got {val_size!r}")
         if isinstance(val_size, float) and val_size >= 1:
             # Some parsers and YAML files turn 3 into 3.0; a whole number still means a row count.
             if not val_size.is_integer():
-                raise UsageError(f"a fractional val_size must be below 1, got {val_size}")
+                raise UsageError(f"a fractional data.val_size must be below 1, got {val_size}")
             return int(val_size)
         return val_size
 
@@ -366,7 +376,7 @@ class PromptDataModule(pl.LightningDataModule):
         """The tokenizer, loaded from the ``tokenizer`` path on first use."""
         if self._tokenizer is None:
             if self._tokenizer_name is None:
-                raise UsageError("no tokenizer: pass tokenizer=<path or name> or call set_tokenizer()")
+                raise UsageError("no tokenizer: set data.tokenizer (a path or name), or call set_tokenizer()")
             loaded = AutoTokenizer.from_pretrained(
                 self._tokenizer_name, trust_remote_code=self.trust_remote_code
             )
@@ -415,7 +425,7 @@ class PromptDataModule(pl.LightningDataModule):
         if self.data_files is not None:
             return self._load_files(self.data_files)
         if self.dataset_name is None:
-            raise UsageError("no prompt source: set one of data_files, dataset_name, prompts")
+            raise UsageError("no prompt source: set one of data.data_files, data.dataset_name, data.prompts")
         if os.path.isdir(self.dataset_name) and any(
             os.path.isfile(os.path.join(self.dataset_name, name))
             for name in ("dataset_dict.json", "state.json")
@@ -467,16 +477,17 @@ class PromptDataModule(pl.LightningDataModule):
         tokenizer = self.tokenizer
         if self.chat_template and not getattr(tokenizer, "chat_template", None):
             raise UsageError(
-                f"chat_template=True but tokenizer {tokenizer.name_or_path!r} has no chat template"
+                f"data.chat_template is true but tokenizer {tokenizer.name_or_path!r} has no chat template"
             )
         train, val = self._split(self.load_dataset())
-        train_rows = self._build_rows(train, self.train_split)
-        val_rows = None if val is None else self._build_rows(val, self.val_split or "validation")
+        train_rows = self._build_rows(train, self.train_split, self._origin(self.train_split))
+        val_name = self.val_split or "validation"
+        val_rows = None if val is None else self._build_rows(val, val_name, self._val_origin())
         if self.drop_last and len(train_rows) < self.batch_size:
             raise UsageError(
-                f"the train set has {len(train_rows)} prompts, fewer than "
-                f"batch_size={self.batch_size}, so drop_last=True would leave no batch; "
-                "lower batch_size or set drop_last=False"
+                f"the train set has {len(train_rows)} prompts, fewer than data.batch_size "
+                f"{self.batch_size}, so data.drop_last: true would leave no batch; lower data.batch_size "
+                "or set data.drop_last: false"
             )
         # Assigned only once everything is valid, so a failed setup is not mistaken for a finished one.
         self.train_dataset, self.val_dataset = train_rows, val_rows
@@ -486,38 +497,61 @@ class PromptDataModule(pl.LightningDataModule):
     ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
         """Pick the train and validation sets out of what :meth:`load_dataset` returned."""
         if isinstance(raw, datasets.DatasetDict):
-            train = self._get_split(raw, self.train_split)
+            train = self._get_split(raw, self.train_split, "data.train_split")
         elif isinstance(raw, datasets.Dataset):
             if self.val_split is not None:
-                raise UsageError(f"val_split={self.val_split!r} given but the dataset has no splits")
+                raise UsageError(f"data.val_split {self.val_split!r} given but the dataset has no splits")
             train = raw
         else:
             raise TypeError(f"load_dataset() must return a Dataset or DatasetDict, got {type(raw).__name__}")
         if self.val_prompts is not None:
             return train, datasets.Dataset.from_dict({self.prompt_column: list(self.val_prompts)})
         if self.val_split is not None:
-            return train, self._get_split(raw, self.val_split)
+            return train, self._get_split(raw, self.val_split, "data.val_split")
         if self.val_size:
-            held = train.train_test_split(test_size=self.val_size, shuffle=True, seed=self.seed)
+            # Shuffled apart: each row keeps its number in the split as loaded, for messages.
+            numbered = train.add_column(_ROW, list(range(len(train))))
+            held = numbered.train_test_split(test_size=self.val_size, shuffle=True, seed=self.seed)
             return held["train"], held["test"]
         return train, None
 
+    def _origin(self, split: str) -> RowOrigin:
+        """Where the rows of ``split`` (as :meth:`load_dataset` returned it) came from."""
+        if type(self).load_dataset is not PromptDataModule.load_dataset:  # prompts made in code
+            return RowOrigin(f"the {split} split")
+        if self.prompts is not None:
+            return RowOrigin("data.prompts")
+        if self.data_files is not None:
+            files = self.data_files
+            if isinstance(files, Mapping):  # one entry per split; otherwise every file is "train"
+                files = files.get(split, [])
+            paths = _as_file_list(files)
+            return RowOrigin("data.data_files", tuple(paths), _builder_for_file(paths[0]) if paths else "")
+        return RowOrigin(f"the {split} split of data.dataset_name {self.dataset_name!r}")
+
+    def _val_origin(self) -> RowOrigin:
+        if self.val_prompts is not None:
+            return RowOrigin("data.val_prompts")
+        return self._origin(self.val_split or self.train_split)  # val_size: rows held out of the train split
+
     @staticmethod
-    def _get_split(raw: datasets.DatasetDict, name: str) -> datasets.Dataset:
+    def _get_split(raw: datasets.DatasetDict, name: str, field: str) -> datasets.Dataset:
         if name not in raw:
-            raise UsageError(f"split {name!r} not found; the dataset has splits {sorted(raw)}")
+            raise UsageError(f"{field} {name!r} not found; the dataset has splits {sorted(raw)}")
         return raw[name]
 
-    def _build_rows(self, dataset: datasets.Dataset, split: str) -> PromptRows:
-        """Validate one split, drop blank prompts, then format, tokenize and left-truncate."""
+    def _build_rows(self, dataset: datasets.Dataset, split: str, origin: RowOrigin) -> PromptRows:
+        """Validate one split, drop blank prompts, then format, tokenize and left-truncate; a bad row
+        is named by ``origin`` (its file and line)."""
         if self.prompt_column not in dataset.column_names:
             raise UsageError(
-                f"prompt column {self.prompt_column!r} not found in the {split} split; "
+                f"data.prompt_column {self.prompt_column!r} not found in the {split} split; "
                 f"columns present: {dataset.column_names}"
             )
         columns = dataset.to_dict()
         raw_prompts = columns.pop(self.prompt_column)
-        conversational = self._check_prompts(raw_prompts, split)
+        numbers = columns.pop(_ROW, None) or list(range(len(raw_prompts)))
+        conversational = self._check_prompts(raw_prompts, split, lambda i: origin.row(numbers[i]))
         keep = [i for i, prompt in enumerate(raw_prompts) if not _is_blank(prompt)]
         if not keep:
             raise UsageError(f"the {split} split has no non-empty prompts")
@@ -526,26 +560,39 @@ class PromptDataModule(pl.LightningDataModule):
             _warn(f"dropped {dropped} empty or whitespace-only prompts from the {split} split")
         texts = [self.format_prompt(raw_prompts[i]) for i in keep]
         templated = self.chat_template or conversational
-        input_ids = self._tokenize(texts, split, templated)
-        check_representable(self.tokenizer, texts, input_ids, split, keep, self._special_tokens(templated))
+        input_ids, truncated = self._tokenize(texts, split, templated)
+        special = self._special_tokens(templated)
+        check_representable(
+            self.tokenizer, texts, input_ids, split, lambda i: origin.row(numbers[keep[i]]), special
+        )
         extras = {name: [values[i] for i in keep] for name, values in columns.items()}
         messages = [list(raw_prompts[i]) for i in keep] if conversational else None
-        return PromptRows(input_ids, texts, extras, messages)
+        return PromptRows(input_ids, self._as_seen(texts, input_ids, truncated), extras, messages)
 
-    def _check_prompts(self, prompts: Sequence[Any], split: str) -> bool:
+    def _as_seen(self, texts: list[str], input_ids: list[list[int]], truncated: list[int]) -> list[str]:
+        """Each prompt's text as the policy sees it: a truncated prompt's kept tokens, decoded. This
+        is the text rewards, environments and sample tables get (not the part the policy never saw)."""
+        seen = list(texts)
+        for index in truncated:
+            seen[index] = self.tokenizer.decode(
+                input_ids[index], skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        return seen
+
+    def _check_prompts(self, prompts: Sequence[Any], split: str, row: Callable[[int], str]) -> bool:
         """Every prompt text, or every prompt a conversation (then the tokenizer needs a chat template);
-        returns whether they are conversations."""
+        returns whether they are conversations. ``row(i)`` names prompt ``i`` for the user."""
         conversational = bool(prompts) and not isinstance(prompts[0], str) and is_conversation(prompts[0])
         for index, prompt in enumerate(prompts):
             if conversational and not is_conversation(prompt):
                 raise UsageError(
-                    f"{split} row {index}: prompt column {self.prompt_column!r} holds conversations (lists "
+                    f"{row(index)}: data.prompt_column {self.prompt_column!r} holds conversations (lists "
                     "of {'role': ..., 'content': ...} messages) but this row holds "
                     f"{type(prompt).__name__} ({repr(prompt)[:80]})"
                 )
             if not conversational and not isinstance(prompt, str):
                 raise UsageError(
-                    f"{split} row {index}: prompt column {self.prompt_column!r} must hold strings or "
+                    f"{row(index)}: data.prompt_column {self.prompt_column!r} must hold strings or "
                     f"conversations (lists of {{'role': ..., 'content': ...}} messages), got "
                     f"{type(prompt).__name__} ({repr(prompt)[:80]})"
                 )
@@ -583,27 +630,30 @@ class PromptDataModule(pl.LightningDataModule):
             return not templated
         return self.add_special_tokens
 
-    def _tokenize(self, texts: list[str], split: str, templated: bool = False) -> list[list[int]]:
-        """Tokenize without padding, keeping the last ``max_prompt_length`` tokens of long prompts."""
+    def _tokenize(
+        self, texts: list[str], split: str, templated: bool = False
+    ) -> tuple[list[list[int]], list[int]]:
+        """Tokenize without padding, keeping the last ``max_prompt_length`` tokens of long prompts;
+        returns the ids and which prompts were cut."""
         add_special_tokens = self._special_tokens(templated or self.chat_template)
         input_ids: list[list[int]] = []
         for start in range(0, len(texts), _TOKENIZE_CHUNK):
             chunk = texts[start : start + _TOKENIZE_CHUNK]
             input_ids.extend(self.tokenizer(chunk, add_special_tokens=add_special_tokens)["input_ids"])
-        truncated = 0
+        truncated = []
         for index, ids in enumerate(input_ids):
             if not ids:
                 raise UsageError(f"{split} prompt {texts[index]!r} tokenizes to no tokens")
             if len(ids) > self.max_prompt_length:
                 # The end of a prompt (the question, the generation prompt) matters most for the answer.
                 input_ids[index] = list(ids[-self.max_prompt_length :])
-                truncated += 1
+                truncated.append(index)
         if truncated:
             _warn(
-                f"{truncated} of {len(texts)} {split} prompts are longer than max_prompt_length="
+                f"{len(truncated)} of {len(texts)} {split} prompts are longer than data.max_prompt_length "
                 f"{self.max_prompt_length} tokens; kept their last {self.max_prompt_length} tokens"
             )
-        return input_ids
+        return input_ids, truncated
 
     def collate(self, rows: Sequence[Mapping[str, Any]]) -> PromptBatch:
         """Left-pad rows (as yielded by :attr:`train_dataset`) into a :class:`PromptBatch`.
@@ -628,14 +678,15 @@ class PromptDataModule(pl.LightningDataModule):
         Returns:
             The padded batch, truncated like the training data.
         """
-        conversational = self._check_prompts(prompts, "given")
+        given = RowOrigin("the given prompts")
+        conversational = self._check_prompts(prompts, "given", given.row)
         texts = [self.format_prompt(prompt) for prompt in prompts]
         templated = self.chat_template or conversational
-        input_ids = self._tokenize(texts, "given", templated)
+        input_ids, truncated = self._tokenize(texts, "given", templated)
         special = self._special_tokens(templated)
-        check_representable(self.tokenizer, texts, input_ids, "given", range(len(texts)), special)
+        check_representable(self.tokenizer, texts, input_ids, "given", given.row, special)
         messages = [list(prompt) for prompt in prompts] if conversational else None
-        rows = PromptRows(input_ids, texts, dict(extras or {}), messages)
+        rows = PromptRows(input_ids, self._as_seen(texts, input_ids, truncated), dict(extras or {}), messages)
         return self.collate([rows[i] for i in range(len(rows))])
 
     def _require_setup(self) -> PromptRows:
@@ -676,6 +727,8 @@ class PromptDataModule(pl.LightningDataModule):
             # DataLoader draws indices eagerly, before the loop restores; see the README's resume notes.
             progress = trainer.fit_loop.epoch_loop.batch_progress
             loader.sampler.batches_done = lambda: progress.current.processed
+            if self.num_workers == 0:  # exact: Lightning's "unreliable results" warning is false here
+                exact_mid_epoch_resume()
         return loader
 
     def val_dataloader(self) -> DataLoader | list:

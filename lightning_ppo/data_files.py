@@ -1,8 +1,11 @@
-"""Why a local data file could not be loaded: which file, and a parse error with its line, or no rows.
+"""Local data files in messages: why one could not be loaded, and where a bad row sits.
 
 `datasets` reports a malformed or empty file as "An error occurred while generating the dataset",
 a bare ``StopIteration`` or "Instruction 'train' corresponds to no data", none of which names the
 file. :func:`find_problem` re-reads the files, only after such a failure, to say what is wrong.
+A row that loads but cannot be used (a prompt that is not text) is named by :class:`RowOrigin` as
+the user finds it: the file and its line (JSON Lines) or 1-based row, not an index into the
+concatenation of the files that `datasets` loaded.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -82,10 +86,64 @@ def describe_file_problem(path: str, builder: str) -> str | None:
 
 def find_problem(files: list[str], builder: str) -> str | None:
     """The first problem among the data files (glob patterns expanded), or None when all read fine."""
+    for path in expand(files):
+        problem = describe_file_problem(path, builder)
+        if problem is not None:
+            return problem
+    return None
+
+
+def expand(files: list[str]) -> list[str]:
+    """The files behind ``files``, glob patterns expanded (sorted, as `datasets` reads them)."""
+    paths: list[str] = []
     for pattern in files:
         is_pattern = any(c in pattern for c in "*?[")
-        for path in sorted(glob.glob(pattern, recursive=True)) if is_pattern else [pattern]:
-            problem = describe_file_problem(path, builder)
-            if problem is not None:
-                return problem
+        paths.extend(sorted(glob.glob(pattern, recursive=True)) if is_pattern else [pattern])
+    return paths
+
+
+def locate_row(files: list[str], builder: str, index: int) -> str | None:
+    """Row ``index`` (0-based) of the rows `datasets` read from ``files`` in order, as ``'path' line
+    N`` (JSON Lines: the line the row is on) or ``'path' row N`` (1-based); None when a file cannot
+    be re-read here (compressed, remote, changed since)."""
+    for path in expand(files):
+        if "://" in path or path.lower().endswith(_COMPRESSION):
+            return None
+        try:
+            rows = _reader(path, builder)[1](path)
+        except (OSError, ValueError):
+            return None
+        if index < rows:
+            line = _json_lines_line(path, index) if builder == "json" else None
+            return f"{path!r} line {line}" if line is not None else f"{path!r} row {index + 1}"
+        index -= rows
     return None
+
+
+def _json_lines_line(path: str, index: int) -> int | None:
+    """The line of row ``index`` of a JSON Lines file (blank lines hold no row); None for a JSON array."""
+    text = Path(path).read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        return None
+    rows = (number for number, line in enumerate(text.splitlines(), start=1) if line.strip())
+    return next((number for i, number in enumerate(rows) if i == index), None)
+
+
+@dataclass(frozen=True)
+class RowOrigin:
+    """Where the rows of one split came from, to name a row so that the user can find it.
+
+    Args:
+        label: the source as the user gave it: ``data.prompts``, ``the train split of 'org/set'``.
+        files: local data files of the split, in the order they were read (patterns allowed).
+        builder: their `datasets` builder (``json``, ``csv``, ``parquet``).
+    """
+
+    label: str
+    files: tuple[str, ...] = ()
+    builder: str = ""
+
+    def row(self, index: int) -> str:
+        """Row ``index`` (0-based, in the order loaded) as a file and line, or a 1-based row number."""
+        located = locate_row(list(self.files), self.builder, index) if self.files else None
+        return located or f"row {index + 1} of {self.label}"

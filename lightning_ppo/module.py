@@ -21,8 +21,9 @@ from torch import Tensor
 
 from lightning_ppo import functional as F
 from lightning_ppo import optim
-from lightning_ppo.checkpoint import gather_rng_states, restore_rng_states
+from lightning_ppo.checkpoint import gather_rng_states, newest_checkpoint, restore_rng_states
 from lightning_ppo.config import EpisodeConfig, GenerationConfig, PPOConfig
+from lightning_ppo.ctrl_c import training_started
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.engines import GenerationEngine, engine_for_trainer, engine_is_weights, engine_mismatch
 from lightning_ppo.episodes import Environment, StepResult, make_episode_runner
@@ -249,7 +250,7 @@ class PPOLightningModule(LightningModule):
         if reward_adapter is not None:
             if lora is None:
                 raise UsageError(
-                    "reward_adapter needs lora: it is a second adapter on the policy's LoRA base"
+                    "model.reward_adapter needs model.lora: it is a second adapter on the policy's LoRA base"
                 )
             self.reward_adapter = AdapterReward(self.roles.policy, reward_adapter)
         self.reward_weights = reward_weights or [1.0] * (
@@ -281,15 +282,15 @@ class PPOLightningModule(LightningModule):
         count = len(self.reward_fns) + models
         if count == 0 and not env and type(self).score is PPOLightningModule.score:
             raise UsageError(
-                "no reward: set reward_fn, reward_model, reward_adapter or an environment, or override "
-                "score() in a subclass"
+                "no reward: set model.reward_fn, model.reward_model, model.reward_adapter or "
+                "model.environment, or override score() in a subclass"
             )
         # Decided once, here, before any model loads: a wrong signature fails now, not mid-run.
         self.reward_calls = reward_calls(self.reward_fns)
         if weights is not None and len(weights) != count:
             raise UsageError(
-                f"reward_weights has {len(weights)} entries but there are {count} rewards "
-                f"({len(self.reward_fns)} reward_fn + {models} reward model or adapter)"
+                f"model.reward_weights has {len(weights)} entries but there are {count} rewards "
+                f"({len(self.reward_fns)} model.reward_fn + {models} reward model or adapter)"
             )
 
     def setup(self, stage: str) -> None:
@@ -316,6 +317,7 @@ class PPOLightningModule(LightningModule):
 
     def on_train_start(self) -> None:
         check_training_plan(self.trainer, self.ppo)
+        training_started()  # a Ctrl-C from now on may find checkpoints written (lightning_ppo.ctrl_c)
 
     def on_fit_end(self) -> None:
         explain_idle_resume(self.trainer, getattr(self, "_resumed_at", None), self.iteration)
@@ -420,7 +422,7 @@ class PPOLightningModule(LightningModule):
             raise FloatingPointError(
                 f"the reward {self.reward_label!r} returned only NaN/inf for {self.consecutive_skips} "
                 f"iterations in a row (ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): "
-                "stopping. The last checkpoint on disk predates them."
+                f"stopping. {newest_checkpoint(self._trainer)}"
             )
         self.log("reward/dropped", float(batch_size), on_step=True, batch_size=batch_size)
 
@@ -476,7 +478,8 @@ class PPOLightningModule(LightningModule):
         """One score per completion: the weighted sum of the configured rewards. Override for your own.
 
         Args:
-            prompts: Prompt text as given to the policy (after the chat template).
+            prompts: Prompt text as the policy saw it (after the chat template; a prompt cut to
+                ``data.max_prompt_length`` tokens is the text of the tokens kept).
             completions: Sampled response text, without the stop token.
             batch: The dataset's extra columns (``batch.extras``), the token ids (``batch.rollout``)
                 and, for conversational data, the prompts' messages (``batch.messages``).
@@ -614,8 +617,8 @@ class PPOLightningModule(LightningModule):
             if self.consecutive_skips >= self.ppo.max_consecutive_skips:
                 raise FloatingPointError(
                     f"{self.consecutive_skips} optimizer steps in a row had NaN/inf gradients "
-                    f"(ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): stopping. The "
-                    "last checkpoint on disk predates them. Check the learning rate, the reward scale "
+                    f"(ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): stopping. "
+                    f"{newest_checkpoint(self._trainer)} Check the learning rate, the reward scale "
                     "and the precision."
                 )
 

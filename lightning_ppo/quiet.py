@@ -10,6 +10,16 @@ Each of these appeared in every ``lightning-ppo fit`` and says nothing the user 
   pass it; transformers drops an all-ones mask itself and then warns when a finished response
   emits the pad token (see :func:`quiet_generation`).
 
+Lightning's messages that are false for this package (the one that applies is said instead):
+
+- "Total length of `list` across ranks is zero": ``PromptDataModule.val_dataloader`` returns ``[]``
+  when there is no validation set, which is a choice, not an accident.
+- "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not
+  resumable ... unreliable results": ``PromptDataModule``'s sampler resumes mid-epoch exactly
+  (with ``num_workers: 0``; dropped only then, see :func:`exact_mid_epoch_resume`).
+- "`Trainer.fit` stopped: `max_epochs=1` reached" after a run stopped mid-epoch (Ctrl-C,
+  ``max_time``): the checkpoint callback has said why it stopped (:func:`stopped_mid_epoch`).
+
 With ``generation.engine: vllm`` (see :func:`quiet_vllm`): vLLM logs at WARNING and above unless
 ``VLLM_LOGGING_LEVEL`` says otherwise, and its warnings about choices this package makes on
 purpose are dropped: the tied LM head's "Failed to load weights" on every push (the head is
@@ -34,8 +44,12 @@ VERBOSE_ENV = "LIGHTNING_PPO_VERBOSE"
 _WARNINGS = (
     r"Found \d+ module\(s\) in eval mode at the start of training",
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"Total length of `list` across ranks is zero",
 )
-_LIGHTNING_TIP = ("lightning.pytorch.utilities.rank_zero", "💡 Tip:")
+_MID_EPOCH_RESUME = r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader"
+_LIGHTNING_LOGGER = "lightning.pytorch.utilities.rank_zero"  # rank_zero_info's
+_LIGHTNING_TIP = (_LIGHTNING_LOGGER, "💡 Tip:")
+_MAX_EPOCHS_REACHED = "`Trainer.fit` stopped: `max_epochs="
 # (logger, message prefix): a filter on the logger that emits the record drops it before any
 # handler sees it, whenever vLLM (re)configures its handlers.
 _VLLM_OURS = (
@@ -77,6 +91,27 @@ def silence_intended_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
     name, prefix = _LIGHTNING_TIP
     logging.getLogger(name).addFilter(DropMessages(prefix))
+
+
+def exact_mid_epoch_resume() -> None:
+    """Drop Lightning's warning that a mid-epoch resume "can cause unreliable results": called by a
+    train DataLoader that resumes exactly (``PromptDataModule``'s, with ``num_workers: 0``)."""
+    if not verbose():
+        warnings.filterwarnings("ignore", message=_MID_EPOCH_RESUME)
+
+
+def stopped_mid_epoch() -> DropMessages:
+    """Drop Lightning's "`max_epochs=N` reached" line until the filter returned is removed
+    (:func:`stop_dropping`): said when a run stopped before the end of its epoch."""
+    dropper = DropMessages(_MAX_EPOCHS_REACHED)
+    if not verbose():
+        logging.getLogger(_LIGHTNING_LOGGER).addFilter(dropper)
+    return dropper
+
+
+def stop_dropping(dropper: DropMessages | None) -> None:
+    if dropper is not None:
+        logging.getLogger(_LIGHTNING_LOGGER).removeFilter(dropper)
 
 
 @contextmanager

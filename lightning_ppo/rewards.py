@@ -65,7 +65,7 @@ class ScoreInputs:
         extras: Every dataset column other than the prompt, one value per sample (e.g. an answer).
         rollout: The prompt and response token ids and masks.
         messages: Conversational data's prompts as lists of ``{"role", "content"}`` messages (before
-            the chat template); ``None`` for text prompts.
+            the chat template, whole even when the tokens were cut); ``None`` for text prompts.
         trainer_state: The run's progress.
         log_metric: ``log_metric(name, value)`` logs a number as ``reward/<name>`` (the mean of the
             values given for one batch).
@@ -166,8 +166,8 @@ class RewardCall:
         if trl is None:
             name = reward_name(fn)
             raise UsageTypeError(
-                f"reward_fn {name!r} has the signature {name}{inspect.signature(fn)}, which fits neither "
-                f"way a reward is called: {OUR_CONVENTION}, or {TRL_CONVENTION}"
+                f"model.reward_fn {name!r} has the signature {name}{inspect.signature(fn)}, which fits "
+                f"neither way a reward is called: {OUR_CONVENTION}, or {TRL_CONVENTION}"
             )
         return cls(fn, trl, reward_name(fn))
 
@@ -252,8 +252,8 @@ def reward_calls(entries: Sequence[Any]) -> list[RewardCall]:
             entry = _resolve(entry)
         if not callable(entry) and not is_reward_model(entry):
             raise TypeError(
-                "reward_fn entries must be callable, a reward model's path or a loaded PreTrainedModel, "
-                f"got {type(entry).__name__}"
+                "model.reward_fn entries must be callable, a reward model's path or a loaded "
+                f"PreTrainedModel, got {type(entry).__name__}"
             )
         calls.append(RewardCall.of(entry))
     seen: Counter[str] = Counter()
@@ -275,12 +275,15 @@ def _resolve(text: str) -> Any:
             return getattr(importlib.import_module(module), attribute)
         except (ImportError, AttributeError) as err:
             raise UsageError(
-                f"reward_fn {text!r} is neither a reward model's folder nor an importable function ({err})"
+                f"model.reward_fn {text!r} is neither a reward model's folder nor an importable function "
+                f"({err})"
             ) from err
     if os.path.isfile(os.path.expanduser(text)):
-        raise UsageError(f"reward_fn {text!r} is a file; expected a reward model's folder or an import path")
+        raise UsageError(
+            f"model.reward_fn {text!r} is a file; expected a reward model's folder or an import path"
+        )
     if _looks_local(text):
-        raise MissingPathError(f"reward_fn {text!r}: no such reward model folder")
+        raise MissingPathError(f"model.reward_fn {text!r}: no such reward model folder")
     return text  # a hub name
 
 
@@ -361,7 +364,7 @@ class RewardModel(nn.Module):
         self.chat_template = chat_template
         if chat_template and (tokenizer is None or not getattr(tokenizer, "chat_template", None)):
             raise UsageError(
-                "reward_chat_template is set but the reward model's tokenizer has no chat template"
+                "model.reward_chat_template is set but the reward model's tokenizer has no chat template"
             )
 
     @classmethod
@@ -549,10 +552,12 @@ class AdapterReward(nn.Module):
         weights = load_file(f"{path}/adapter_model.safetensors")
         heads = [k for k in weights if k.endswith(("score.weight", "classifier.weight")) and "lora_" not in k]
         if not heads:
-            raise UsageError(f"reward_adapter {path!r} has no score head (train it with task_type='SEQ_CLS')")
+            raise UsageError(
+                f"model.reward_adapter {path!r} has no score head (train it with task_type='SEQ_CLS')"
+            )
         head = weights[heads[0]]
         if head.shape[0] != 1:
-            raise UsageError(f"reward_adapter {path!r} has {head.shape[0]} labels; a reward needs 1")
+            raise UsageError(f"model.reward_adapter {path!r} has {head.shape[0]} labels; a reward needs 1")
         self.score_head = nn.Linear(head.shape[1], 1, bias=False)
         with torch.no_grad():
             self.score_head.weight.copy_(head)

@@ -103,9 +103,11 @@ class Roles(nn.Module):
     ) -> None:
         super().__init__()
         if value_model is not None and value_model not in VALUE_MODEL_MODES:
-            raise UsageError(f"value_model must be one of {VALUE_MODEL_MODES}, got {value_model!r}")
+            raise UsageError(f"model.value_model must be one of {VALUE_MODEL_MODES}, got {value_model!r}")
         if frozen_dtype is not None and frozen_dtype not in FROZEN_DTYPES:
-            raise UsageError(f"frozen_dtype must be one of {sorted(FROZEN_DTYPES)}, got {frozen_dtype!r}")
+            raise UsageError(
+                f"model.frozen_dtype must be one of {sorted(FROZEN_DTYPES)}, got {frozen_dtype!r}"
+            )
         dtype = FROZEN_DTYPES.get(frozen_dtype)
         # With LoRA the loaded weights are the frozen base, so they take the frozen dtype.
         self.policy = load_causal_lm(policy, trust_remote_code, dtype if lora else None)

@@ -11,8 +11,9 @@ stale by its pid alone, since that pid means nothing here.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
+
+from lightning_ppo.processes import host_name, writer_gone
 
 LOCK_NAME = ".lightning_ppo.lock"
 
@@ -36,7 +37,7 @@ class RunLock:
                 self.path.unlink(missing_ok=True)
                 continue
             with os.fdopen(fd, "w") as lock:
-                lock.write(f"{socket.gethostname()} {os.getpid()}\n")
+                lock.write(f"{host_name()} {os.getpid()}\n")
             self.held = True
             return None
         return self._holder() or "another run"
@@ -58,14 +59,4 @@ def _gone(holder: str | None) -> bool:
     if holder is None:
         return False
     host, _, pid = holder.rpartition(" ")
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    if int(pid) == os.getpid():  # this process holds no lock yet: an earlier one's (a restarted container)
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
+    return pid.isdigit() and writer_gone(host, int(pid))

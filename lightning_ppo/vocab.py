@@ -12,7 +12,7 @@ every string and never trigger this.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -51,7 +51,7 @@ def check_representable(
     texts: Sequence[str],
     input_ids: Sequence[list[int]],
     split: str,
-    rows: Sequence[int],
+    row: Callable[[int], str],
     add_special_tokens: bool,
 ) -> None:
     """Fail, naming the first row, when a prompt tokenizes to more unknown tokens than it spells out.
@@ -61,7 +61,8 @@ def check_representable(
         texts: the prompts as tokenized.
         input_ids: their token ids.
         split: split name for the message.
-        rows: row number in the split of each text (blank prompts are already left out).
+        row: names text ``i`` for the user: its file and line, or its 1-based row (blank prompts are
+            already left out of ``texts``).
         add_special_tokens: whether ``input_ids`` include the tokenizer's own special tokens, which
             may be the unknown token itself (the tiny tokenizers' unknown token is EOS).
     """
@@ -81,7 +82,7 @@ def check_representable(
     chars = _unknown_chars(tokenizer, text, token_id)
     shown = f" ({', '.join(map(repr, chars))})" if chars else ""
     raise UsageError(
-        f"{split} row {rows[bad[0]]}: prompt {text[:80]!r} has characters the tokenizer cannot "
+        f"{row(bad[0])}: prompt {text[:80]!r} has characters the tokenizer cannot "
         f"represent{shown}, read as its unknown token {token!r} ({len(bad)} of {len(texts)} {split} "
         "prompts have some): remove them or use a tokenizer that covers them"
     )

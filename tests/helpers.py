@@ -192,6 +192,30 @@ class TrainedWeightsRecorder(Callback):
         torch.save(weights, Path(self.out_dir) / f"weights_rank{trainer.global_rank}.pt")
 
 
+class SlowToLoadReward(RewardFunction):
+    """A reward that takes ``seconds`` to build, as a big reward model does to load, after writing
+    ``started_file``: a test sends Ctrl-C in between (start-up, before the Trainer runs)."""
+
+    def __init__(self, started_file: str, seconds: float = 60.0) -> None:
+        Path(started_file).write_text("loading")
+        time.sleep(seconds)
+
+    def __call__(self, prompts, completions, batch):
+        return [0.0] * len(completions)
+
+
+class SlowSetup(Callback):
+    """Takes ``seconds`` in ``setup`` (inside ``trainer.fit``, as sharding a big model or tokenizing
+    a big prompt file does) after writing ``started_file``: a test sends Ctrl-C in between."""
+
+    def __init__(self, started_file: str, seconds: float = 60.0) -> None:
+        self.started_file, self.seconds = started_file, seconds
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        Path(self.started_file).write_text("setting up")
+        time.sleep(self.seconds)
+
+
 class Throttle(Callback):
     """Sleeps after every iteration so that a test can interrupt a run mid-way; changes no result.
 

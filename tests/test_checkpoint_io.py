@@ -19,6 +19,7 @@ from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.checkpoint import PPOCheckpoint
 from lightning_ppo.checkpoint_io import AtomicCheckpointIO, remove_stale_temp_files
 from lightning_ppo.cli import main
+from lightning_ppo.processes import host_name
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from lightning_ppo.writable import UnwritableFolderError
 from tests.helpers import (
@@ -62,7 +63,10 @@ def test_kill_during_a_save_keeps_the_previous_last_ckpt_and_resumes(tiny_digits
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    last, temp = tmp_path / "ckpt" / "last.ckpt", tmp_path / "ckpt" / f".last.ckpt.tmp-{process.pid}"
+    last, temp = (
+        tmp_path / "ckpt" / "last.ckpt",
+        tmp_path / "ckpt" / f".last.ckpt.tmp-{host_name()}-{process.pid}",
+    )
     deadline = time.monotonic() + 60
     # the third save is under way (and stalls half-written) once the second one is complete
     while not (temp.exists() and last.exists() and _iteration(last) == 2) and process.poll() is None:
@@ -145,8 +149,14 @@ def test_interrupted_save_removes_its_temp_file_and_keeps_the_old_file(tmp_path)
 def test_only_dead_writers_temp_files_are_removed(tmp_path):
     finished = subprocess.Popen([sys.executable, "-c", "pass"])
     finished.wait()
-    dead, live = f".last.ckpt.tmp-{finished.pid}", f".last.ckpt.tmp-{os.getppid()}"
-    others = ["last.ckpt", "notes.tmp-1", f".last.ckpt.tmp-{finished.pid}.bak"]
+    dead, live = (
+        f".last.ckpt.tmp-{host_name()}-{finished.pid}",
+        f".last.ckpt.tmp-{host_name()}-{os.getppid()}",
+    )
+    # Another host's writer on a shared disk: its pid is not a process here, yet it may be saving now.
+    elsewhere = f".last.ckpt.tmp-another-host.example-{finished.pid}"
+    legacy = f".last.ckpt.tmp-{finished.pid}"  # an older version's name, without the host: never judged
+    others = ["last.ckpt", "notes.tmp-1", f"{dead}.bak", elsewhere, legacy]
     for name in [dead, live, *others]:
         (tmp_path / name).write_bytes(b"x")
     assert remove_stale_temp_files(tmp_path) == [tmp_path / dead]
@@ -246,7 +256,6 @@ def test_two_runs_started_at_once_in_one_folder_one_refuses_in_one_line(tiny_dig
 
 
 def test_a_stale_lock_of_this_host_is_taken_over_and_another_hosts_is_not(tmp_path):
-    import socket
     import subprocess
     import sys
 
@@ -255,15 +264,15 @@ def test_a_stale_lock_of_this_host_is_taken_over_and_another_hosts_is_not(tmp_pa
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
-    (tmp_path / LOCK_NAME).write_text(f"{socket.gethostname()} {int(dead.stdout)}\n")  # a killed run's
+    (tmp_path / LOCK_NAME).write_text(f"{host_name()} {int(dead.stdout)}\n")  # a killed run's
     lock = RunLock(tmp_path)
     assert lock.acquire() is None and lock.held
     lock.release()
     assert not (tmp_path / LOCK_NAME).exists()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:  # a run of this host that is still going
-        (tmp_path / LOCK_NAME).write_text(f"{socket.gethostname()} {alive.pid}\n")
-        assert RunLock(tmp_path).acquire() == f"{socket.gethostname()} {alive.pid}"
+        (tmp_path / LOCK_NAME).write_text(f"{host_name()} {alive.pid}\n")
+        assert RunLock(tmp_path).acquire() == f"{host_name()} {alive.pid}"
     finally:
         alive.kill()
         alive.wait()

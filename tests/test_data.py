@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
 import warnings
 
 import datasets
@@ -129,7 +130,7 @@ def test_left_truncation_keeps_last_tokens(tok_path, caplog):
     batch = first_batch(dm)
     assert batch.prompt_ids.tolist() == [ids("def"), ids("xyz"), ids("456")]
     assert batch.prompt_mask.all()
-    assert batch.prompts == ["abcdef", "xyz", "0123456"]  # text before truncation
+    assert batch.prompts == ["def", "xyz", "456"]  # the text the policy sees: what rewards get
     warnings = [r.getMessage() for r in caplog.records if "max_prompt_length" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].startswith("2 of 3 train prompts")
 
@@ -172,7 +173,7 @@ def test_data_files_dict_with_val_split(tok_path, tmp_path):
     assert len(dm.train_dataset) == 3
     val = list(dm.val_dataloader())
     assert len(val) == 1 and val[0].prompt_ids.tolist() == [ids("zz")]
-    with pytest.raises(ValueError, match=r"split 'test' not found.*\['train', 'validation'\]"):
+    with pytest.raises(ValueError, match=r"data.val_split 'test' not found.*\['train', 'validation'\]"):
         make_dm(tok_path, data_files=files, val_split="test", batch_size=2)
 
 
@@ -189,7 +190,7 @@ def test_chat_template_missing_names_tokenizer(tmp_path):
     path = save_tokenizer(tmp_path / "plain_tok", eos_token="<eos>", pad_token="<pad>")
     with pytest.raises(ValueError, match=r"plain_tok.*no chat template"):
         make_dm(path, prompts=["hi"], batch_size=1, chat_template=True)
-    with pytest.raises(ValueError, match="system_prompt needs chat_template"):
+    with pytest.raises(ValueError, match="data.system_prompt needs data.chat_template: true"):
         PromptDataModule(tokenizer=path, prompts=["hi"], system_prompt="be")
 
 
@@ -229,10 +230,14 @@ def test_conversational_prompts_without_a_chat_template_or_mixed_with_text_are_r
     plain = save_tokenizer(tmp_path / "plain_tok", eos_token="<eos>", pad_token="<pad>")
     with pytest.raises(ValueError, match=r"^tokenizer '.*plain_tok' has no chat template, which the train"):
         make_dm(plain, prompts=[_conversation("hi")], batch_size=1)
-    with pytest.raises(ValueError, match=r"given row 1: prompt column 'prompt' holds conversations .* str"):
+    given = r"^row 2 of the given prompts: data.prompt_column 'prompt' holds conversations .* str"
+    with pytest.raises(ValueError, match=given):
         make_dm(tok_path, prompts=["hi"], batch_size=1).make_batch([_conversation("hi"), "hi"])
     write_rows(tmp_path / "n.jsonl", [{"prompt": 3}])
-    with pytest.raises(ValueError, match=r"train row 0: .* must hold strings or conversations .* got int"):
+    in_file = re.escape(repr(str(tmp_path / "n.jsonl")))
+    with pytest.raises(
+        ValueError, match=rf"^{in_file} line 1: .* must hold strings or conversations .* got int"
+    ):
         make_dm(tok_path, data_files=str(tmp_path / "n.jsonl"), batch_size=1)
 
 
@@ -246,11 +251,11 @@ def test_missing_column_lists_present_columns(tok_path, tmp_path):
 
 
 def test_source_count_errors(tok_path, tmp_path):
-    with pytest.raises(ValueError, match=r"exactly one.*\['dataset_name', 'prompts'\]"):
+    with pytest.raises(ValueError, match=r"exactly one.*\['data.dataset_name', 'data.prompts'\]"):
         PromptDataModule(tokenizer=tok_path, prompts=["a"], dataset_name="x")
     with pytest.raises(ValueError, match=r"exactly one.*data_files.*got none"):
         PromptDataModule(tokenizer=tok_path)
-    with pytest.raises(ValueError, match="at most one of val_split"):
+    with pytest.raises(ValueError, match="at most one of data.val_split"):
         PromptDataModule(tokenizer=tok_path, prompts=["a"], val_split="v", val_size=2)
 
 
@@ -270,19 +275,19 @@ def test_file_errors_name_the_file(tok_path, tmp_path):
 def test_non_string_prompt_names_row_and_type(tok_path, tmp_path):
     path = tmp_path / "p.jsonl"
     write_rows(path, [{"prompt": "ab"}, {"prompt": None}])
-    with pytest.raises(ValueError, match=r"train row 1: .* got NoneType"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(repr(str(path)))} line 2: .* got NoneType"):
         make_dm(tok_path, data_files=str(path), batch_size=1)
 
     class IntPrompts(PromptDataModule):
         def load_dataset(self):
             return datasets.Dataset.from_dict({"prompt": [5, 6]})
 
-    with pytest.raises(ValueError, match=r"train row 0: .* got int"):
+    with pytest.raises(ValueError, match=r"^row 1 of the train split: .* got int"):
         IntPrompts(tokenizer=tok_path, batch_size=1).setup("fit")
 
 
 def test_batch_larger_than_dataset(tok_path):
-    with pytest.raises(ValueError, match=r"has 3 prompts.*batch_size=4"):
+    with pytest.raises(ValueError, match=r"has 3 prompts, fewer than data.batch_size 4"):
         make_dm(tok_path, prompts=["a", "b", "c"], batch_size=4)
     dm = make_dm(tok_path, prompts=["a", "b", "c"], batch_size=4, drop_last=False)
     assert len(first_batch(dm)) == 3

@@ -143,7 +143,7 @@ def test_traceback_variable_lets_the_usage_error_through(monkeypatch):
 def test_error_raised_while_building_the_datamodule_is_unwrapped(tiny_digits, tmp_path, capsys):
     # jsonargparse wraps errors of __init__ in a report that dumps the whole model section.
     line = _usage_error(capsys, *_fit_args(tmp_path, tiny_digits, "--data.init_args.batch_size", "0"))
-    assert line.endswith("error: batch_size must be at least 1, got 0")
+    assert line.endswith("error: data.batch_size must be at least 1, got 0")
 
 
 def test_a_suppress_tokens_pattern_matching_no_token_is_one_line(tiny_digits, tmp_path, capsys):
@@ -170,8 +170,8 @@ def _fit_process(tmp_path: Path, policy: Path, *extra: str) -> subprocess.Comple
         ),
         (
             ("--model.init_args.reward_fn", "tests.helpers.two_argument_reward"),
-            "reward_fn 'two_argument_reward' has the signature two_argument_reward(prompts, completions), "
-            "which fits neither way a reward is called: fn(prompts, completions, batch)",
+            "model.reward_fn 'two_argument_reward' has the signature two_argument_reward(prompts, "
+            "completions), which fits neither way a reward is called: fn(prompts, completions, batch)",
         ),
         (
             ("--model.init_args.generation.suppress_tokens", '["x"]'),
@@ -183,8 +183,8 @@ def _fit_process(tmp_path: Path, policy: Path, *extra: str) -> subprocess.Comple
         ),
         (
             ("--model.init_args.reward_fn", "tests.helpers.one_score_shrt"),
-            "reward_fn 'tests.helpers.one_score_shrt' is neither a reward model's folder nor an importable "
-            "function (module 'tests.helpers' has no attribute 'one_score_shrt')",
+            "model.reward_fn 'tests.helpers.one_score_shrt' is neither a reward model's folder nor an "
+            "importable function (module 'tests.helpers' has no attribute 'one_score_shrt')",
         ),
     ],
     ids=["reward-shape-first-rollout", "reward-signature", "suppress-unknown", "suppress-id", "import-path"],
@@ -497,7 +497,7 @@ def test_prompt_the_tokenizer_cannot_represent_names_its_row(alphabet, prompt, c
     )
     with pytest.raises(
         UsageError,
-        match=rf"^train row 2: prompt '{prompt}' has characters .* \('{char}'\), .* \(2 of 3 train",
+        match=rf"^row 3 of data.prompts: prompt '{prompt}' has characters .* \('{char}'\), .* \(2 of 3 train",
     ):
         data.setup("fit")
 

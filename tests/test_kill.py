@@ -54,7 +54,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(sig, every, reference, t
     }
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "lightning_ppo.cli", *_args(tiny_digits, root, throttle, every=every)]
-    process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    output = tmp_path / "output.txt"
+    with open(output, "w") as out:
+        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     last = root / "ckpt" / "last.ckpt"
     deadline = time.monotonic() + 240
     while _done(progress) < 6 and process.poll() is None and time.monotonic() < deadline:
@@ -66,6 +68,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(sig, every, reference, t
     if sig == signal.SIGINT:
         assert code == 130  # saved and stopped, but not a finished run
         assert killed_at >= _done(progress) - 1  # the iteration under way when Ctrl-C came is saved
+        said = output.read_text()
+        assert f"Ctrl-C: saving iteration {killed_at} to" in said and "Traceback" not in said
+        assert "max_epochs=1` reached" not in said  # Lightning's words for an epoch that did not end
     # whatever the moment of the kill, every checkpoint file left behind is complete
     for path in (root / "ckpt").glob("*.ckpt"):
         assert torch.load(path, weights_only=True)["state_dict"]

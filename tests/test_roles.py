@@ -233,5 +233,5 @@ def test_reward_adapter_scores_on_the_policys_own_base(tiny_digits, tmp_path):
 
 def test_reward_adapter_needs_lora(tiny_digits, tmp_path):
     _reward_adapter(tiny_digits, tmp_path / "ra")
-    with pytest.raises(ValueError, match="reward_adapter needs lora"):
+    with pytest.raises(ValueError, match="model.reward_adapter needs model.lora"):
         _module(tiny_digits, reward_fn=None, reward_adapter=str(tmp_path / "ra"))
