@@ -83,13 +83,16 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         except BaseException as err:  # a full disk, Ctrl-C: decided with the other ranks below
             error = err
         failure = first_failure(error, self.world_size)  # also the barrier: every rank has written
+        if failure is None and self.is_global_zero:
+            try:
+                publish(temp, target)
+            except Exception as err:
+                error, failure = err, (0, *describe(err))
+        failure = self.broadcast(failure)  # no rank goes on (to read or remove it) before it is in place
         if failure is not None:
             if self.is_global_zero:
                 shutil.rmtree(temp, ignore_errors=True)
             raise_save_failure(failure, error, target)
-        if self.is_global_zero:
-            publish(temp, target)
-        self.barrier("sharded checkpoint in place")  # no rank goes on (to read or remove it) before
 
     def write_folder(self, checkpoint: dict[str, Any], folder: Path) -> None:
         """Lightning's sharded layout in ``folder``: one shard file per rank, rank 0's ``meta.pt`` last."""
@@ -209,16 +212,21 @@ def publish(temp: Path, target: Path) -> None:
     if target.exists() or target.is_symlink():
         old = side_folder(target, "old")
         os.rename(target, old)
-    os.rename(temp, target)
-    fsync_folder(target.parent)
-    if old is not None:
+    try:
+        os.rename(temp, target)
+        fsync_folder(target.parent)
+    except BaseException:
+        if old is not None and not target.exists():
+            os.rename(old, target)
+        raise
+    if old is not None:  # the new checkpoint is in place: a leftover is cleared at the next start
         remove_path(old)
 
 
 def remove_path(path: Path) -> None:
-    """Remove a file or a folder tree (a checkpoint of either kind)."""
+    """Remove a file or a folder tree (a checkpoint of either kind), as far as it can."""
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
+        shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
 
