@@ -24,6 +24,7 @@ from lightning_ppo.errors import UsageError
 from lightning_ppo.log_continuity import LOGS_KEY, checkpoint_to_load, logger_records
 from lightning_ppo.quiet import DropMessages, stop_dropping, stopped_mid_epoch
 from lightning_ppo.run_lock import RunLock
+from lightning_ppo.sharded_checkpoint import remove_stale_folders
 from lightning_ppo.writable import ensure_writable
 
 
@@ -92,9 +93,9 @@ class PPOCheckpoint(ModelCheckpoint):
     from it continues the same logs (:mod:`lightning_ppo.log_continuity`).
 
     At setup it checks that the folder can be written (before any training), removes temporary
-    files that killed runs left there, and makes the trainer save through
+    files and folders that killed runs left there, and makes the trainer save through
     :class:`~lightning_ppo.checkpoint_io.AtomicCheckpointIO`, so an interrupted or failed save never
-    leaves a half-written checkpoint in place.
+    leaves a half-written checkpoint in place (sharded folders: :mod:`lightning_ppo.sharded_checkpoint`).
 
     Args:
         every_n_iterations: Save after every this many PPO iterations (>= 1).
@@ -159,6 +160,7 @@ class PPOCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and stage == "fit":
             ensure_writable(self.dirpath, f"{type(self).__name__}.dirpath")
             remove_stale_temp_files(self.dirpath)
+            remove_stale_folders(self.dirpath)  # of sharded (FSDP2) saves
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import copy
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_ppo.errors import UsageError
@@ -50,17 +54,32 @@ def load_trained_policy(checkpoint: dict) -> PreTrainedModel:
     return model
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
-    """A checkpoint file, or a sharded checkpoint folder (FSDP2's ``ModelParallelStrategy``) gathered
-    into one full state on the CPU, in one process, with no process group."""
+def read_checkpoint(
+    path: Path, prefixes: tuple[str, ...] = (POLICY_PREFIX, *CRITIC_PREFIXES)
+) -> dict[str, Any]:
+    """A checkpoint file, or a sharded checkpoint folder (FSDP2's ``ModelParallelStrategy``) read on
+    the CPU, in one process, with no process group.
+
+    Of a folder only the weights whose names start with ``prefixes`` are read (the policy's and the
+    critic's; not the optimizer state or any other role), whole tensors put together from their
+    shards, with the non-tensor state (hyper-parameters) from ``meta.pt``.
+    """
     if not path.is_dir():
         return torch.load(path, map_location="cpu", weights_only=True)
     if not (path / _METADATA_FILENAME).is_file():
         raise UsageError(f"checkpoint: {str(path)!r} is a folder but not a sharded checkpoint (no meta.pt)")
-    # Lightning's own reader of the folders its ModelParallelStrategy writes: every shard of every
-    # tensor, then the non-tensor state (hyper-parameters) from meta.pt. It needs the whole model in
-    # CPU memory, as the exported folder does anyway.
-    return _load_distributed_checkpoint(path)
+    reader = FileSystemReader(path)
+    wanted = {}
+    for key, item in reader.read_metadata().state_dict_metadata.items():
+        name = key.removeprefix("state_dict.")
+        if name != key and name.startswith(prefixes) and isinstance(item, TensorStorageMetadata):
+            wanted[name] = torch.empty(item.size, dtype=item.properties.dtype)
+    with warnings.catch_warnings():  # "... assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"state_dict": wanted}, storage_reader=reader)  # reads these keys' bytes only
+    checkpoint = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=True)
+    checkpoint["state_dict"] = wanted
+    return checkpoint
 
 
 @dataclass

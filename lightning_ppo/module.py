@@ -53,6 +53,7 @@ from lightning_ppo.rollout import Rollout, generate, hf_generation_config
 from lightning_ppo.row_groups import forward_groups
 from lightning_ppo.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.scoring import Scorer
+from lightning_ppo.sharded_checkpoint import install_sharded_checkpointing
 from lightning_ppo.sharding import (
     data_parallel_mesh,
     gathered_for_generation,
@@ -295,6 +296,7 @@ class PPOLightningModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         reject_fsdp1(self.trainer.strategy)
+        install_sharded_checkpointing(self.trainer.strategy)  # before a resume loads a folder
         if self.ppo.micro_batch_tokens and uses_model_parallel(self.trainer.strategy):
             raise UsageError(
                 "ppo.micro_batch_tokens is not supported under FSDP2: set gradient_accumulation_steps"
@@ -708,7 +710,8 @@ class PPOLightningModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Frozen weights (reference, reward model, a LoRA base) are reloaded from their own
         # checkpoints when the run resumes: saving them would only copy what is on disk already.
-        # A sharded (FSDP2) checkpoint keeps them: Lightning's distributed load asks for every key.
+        # A sharded (FSDP2) state dict is the strategy's: lightning_ppo.sharded_checkpoint's holds the
+        # trained weights only and loads without the others (Lightning's own load asks for every key).
         if not is_sharded(self):
             frozen = self._frozen_names()
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}

@@ -17,12 +17,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch import Callback
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from lightning_ppo import PPOLightningModule, PromptDataModule
 from lightning_ppo.checkpoint_io import AtomicCheckpointIO
 from lightning_ppo.episodes import Environment, StepResult
 from lightning_ppo.rewards import RewardFunction
+from lightning_ppo.sharded_checkpoint import AtomicModelParallelStrategy
 from lightning_ppo.tasks.digits import DigitsReward
 
 # 28 prompts of 4 characters ("012=", ...), for module tests on the char-tokenizer checkpoints.
@@ -301,6 +303,51 @@ class DiskFullCheckpointIO(_FaultyCheckpointIO):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+class FaultyShardedStrategy(AtomicModelParallelStrategy):
+    """FSDP2's atomic sharded saver on ``data_parallel_size`` ranks, except that in its ``fault_at``-th
+    save of a folder named ``name`` (counted from 1) rank ``rank``'s shard writer writes half a shard
+    file and then stalls ``seconds`` (``fault: stall``) or runs out of disk space (``fault: ENOSPC``)."""
+
+    def __init__(
+        self,
+        data_parallel_size: int = 2,
+        fault: str = "stall",
+        name: str = "last.ckpt",
+        fault_at: int = 2,
+        rank: int = 0,
+        seconds: float = 60.0,
+    ) -> None:
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1)
+        self.fault, self.name, self.fault_at, self.rank, self.seconds = fault, name, fault_at, rank, seconds
+        self.saves = 0
+
+    def shard_writer(self, folder: Path) -> FileSystemWriter:
+        if not folder.name.startswith(f".{self.name}.tmpdir-"):
+            return super().shard_writer(folder)
+        self.saves += 1
+        if self.saves != self.fault_at or self.global_rank != self.rank:
+            return super().shard_writer(folder)
+        return _HalfShardWriter(folder, self._fault)
+
+    def _fault(self) -> None:
+        if self.fault == "ENOSPC":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        time.sleep(self.seconds)
+
+
+class _HalfShardWriter(FileSystemWriter):
+    def __init__(self, folder: Path, fault) -> None:
+        super().__init__(folder)
+        self.fault = fault
+
+    def write_data(self, plan, planner):
+        with open(Path(self.path) / f"{plan.storage_data.prefix}0.distcp", "wb") as file:
+            file.write(b"half a shard")
+            file.flush()
+            self.fault()
+        return super().write_data(plan, planner)
+
+
 class FillDisk(Callback):
     """After iteration ``at``, fills the filesystem of ``folder`` up to its last ``keep_bytes``
     (before the checkpoint callbacks, which Lightning runs last, save that iteration)."""
@@ -309,7 +356,7 @@ class FillDisk(Callback):
         self.folder, self.at, self.keep_bytes = Path(folder), at, keep_bytes
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if pl_module.iteration != self.at:
+        if pl_module.iteration != self.at or trainer.global_rank != 0:  # one filler for all ranks
             return
         stats = os.statvfs(self.folder)
         free = stats.f_bavail * stats.f_frsize

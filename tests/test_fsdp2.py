@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.utilities.load import _load_distributed_checkpoint
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
-from lightning_ppo.export import export_policy
+from lightning_ppo.export import export_policy, load_trained_policy
 from tests.helpers import cli_process, quickstart_fit_args, two_cpu_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +126,7 @@ def test_fsdp1_strategy_is_refused_with_a_pointer_to_model_parallel(tiny_digits,
     assert "ModelParallelStrategy" in done.stderr
 
 
-def test_fsdp2_resumes_exactly_and_exports_from_a_sharded_checkpoint(tiny_digits, tmp_path):
+def test_fsdp2_resumes_exactly_and_exports_from_a_sharded_checkpoint(tiny_digits, tmp_path, monkeypatch):
     saver = {
         "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
         "init_args": {"every_n_iterations": 1, "save_top_k": -1},
@@ -135,14 +137,29 @@ def test_fsdp2_resumes_exactly_and_exports_from_a_sharded_checkpoint(tiny_digits
     assert done.returncode == 0, done.stderr[-3000:]
     first = whole / "checkpoints" / "iteration=1.ckpt"
     assert (first / "meta.pt").is_file()  # Lightning's distributed checkpoint: a folder of shards
+    # the trained weights only (the frozen reference is reloaded from its path), resumed bitwise below
+    saved = {
+        key.removeprefix("state_dict.") for key in FileSystemReader(first).read_metadata().state_dict_metadata
+    }
+    assert trained(whole, 0).keys() <= saved
+    assert not [key for key in saved if key.startswith("roles.ref_policy.")]
     done = run_cli(tiny_digits, resumed, FSDP2, *saving, "--ckpt_path", str(first), config="fsdp2.yaml")
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         expected, got = trained(whole, rank), trained(resumed, rank)
         assert got.keys() == expected.keys()
         assert all(torch.equal(got[k], expected[k]) for k in got)  # bitwise: weights, Adam, RNG, data
-    # The sharded last checkpoint exports to an ordinary Hugging Face folder with the trained weights.
+    # The sharded last checkpoint exports to an ordinary Hugging Face folder with the trained weights,
+    # reading only the policy's and the critic's weights (not the optimizer state).
+    read, read_data = [], FileSystemReader.read_data
+    monkeypatch.setattr(
+        FileSystemReader,
+        "read_data",
+        lambda self, plan, *a: read.extend(plan.items) or read_data(self, plan, *a),
+    )
     exported = export_policy(whole / "checkpoints" / "last.ckpt", tmp_path / "exported")
+    wanted = {key for key in saved if key.startswith(("roles.policy.", "roles.value_model."))}
+    assert {item.storage_index.fqn.removeprefix("state_dict.") for item in read} == wanted
     model = AutoModelForCausalLM.from_pretrained(exported.out)
     expected = AutoModelForCausalLM.from_pretrained(tiny_digits)
     weights = trained(whole, 0)
@@ -151,6 +168,10 @@ def test_fsdp2_resumes_exactly_and_exports_from_a_sharded_checkpoint(tiny_digits
     ids = torch.randint(0, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=0, atol=1e-5)
+    # the same model, bit for bit, as built from Lightning's reader of every key (export's reader before)
+    everything = load_trained_policy(_load_distributed_checkpoint(whole / "checkpoints" / "last.ckpt"))
+    exported_weights = model.state_dict()
+    assert all(torch.equal(exported_weights[k], w) for k, w in everything.state_dict().items())
 
 
 def test_fsdp2_trains_multi_turn_episodes_as_ddp_does(tiny_digits, tmp_path):
