@@ -381,7 +381,7 @@ class PPOLightningModule(LightningModule):
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""
-        with gathered_for_generation(self.policy):
+        with gathered_for_generation(self.policy, self.generation_config.gather_for_generation):
             rollout = generate(self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_eval_generation)
         completions = self.decode_responses(rollout)
         scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
@@ -427,7 +427,8 @@ class PPOLightningModule(LightningModule):
         """Sample one response (or, with an environment, one episode) per (repeated) prompt."""
         self._warn_if_prompts_end_with_stop(batch)
         self.engine.sync_weights(self.policy)
-        with gathered_for_generation(self.policy):  # FSDP2: one all-gather per block, not per token
+        # FSDP2: one all-gather per block, not per token (unless generation.gather_for_generation is off)
+        with gathered_for_generation(self.policy, self.generation_config.gather_for_generation):
             return self._sample(batch)
 
     def _sample(self, batch: PromptBatch) -> Rollout:

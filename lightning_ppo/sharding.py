@@ -163,16 +163,17 @@ def no_gradient_sync(module: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def gathered_for_generation(model: nn.Module) -> Iterator[None]:
+def gathered_for_generation(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Keep a sharded model's blocks gathered through a whole generation, then shard them again.
 
     Generation runs one forward per new token; FSDP2 gathers every block before each forward and
     frees it after, so a 16-token reply cost 16 all-gathers per block. With its blocks left whole
     after their first forward (``set_reshard_after_forward(False)``, as DeepSpeed ZeRO-3 gathers
     for generation) the reply costs one per block. The price is the policy's whole weights on
-    every rank while it generates. Outside FSDP2 this does nothing.
+    every rank while it generates (``enabled=False``, ``generation.gather_for_generation: false``, keeps
+    the per-token gathers instead). Outside FSDP2 this does nothing.
     """
-    blocks = [unit for unit in model.modules() if isinstance(unit, FSDPModule) and unit is not model]
+    blocks = [u for u in model.modules() if enabled and isinstance(u, FSDPModule) and u is not model]
     for block in blocks:
         block.set_reshard_after_forward(False, recurse=False)
     try:
