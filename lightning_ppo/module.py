@@ -51,6 +51,7 @@ from lightning_ppo.roles import LoraSettings, Roles
 from lightning_ppo.rollout import Rollout, generate, hf_generation_config
 from lightning_ppo.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.scoring import Scorer
+from lightning_ppo.sharded_loading import load_deferred
 from lightning_ppo.sharding import (
     data_parallel_mesh,
     gathered_for_generation,
@@ -59,6 +60,7 @@ from lightning_ppo.sharding import (
     no_gradient_sync,
     reject_fsdp1,
     reshard,
+    role_models,
     shard_roles,
     uses_model_parallel,
 )
@@ -325,6 +327,8 @@ class PPOLightningModule(LightningModule):
         if uses_model_parallel(self.trainer.strategy) and not is_sharded(self):
             mesh = data_parallel_mesh(self.device_mesh)
             shard_roles(self, mesh, mixed_precision_policy(str(self.trainer.precision)))
+        # Models built in deferred_loading() (the CLI's under FSDP2) read their weights: each rank its shards.
+        load_deferred(self, role_models(self), self.trainer.strategy.root_device)
 
     # ----------------------------------------------------------------- the PPO iteration
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:

@@ -46,12 +46,22 @@ def reject_fsdp1(strategy: Strategy | str | Any) -> None:
         if strategy in FSDPStrategy.get_registered_strategies():
             raise UsageError(FSDP1_ERROR)
         return
+    if issubclass(_strategy_class(strategy), FSDPStrategy):
+        raise UsageError(FSDP1_ERROR)
+
+
+def names_model_parallel(strategy: Strategy | str | Any) -> bool:
+    """Whether a configured ``trainer.strategy`` (an instance, a class or a class_path spec) is
+    ``ModelParallelStrategy``: the CLI then builds the module's models for sharded loading."""
+    return not isinstance(strategy, str) and issubclass(_strategy_class(strategy), ModelParallelStrategy)
+
+
+def _strategy_class(strategy: Any) -> type:
     class_path = getattr(strategy, "class_path", None)
     if isinstance(class_path, str) and "." in class_path:
         module_name, _, name = class_path.rpartition(".")
         strategy = getattr(import_module(module_name), name, None)
-    if issubclass(strategy if isinstance(strategy, type) else type(strategy), FSDPStrategy):
-        raise UsageError(FSDP1_ERROR)
+    return strategy if isinstance(strategy, type) else type(strategy)
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
