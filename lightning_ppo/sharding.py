@@ -99,11 +99,21 @@ def block_class_names(model: nn.Module) -> set[str]:
     return names
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None) -> None:
-    """``fully_shard`` each transformer block of ``model``, then ``model`` itself (its root)."""
+# A model of at most this many bytes is one FSDP2 unit instead of one per block: gathering it whole
+# costs next to no memory, and each unit costs two collectives per forward and backward, which is
+# what sharded training of small models spends its time on (measured: benchmarks/fsdp2_speed.py).
+ONE_UNIT_BYTES = 64 * 2**20
+
+
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None, one_unit_bytes: int = 0
+) -> None:
+    """``fully_shard`` each transformer block of ``model``, then ``model`` itself (its root); only the
+    root when the model's parameters take at most ``one_unit_bytes``."""
     kwargs: dict[str, Any] = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
     blocks = block_class_names(model)
-    for module in list(model.modules()):
+    size = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    for module in list(model.modules()) if size > one_unit_bytes else []:
         if module is not model and type(module).__name__ in blocks:
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
@@ -129,7 +139,7 @@ def shard_roles(module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
     neither synchronise its gradients nor mix it with the sharded ones in one clip or optimizer step.
     """
     for model in role_models(module):
-        shard_model(model, mesh, mp_policy)
+        shard_model(model, mesh, mp_policy, ONE_UNIT_BYTES)
     plain = [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
     if plain:
         raise TypeError(
