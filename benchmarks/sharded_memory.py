@@ -7,10 +7,13 @@ Each setting runs in its own processes through the real Trainer and CLI-free Pyt
 separate layout (policy, reference copy, critic with its own backbone, reward model), AdamW.
 Reported per rank, from the tensors each rank actually holds (a DTensor counts its local shard):
 parameters (trained + frozen), gradients (one per trained parameter, alive during the backward
-pass), AdamW state, their sum, the process's peak RSS (every rank loads the whole checkpoints
-before ``configure_model`` shards them, so the peak is set at loading) and its RSS after training;
-and the seconds per PPO iteration
-after a warm-up iteration (medians over the timed iterations, the slower rank).
+pass), AdamW state, their sum, the process's peak RSS and its RSS after training; and the seconds
+per PPO iteration after a warm-up iteration (medians over the timed iterations, the slower rank).
+FSDP2 builds the module inside ``deferred_loading()``, as the CLI does: each rank reads only its
+shards of the checkpoints (the setting "loaded whole": every rank loads them whole first, as
+before). Its policy stays gathered through each generation (the setting "gather_for_generation
+false": not). ``--settings`` picks the rows (default: one process, DDP, FSDP2). Threads:
+``OMP_NUM_THREADS`` = CPU cores / ranks in every setting.
 """
 
 from __future__ import annotations
@@ -22,12 +25,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from benchmarks import common
 from benchmarks.roles_memory import write_checkpoints
 
-SETTINGS = {"1 process": (1, "auto"), "DDP, 2 ranks": (2, "ddp"), "FSDP2, 2 ranks": (2, "fsdp2")}
+SETTINGS = {
+    "1 process": (1, "auto"),
+    "DDP, 2 ranks": (2, "ddp"),
+    "FSDP2, 2 ranks": (2, "fsdp2"),
+    # every rank loads the four models whole before sharding them (before sharded loading)
+    "FSDP2, 2 ranks, loaded whole": (2, "fsdp2-whole"),
+    "FSDP2, 2 ranks, gather_for_generation false": (2, "fsdp2-nogather"),
+}
 MB = 2**20
 
 
@@ -51,10 +62,14 @@ def measure(devices: int, strategy: str, policy: str, reward: str, iterations: i
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
+    from lightning_ppo.sharded_loading import deferred_loading
 
     class Timer(pl.Callback):
         def __init__(self) -> None:
             self.seconds: list[float] = []
+
+        def on_train_start(self, *args) -> None:
+            self.loaded_peak = common.peak_rss_mib()  # the models loaded (and sharded), nothing run yet
 
         def on_train_batch_start(self, *args) -> None:
             self.start = time.perf_counter()
@@ -63,14 +78,17 @@ def measure(devices: int, strategy: str, policy: str, reward: str, iterations: i
             self.seconds.append(time.perf_counter() - self.start)
 
     pl.seed_everything(0)
-    module = PPOLightningModule(
-        policy=policy,
-        reward_model=reward,
-        value=policy,
-        ppo=PPOConfig(ppo_epochs=1, num_minibatches=1),
-        generation=GenerationConfig(max_new_tokens=8),
-    )
-    if strategy == "fsdp2":
+    gather = strategy != "fsdp2-nogather"
+    # FSDP2 builds the models empty and each rank reads its shards (as the CLI does under FSDP2)
+    with deferred_loading() if strategy in ("fsdp2", "fsdp2-nogather") else nullcontext():
+        module = PPOLightningModule(
+            policy=policy,
+            reward_model=reward,
+            value=policy,
+            ppo=PPOConfig(ppo_epochs=1, num_minibatches=1),
+            generation=GenerationConfig(max_new_tokens=8, gather_for_generation=gather),
+        )
+    if strategy.startswith("fsdp2"):
         strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
     timer = Timer()
     trainer = pl.Trainer(
@@ -98,6 +116,7 @@ def measure(devices: int, strategy: str, policy: str, reward: str, iterations: i
         "params_mb": params / MB,
         "grads_mb": grads / MB,
         "optimizer_mb": optimizer / MB,
+        "loaded_peak_rss_mb": timer.loaded_peak,
         "peak_rss_mb": common.peak_rss_mib(),
         "end_rss_mb": _current_rss_mib(),
         "s_per_iteration": timed[len(timed) // 2],
@@ -120,6 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a 2 x 64 model instead of GPT-2 small")
     parser.add_argument("--iterations", type=int, default=4, help="PPO iterations (the first is warm-up)")
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS)[:3])
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.child:
@@ -128,19 +148,20 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         policy, reward = write_checkpoints(Path(tmp), ns.small)
-        rows = {name: run_setting(*spec, policy, reward, ns.iterations) for name, spec in SETTINGS.items()}
+        rows = {name: run_setting(*SETTINGS[name], policy, reward, ns.iterations) for name in ns.settings}
     print(f"{os.cpu_count()} CPU cores, {ns.iterations} iterations per setting (the first is warm-up)")
     print(
         "| setting | parameters (MB/rank) | gradients (MB/rank) | AdamW state (MB/rank) | sum (MB/rank) "
-        "| peak RSS (MB/rank) | RSS after training (MB/rank) | s / iteration |"
+        "| peak RSS by the end of loading (MB/rank) | peak RSS (MB/rank) | RSS after training (MB/rank) "
+        "| s / iteration |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, row in rows.items():
         total = row["params_mb"] + row["grads_mb"] + row["optimizer_mb"]
         print(
             f"| {name} | {row['params_mb']:.0f} | {row['grads_mb']:.0f} | {row['optimizer_mb']:.0f} "
-            f"| {total:.0f} | {row['peak_rss_mb']:.0f} | {row['end_rss_mb']:.0f} "
-            f"| {row['s_per_iteration']:.2f} |"
+            f"| {total:.0f} | {row['loaded_peak_rss_mb']:.0f} | {row['peak_rss_mb']:.0f} "
+            f"| {row['end_rss_mb']:.0f} | {row['s_per_iteration']:.2f} |"
         )
 
 

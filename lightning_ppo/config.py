@@ -54,6 +54,13 @@ class GenerationConfig:
         engine_is_cap: The truncation C of those weights (> 0).
         gpu_memory_utilization: vLLM's share of the accelerator's memory for weights and KV cache
             (on CPU it sizes the KV cache from the machine's memory instead).
+        gather_for_generation: Under FSDP2, keep the policy's blocks gathered through a whole ``generate``
+            (rollouts and validation): one all-gather per block per reply instead of one per block per
+            token. It costs the policy's whole unsharded weights on every rank while it generates
+            (the gathered copy is freed after). ``false`` gathers each block for each token's forward
+            and frees it after, so a rank holds one block whole at a time: for a policy whose whole
+            weights do not fit on one device, at one all-gather per block per generated token. No
+            effect without FSDP2.
     """
 
     max_new_tokens: int = 16
@@ -68,6 +75,7 @@ class GenerationConfig:
     engine_is_correction: str | None = None
     engine_is_cap: float = 2.0
     gpu_memory_utilization: float = 0.3
+    gather_for_generation: bool = True
 
     def __post_init__(self) -> None:
         _check(self.engine in _ENGINES, "generation.engine", f"one of {_ENGINES}", self.engine)

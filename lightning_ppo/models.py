@@ -7,6 +7,7 @@ log-probs exactly (ratio == 1), and dropout would make the policy and reference 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -23,6 +24,7 @@ from transformers import (
 )
 
 from lightning_ppo.errors import UsageError
+from lightning_ppo.sharded_loading import build_skeleton, defer_child, defer_copy, deferring, is_skeleton
 
 # Names of the dtypes that frozen weights may be loaded in (``frozen_dtype``).
 FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -63,13 +65,43 @@ def freeze(model: nn.Module) -> nn.Module:
     return model.eval()
 
 
+def load_pretrained(
+    auto_class: Any,
+    name_or_path: str,
+    config: PretrainedConfig,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype | None = None,
+    deferrable: bool = True,
+) -> tuple[PreTrainedModel, list[str]]:
+    """``auto_class.from_pretrained`` and the parameters its checkpoint lacked (transformers initialises
+    them at random). Inside ``deferred_loading()`` (FSDP2) a skeleton instead, whose weights each rank
+    reads as its shards once sharded (lightning_ppo.sharded_loading), unless ``deferrable`` is off or
+    the checkpoint is not plain safetensors holding every parameter: then whole, as without it.
+    """
+    if deferrable and deferring():
+        skeleton = build_skeleton(auto_class, name_or_path, config, trust_remote_code, dtype)
+        if skeleton is not None and not skeleton.missing:
+            return skeleton.model, []
+    model, loading = auto_class.from_pretrained(
+        name_or_path,
+        config=config,
+        trust_remote_code=trust_remote_code,
+        dtype=dtype,
+        output_loading_info=True,
+    )
+    return model, loading["missing_keys"]
+
+
 def load_causal_lm(
-    name_or_path: str, trust_remote_code: bool = False, dtype: torch.dtype | None = None
+    name_or_path: str,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype | None = None,
+    deferrable: bool = True,
 ) -> PreTrainedModel:
     """A causal LM (policy or reference) with dropout off."""
     config = load_config(name_or_path, trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        name_or_path, config=config, trust_remote_code=trust_remote_code, dtype=dtype
+    model, _ = load_pretrained(
+        AutoModelForCausalLM, name_or_path, config, trust_remote_code, dtype, deferrable
     )
     return disable_dropout(model)
 
@@ -103,18 +135,29 @@ class ValueModel(nn.Module):
         config = load_config(name_or_path, trust_remote_code)
         archs = config.architectures or []
         if any(a.endswith("ForSequenceClassification") for a in archs) and config.num_labels == 1:
-            classifier = AutoModelForSequenceClassification.from_pretrained(
-                name_or_path, config=config, trust_remote_code=trust_remote_code
+            classifier, _ = load_pretrained(
+                AutoModelForSequenceClassification, name_or_path, config, trust_remote_code
             )
-            value_model = cls(disable_dropout(getattr(classifier, classifier.base_model_prefix)))
-            head = classifier_head(classifier)
-            with torch.no_grad():
-                value_model.v_head.weight.copy_(head.weight)
-                if head.bias is not None:
-                    value_model.v_head.bias.copy_(head.bias)
-            return value_model
-        backbone = AutoModel.from_pretrained(name_or_path, config=config, trust_remote_code=trust_remote_code)
+            return cls._from_classifier(classifier)
+        backbone, _ = load_pretrained(AutoModel, name_or_path, config, trust_remote_code)
         return cls(disable_dropout(backbone))
+
+    @classmethod
+    def _from_classifier(cls, classifier: PreTrainedModel) -> ValueModel:
+        """The classifier's backbone, and its score head as the value head."""
+        prefix, head = classifier.base_model_prefix, classifier_head(classifier)
+        if is_skeleton(classifier):  # FSDP2: both are read from the checkpoint with the shards
+            value_model = cls(disable_dropout(defer_child(classifier, prefix)))
+            head_name = "score" if hasattr(classifier, "score") else "classifier"
+            taken = ["weight"] + ["bias"] * (head.bias is not None)
+            defer_copy(value_model, classifier, {f"v_head.{n}": f"{head_name}.{n}" for n in taken})
+            return value_model
+        value_model = cls(disable_dropout(getattr(classifier, prefix)))
+        with torch.no_grad():
+            value_model.v_head.weight.copy_(head.weight)
+            if head.bias is not None:
+                value_model.v_head.bias.copy_(head.bias)
+        return value_model
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         """(B, L) value of the state at each position."""

@@ -54,6 +54,7 @@ from lightning_ppo.row_groups import forward_groups
 from lightning_ppo.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.scoring import Scorer
 from lightning_ppo.sharded_checkpoint import install_sharded_checkpointing
+from lightning_ppo.sharded_loading import load_deferred
 from lightning_ppo.sharding import (
     data_parallel_mesh,
     gathered_for_generation,
@@ -62,6 +63,7 @@ from lightning_ppo.sharding import (
     no_gradient_sync,
     reject_fsdp1,
     reshard,
+    role_models,
     shard_roles,
     uses_model_parallel,
 )
@@ -330,6 +332,8 @@ class PPOLightningModule(LightningModule):
         if uses_model_parallel(self.trainer.strategy) and not is_sharded(self):
             mesh = data_parallel_mesh(self.device_mesh)
             shard_roles(self, mesh, mixed_precision_policy(str(self.trainer.precision)))
+        # Models built in deferred_loading() (the CLI's under FSDP2) read their weights: each rank its shards.
+        load_deferred(self, role_models(self), self.trainer.strategy.root_device)
 
     # ----------------------------------------------------------------- the PPO iteration
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
@@ -386,7 +390,7 @@ class PPOLightningModule(LightningModule):
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""
-        with gathered_for_generation(self.policy):
+        with gathered_for_generation(self.policy, self.generation_config.gather_for_generation):
             rollout = generate(self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_eval_generation)
         completions = self.decode_responses(rollout)
         scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
@@ -432,7 +436,8 @@ class PPOLightningModule(LightningModule):
         """Sample one response (or, with an environment, one episode) per (repeated) prompt."""
         self._warn_if_prompts_end_with_stop(batch)
         self.engine.sync_weights(self.policy)
-        with gathered_for_generation(self.policy):  # FSDP2: one all-gather per block, not per token
+        # FSDP2: one all-gather per block, not per token (unless generation.gather_for_generation is off)
+        with gathered_for_generation(self.policy, self.generation_config.gather_for_generation):
             return self._sample(batch)
 
     def _sample(self, batch: PromptBatch) -> Rollout:

@@ -22,7 +22,14 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel, Pr
 
 from lightning_ppo.errors import MissingPathError, UsageError, UsageTypeError
 from lightning_ppo.functional import Reduce, masked_mean, masked_var
-from lightning_ppo.models import FROZEN_DTYPES, classifier_head, freeze, load_config, load_tokenizer
+from lightning_ppo.models import (
+    FROZEN_DTYPES,
+    classifier_head,
+    freeze,
+    load_config,
+    load_pretrained,
+    load_tokenizer,
+)
 from lightning_ppo.preflight import _looks_local, no_head_message
 from lightning_ppo.rollout import Rollout, position_ids_from_mask
 from lightning_ppo.row_groups import forward_groups
@@ -380,15 +387,15 @@ class RewardModel(nn.Module):
         """Load the classifier; its tokenizer from ``tokenizer``, the checkpoint, or else the policy's."""
         config = load_config(name_or_path, trust_remote_code)
         config.num_labels = 1
-        model, loading = AutoModelForSequenceClassification.from_pretrained(
+        model, missing_keys = load_pretrained(
+            AutoModelForSequenceClassification,
             name_or_path,
-            config=config,
-            trust_remote_code=trust_remote_code,
-            dtype=FROZEN_DTYPES.get(dtype),
-            output_loading_info=True,
+            config,
+            trust_remote_code,
+            FROZEN_DTYPES.get(dtype),
         )
         head = "score" if hasattr(model, "score") else "classifier"  # as classifier_head() reads it
-        missing = sorted(key for key in loading["missing_keys"] if key.split(".")[0] == head)
+        missing = sorted(key for key in missing_keys if key.split(".")[0] == head)
         if missing:  # transformers initialised the head at random: every score would be noise
             raise UsageError(no_head_message(name_or_path, f"{', '.join(missing)} missing"))
         own = _own_tokenizer(name_or_path, policy_tokenizer, tokenizer, trust_remote_code, chat_template)

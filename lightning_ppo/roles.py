@@ -109,8 +109,11 @@ class Roles(nn.Module):
                 f"model.frozen_dtype must be one of {sorted(FROZEN_DTYPES)}, got {frozen_dtype!r}"
             )
         dtype = FROZEN_DTYPES.get(frozen_dtype)
-        # With LoRA the loaded weights are the frozen base, so they take the frozen dtype.
-        self.policy = load_causal_lm(policy, trust_remote_code, dtype if lora else None)
+        # With LoRA the loaded weights are the frozen base, so they take the frozen dtype. Its adapters
+        # move to the base's device as PEFT adds them: a LoRA base is loaded whole even under FSDP2.
+        self.policy = load_causal_lm(
+            policy, trust_remote_code, dtype if lora else None, deferrable=lora is None
+        )
         if gradient_checkpointing:
             # Enabled before PEFT wraps the model, non-reentrant so frozen inputs still get gradients.
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

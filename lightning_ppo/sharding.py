@@ -46,12 +46,22 @@ def reject_fsdp1(strategy: Strategy | str | Any) -> None:
         if strategy in FSDPStrategy.get_registered_strategies():
             raise UsageError(FSDP1_ERROR)
         return
+    if issubclass(_strategy_class(strategy), FSDPStrategy):
+        raise UsageError(FSDP1_ERROR)
+
+
+def names_model_parallel(strategy: Strategy | str | Any) -> bool:
+    """Whether a configured ``trainer.strategy`` (an instance, a class or a class_path spec) is
+    ``ModelParallelStrategy``: the CLI then builds the module's models for sharded loading."""
+    return not isinstance(strategy, str) and issubclass(_strategy_class(strategy), ModelParallelStrategy)
+
+
+def _strategy_class(strategy: Any) -> type:
     class_path = getattr(strategy, "class_path", None)
     if isinstance(class_path, str) and "." in class_path:
         module_name, _, name = class_path.rpartition(".")
         strategy = getattr(import_module(module_name), name, None)
-    if issubclass(strategy if isinstance(strategy, type) else type(strategy), FSDPStrategy):
-        raise UsageError(FSDP1_ERROR)
+    return strategy if isinstance(strategy, type) else type(strategy)
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -89,11 +99,21 @@ def block_class_names(model: nn.Module) -> set[str]:
     return names
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None) -> None:
-    """``fully_shard`` each transformer block of ``model``, then ``model`` itself (its root)."""
+# A model of at most this many bytes is one FSDP2 unit instead of one per block: gathering it whole
+# costs next to no memory, and each unit costs two collectives per forward and backward, which is
+# what sharded training of small models spends its time on (measured: benchmarks/fsdp2_speed.py).
+ONE_UNIT_BYTES = 64 * 2**20
+
+
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None, one_unit_bytes: int = 0
+) -> None:
+    """``fully_shard`` each transformer block of ``model``, then ``model`` itself (its root); only the
+    root when the model's parameters take at most ``one_unit_bytes``."""
     kwargs: dict[str, Any] = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
     blocks = block_class_names(model)
-    for module in list(model.modules()):
+    size = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    for module in list(model.modules()) if size > one_unit_bytes else []:
         if module is not model and type(module).__name__ in blocks:
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
@@ -119,7 +139,7 @@ def shard_roles(module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
     neither synchronise its gradients nor mix it with the sharded ones in one clip or optimizer step.
     """
     for model in role_models(module):
-        shard_model(model, mesh, mp_policy)
+        shard_model(model, mesh, mp_policy, ONE_UNIT_BYTES)
     plain = [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
     if plain:
         raise TypeError(
@@ -163,16 +183,17 @@ def no_gradient_sync(module: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def gathered_for_generation(model: nn.Module) -> Iterator[None]:
+def gathered_for_generation(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Keep a sharded model's blocks gathered through a whole generation, then shard them again.
 
     Generation runs one forward per new token; FSDP2 gathers every block before each forward and
     frees it after, so a 16-token reply cost 16 all-gathers per block. With its blocks left whole
     after their first forward (``set_reshard_after_forward(False)``, as DeepSpeed ZeRO-3 gathers
     for generation) the reply costs one per block. The price is the policy's whole weights on
-    every rank while it generates. Outside FSDP2 this does nothing.
+    every rank while it generates (``enabled=False``, ``generation.gather_for_generation: false``, keeps
+    the per-token gathers instead). Outside FSDP2 this does nothing.
     """
-    blocks = [unit for unit in model.modules() if isinstance(unit, FSDPModule) and unit is not model]
+    blocks = [u for u in model.modules() if enabled and isinstance(u, FSDPModule) and u is not model]
     for block in blocks:
         block.set_reshard_after_forward(False, recurse=False)
     try:

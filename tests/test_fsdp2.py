@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -205,9 +204,9 @@ def _count_generation_all_gathers(rank: int, port: int, policy: str, out: str) -
         ids = torch.tensor([[5, 6, 7, 13]] * 2)
         kwargs = {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": True, "pad_token_id": 0}
         counts = []
-        for gathered in (False, True):
+        for gathered in (False, True):  # generation.gather_for_generation off, on
             gathers.clear()
-            with gathered_for_generation(model) if gathered else nullcontext():
+            with gathered_for_generation(model, enabled=gathered):
                 model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), synced_gpus=True, **kwargs)
             counts.append(len(gathers))
         Path(out, f"gathers{rank}.json").write_text(json.dumps(counts))
@@ -217,7 +216,8 @@ def _count_generation_all_gathers(rank: int, port: int, policy: str, out: str) -
 
 def test_generation_gathers_each_block_once_not_once_per_token(tiny_digits, tmp_path):
     """16 new tokens through a 2-block GPT-2 sharded on 2 ranks: 33 all-gathers (each block per
-    token, and the root once) without gathering for generation, 2 with it (each block once)."""
+    token, and the root once) with ``generation.gather_for_generation: false``, 2 with it on (each
+    block once)."""
     import socket
 
     import torch.multiprocessing as mp

@@ -1,0 +1,162 @@
+"""FSDP2 against DDP on 2 CPU ranks: seconds per PPO iteration, and where FSDP2's time goes.
+
+    .venv/bin/python -m benchmarks.fsdp2_speed                  # the quickstart task, 30 iterations
+    .venv/bin/python -m benchmarks.fsdp2_speed --gpt2-small     # GPT-2-small-sized models, 6 iterations
+
+Both run the real CLI (``configs/fsdp2.yaml``: tiny-digits, the digits reward, 32 prompts per rank,
+8 new tokens, 4 epochs x 2 minibatches), once with ``ddp`` and once per FSDP2 variant, alternating
+``--rounds`` times. ``--gpt2-small``: a 12 x 768 GPT-2 (vocab 50257) policy, reference and critic
+and a reward model of that size (as ``benchmarks.sharded_memory``), 4 prompts per rank, 1 epoch x
+1 minibatch. Each rank runs with ``OMP_NUM_THREADS=1`` (2 ranks on 2 cores).
+
+Reported per setting (the slower rank, medians over the iterations after the first): seconds per
+iteration, and its phases: generation, scoring, the rollout forwards (policy, reference, critic),
+the PPO update; and FSDP2's all-gathers and reduce-scatters per iteration (one call per FSDP unit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning_ppo.module import PPOLightningModule
+
+ROOT = Path(__file__).resolve().parents[1]
+FSDP2 = {
+    "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+    "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1},
+}
+PHASES = ("generate", "score", "rollout_forwards", "ppo_update")
+
+
+class TimedPPO(PPOLightningModule):
+    """The module, timing its phases and counting FSDP2's collectives; each rank writes them to
+    ``$FSDP2_SPEED_OUT/rank<k>.json`` when training ends."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.timings: dict[str, list[float]] = {name: [] for name in (*PHASES, "iteration")}
+        self.collectives = {"all_gather": 0, "reduce_scatter": 0}
+        for name in PHASES:
+            setattr(self, name, self._timed(name, getattr(self, name)))
+
+    def _timed(self, name: str, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.timings[name].append(time.perf_counter() - start)
+
+        return timed
+
+    def on_fit_start(self) -> None:
+        import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+
+        gather, reduce = param_group.foreach_all_gather, param_group.foreach_reduce
+        counts = self.collectives
+
+        def counted_gather(*args: Any, **kwargs: Any) -> Any:
+            counts["all_gather"] += 1
+            return gather(*args, **kwargs)
+
+        def counted_reduce(*args: Any, **kwargs: Any) -> Any:
+            counts["reduce_scatter"] += 1
+            return reduce(*args, **kwargs)
+
+        param_group.foreach_all_gather, param_group.foreach_reduce = counted_gather, counted_reduce
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.timings["iteration"].append(time.perf_counter() - self._start)
+
+    def on_train_end(self) -> None:
+        out = Path(os.environ["FSDP2_SPEED_OUT"])
+        row = {"timings": self.timings, "collectives": self.collectives, "iterations": self.iteration}
+        (out / f"rank{self.global_rank}.json").write_text(json.dumps(row))
+
+
+def gpt2_small_args(root: Path) -> list[str]:
+    from benchmarks.roles_memory import write_checkpoints
+
+    policy, reward = write_checkpoints(root, small=False)
+    return [
+        *("--model.init_args.policy", str(policy), "--model.init_args.reward_model", str(reward)),
+        *("--model.init_args.value", str(policy), "--data.init_args.batch_size", "4"),
+        *("--model.init_args.ppo.ppo_epochs", "1", "--model.init_args.ppo.num_minibatches", "1"),
+    ]
+
+
+def run(strategy: str | dict, iterations: int, extra: list[str]) -> dict[str, Any]:
+    """One CLI run on 2 ranks; the slower rank's medians (first iteration left out) and counts."""
+    with tempfile.TemporaryDirectory() as out:
+        args = [
+            *("fit", "--config", str(ROOT / "configs" / "fsdp2.yaml")),
+            *("--model.class_path", "benchmarks.fsdp2_speed.TimedPPO"),
+            *("--trainer.strategy", strategy if isinstance(strategy, str) else json.dumps(strategy)),
+            *("--trainer.logger", "false", "--trainer.enable_progress_bar", "false"),
+            *("--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false"),
+            *("--trainer.limit_train_batches", str(iterations), "--trainer.default_root_dir", out),
+            *extra,
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+        env["FSDP2_SPEED_OUT"] = out
+        command = [sys.executable, "-m", "lightning_ppo.cli", *args]
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-3000:])
+        ranks = [json.loads((Path(out) / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    row = {
+        name: max(statistics.median(r["timings"][name][1:] or [0.0]) for r in ranks)
+        for name in (*PHASES, "iteration")
+    }
+    steps = max(1, ranks[0]["iterations"])
+    row.update({name: count / steps for name, count in ranks[0]["collectives"].items()})
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpt2-small", action="store_true", help="GPT-2-small-sized models")
+    parser.add_argument("--iterations", type=int, default=None, help="PPO iterations per run")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every setting, alternating")
+    parser.add_argument("--no-gather", action="store_true", help="add FSDP2 with gather_for_generation false")
+    ns = parser.parse_args()
+    iterations = ns.iterations or (6 if ns.gpt2_small else 30)
+    settings: dict[str, tuple[str | dict, list[str]]] = {"DDP": ("ddp", []), "FSDP2": (FSDP2, [])}
+    if ns.no_gather:
+        off = ["--model.init_args.generation.gather_for_generation", "false"]
+        settings["FSDP2, gather_for_generation false"] = (FSDP2, off)
+    rows: dict[str, list[dict]] = {name: [] for name in settings}
+    with tempfile.TemporaryDirectory() as tmp:
+        extra = gpt2_small_args(Path(tmp)) if ns.gpt2_small else []
+        for _ in range(ns.rounds):
+            for name, (strategy, more) in settings.items():
+                rows[name].append(run(strategy, iterations, extra + more))
+    model = "GPT-2-small-sized" if ns.gpt2_small else "quickstart"
+    print(f"{model}, 2 CPU ranks (OMP_NUM_THREADS=1 each), {iterations} iterations, {ns.rounds} round(s)")
+    print("| setting | s / iteration | x DDP | generate s | score s | rollout forwards s | PPO update s "
+          "| all-gathers / iteration | reduce-scatters / iteration |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    ddp = statistics.median(r["iteration"] for r in rows["DDP"])
+    for name, runs in rows.items():
+        med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        print(
+            f"| {name} | {med['iteration']:.3f} | {med['iteration'] / ddp:.2f} | {med['generate']:.3f} "
+            f"| {med['score']:.3f} | {med['rollout_forwards']:.3f} | {med['ppo_update']:.3f} "
+            f"| {med['all_gather']:.0f} | {med['reduce_scatter']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
