@@ -50,7 +50,7 @@ from lightning_ppo.rewards import (
 )
 from lightning_ppo.roles import LoraSettings, Roles
 from lightning_ppo.rollout import Rollout, generate, hf_generation_config
-from lightning_ppo.row_groups import forward_groups
+from lightning_ppo.row_groups import forward_groups, padded_to
 from lightning_ppo.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.scoring import Scorer
 from lightning_ppo.sharded_checkpoint import install_sharded_checkpointing
@@ -60,6 +60,7 @@ from lightning_ppo.sharding import (
     gathered_for_generation,
     is_sharded,
     mixed_precision_policy,
+    most_over_ranks,
     no_gradient_sync,
     reject_fsdp1,
     reshard,
@@ -526,7 +527,10 @@ class PPOLightningModule(LightningModule):
         ids, mask, pos = rollout.input_ids, rollout.attention_mask, rollout.position_ids
         split, sharded = rollout.prompt_ids.shape[1], is_sharded(self)
         out = torch.zeros(4, *rollout.response_ids.shape, device=ids.device)
-        for group in forward_groups(mask, split, self.generation_config.forward_chunk_size, sharded):
+        groups = forward_groups(mask, split, self.generation_config.forward_chunk_size)
+        if sharded:  # each forward gathers weights from every rank: all run as many
+            groups = padded_to(groups, most_over_ranks(len(groups), ids.device), split)
+        for group in groups:
             rows, cols, width = group.rows.to(ids.device), group.columns(split), group.after
             tokens = rollout.response_ids[rows, :width]
             inputs = ids[rows, cols], mask[rows, cols], pos[rows, cols]
@@ -534,7 +538,10 @@ class PPOLightningModule(LightningModule):
             logprobs = self.token_logprobs(logits, tokens)
             ref_logprobs = self.token_logprobs(self.roles.reference_logits(*inputs, width), tokens)
             values = torch.zeros_like(logprobs) if values is None else values
-            out[:, rows, :width] = torch.stack([logprobs, ref_logprobs, values, self.token_entropy(logits)])
+            if not group.idle:
+                out[:, rows, :width] = torch.stack(
+                    [logprobs, ref_logprobs, values, self.token_entropy(logits)]
+                )
         logprobs, ref_logprobs, values, entropy = out.masked_fill(~rollout.response_mask, 0.0)
         if sharded:
             reshard(self)  # the frozen roles' gathered weights, before the PPO epochs

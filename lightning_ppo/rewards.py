@@ -32,8 +32,8 @@ from lightning_ppo.models import (
 )
 from lightning_ppo.preflight import _looks_local, no_head_message
 from lightning_ppo.rollout import Rollout, position_ids_from_mask
-from lightning_ppo.row_groups import forward_groups
-from lightning_ppo.sharding import is_sharded
+from lightning_ppo.row_groups import forward_groups, padded_to
+from lightning_ppo.sharding import is_sharded, most_over_ranks
 
 
 @dataclass
@@ -445,13 +445,17 @@ class RewardModel(nn.Module):
         of similar-length rows without the columns that are padding in all of a group's rows."""
         backbone, head = getattr(self.model, self.model.base_model_prefix), classifier_head(self.model)
         scores = torch.zeros(len(input_ids), device=input_ids.device)
-        for group in forward_groups(attention_mask.bool(), 0, sharded=is_sharded(self.model)):
+        groups = forward_groups(attention_mask.bool(), 0)
+        if is_sharded(self.model):  # each forward gathers weights from every rank: all run as many
+            groups = padded_to(groups, most_over_ranks(len(groups), input_ids.device), 0)
+        for group in groups:
             rows, cols = group.rows.to(input_ids.device), group.columns(0)
             mask = attention_mask[rows, cols]
             hidden = backbone(
                 input_ids=input_ids[rows, cols], attention_mask=mask, position_ids=position_ids[rows, cols]
             )
-            scores[rows] = head(at_last_real_token(hidden.last_hidden_state, mask)).squeeze(-1).float()
+            if not group.idle:
+                scores[rows] = head(at_last_real_token(hidden.last_hidden_state, mask)).squeeze(-1).float()
         return scores
 
 

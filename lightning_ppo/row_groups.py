@@ -37,6 +37,8 @@ class RowGroup:
     rows: Tensor  # (n,) long, row indices into the batch, on the host
     before: int
     after: int
+    # a forward whose output is thrown away (see padded_to)
+    idle: bool = False
 
     def columns(self, split: int) -> slice:
         return slice(split - self.before, split + self.after)
@@ -112,14 +114,16 @@ def equal_groups(before: list[int], after: list[int], count: int) -> list[RowGro
     ]
 
 
-def forward_groups(
-    attention_mask: Tensor, split: int, chunk: int = 0, sharded: bool = False
-) -> list[RowGroup]:
+def forward_groups(attention_mask: Tensor, split: int, chunk: int = 0) -> list[RowGroup]:
     """The groups no-grad forwards over a batch run in. ``chunk`` rows (0: the whole batch) bound
-    each group's area to a chunk's padded rectangle, so no group needs more memory than before.
-    ``sharded`` (FSDP2, where each forward gathers weights from every rank): equal counts of sorted
-    rows, as many groups on every rank, each still trimmed."""
+    each group's area to a chunk's padded rectangle, so no group needs more memory than before."""
     before, after = row_extents(attention_mask, split).tolist()  # one host read
-    if sharded:
-        return equal_groups(before, after, -(-len(before) // chunk) if chunk else 1)
     return plan_row_groups(before, after, budget=chunk * attention_mask.shape[1] if chunk else None)
+
+
+def padded_to(groups: list[RowGroup], count: int, split: int) -> list[RowGroup]:
+    """``groups`` followed by idle forwards up to ``count`` (the most any rank runs): under FSDP2
+    every forward gathers the weights from every rank, so a rank with fewer groups than another
+    runs these, on row 0's last prompt token (if any) and first response column, until they match."""
+    idle = RowGroup(torch.tensor([0]), min(split, 1), 1, idle=True)
+    return groups + [idle] * (count - len(groups))

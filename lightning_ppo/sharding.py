@@ -18,6 +18,7 @@ from importlib import import_module
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from peft import PeftModel
 from torch import nn
@@ -158,6 +159,15 @@ def reshard(module: nn.Module) -> None:
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()
+
+
+def most_over_ranks(count: int, device: torch.device) -> int:
+    """The largest ``count`` of any rank (a collective: every rank must call it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return count
+    value = torch.tensor([count], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
 
 
 def is_sharded(module: nn.Module) -> bool:

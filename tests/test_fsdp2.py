@@ -32,10 +32,7 @@ FSDP2 = {
     "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1},
 }
 STEPS, LR = 16, 1e-3  # 2 iterations x ppo_epochs 4 x num_minibatches 2; quickstart's AdamW lr
-# DDP's rollout forwards run on row groups by length, FSDP2's on one trimmed batch (its ranks must
-# run as many forwards): float32 sums in other matrix shapes, measured up to 8.9e-7 after 16 steps
-# of lr 1e-3 (5e-7 when both ran the whole batch); training moves weights over 1000x further.
-ATOL = 2e-6
+ATOL = 5e-7
 MAX_NEW_TOKENS = 24  # long enough that the two ranks' longest responses usually differ
 
 
