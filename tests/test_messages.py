@@ -131,8 +131,16 @@ def test_ctrl_c_at_start_up_is_one_line_and_exit_130(slow, tiny_digits, tmp_path
     args = quickstart_fit_args(tiny_digits, tmp_path, callbacks, *extra, prompts=64)
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "lightning_ppo.console", *args]  # the console script's entry
+    # SIGINT's default action in the child even where this test runs in a background job (which
+    # starts with SIGINT ignored, and Python then leaves it ignored: Ctrl-C could not reach it)
     process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
     while not started.exists() and process.poll() is None:
