@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,17 @@ def tiny_reward(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random one-output GPT-2 classifier with its own tokenizer (the digit vocabulary)."""
     out = tmp_path_factory.mktemp("tiny_reward")
     return make_tiny_checkpoint(out, TinyModelSpec(n_embd=32), alphabet="0123456789=", seed=1, kind="reward")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 32 MiB tmpfs (needs root and mount rights; skipped without them)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)], capture_output=True, check=False
+    )
+    if mount.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)

@@ -99,20 +99,6 @@ def _data() -> DigitsDataModule:
     return DigitsDataModule(num_prompts=64, num_digits=3, batch_size=8, max_prompt_length=8)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 32 MiB tmpfs (needs root and mount rights; skipped without them)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)], capture_output=True, check=False
-    )
-    if mount.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
-    yield disk
-    subprocess.run(["umount", str(disk)], check=True)
-
-
 @pytest.mark.parametrize("disk", ["writer-raises-ENOSPC", "full-tmpfs"])
 def test_full_disk_keeps_the_previous_last_ckpt_and_says_so(disk, tiny_digits, tmp_path, request):
     if disk == "full-tmpfs":

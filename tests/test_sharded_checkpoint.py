@@ -102,20 +102,6 @@ def test_kill_during_a_sharded_save_keeps_the_previous_last_ckpt_and_resumes(
     assert _side_folders(folder) == []  # the dead run's folder was removed at start
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 32 MiB tmpfs (needs root and mount rights; skipped without them)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)], capture_output=True, check=False
-    )
-    if mount.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
-    yield disk
-    subprocess.run(["umount", str(disk)], check=True)
-
-
 @pytest.mark.parametrize("disk", ["rank-1-writer-raises-ENOSPC", "full-tmpfs"])
 def test_full_disk_during_a_sharded_save_keeps_the_previous_last_ckpt_and_says_so(
     disk, tiny_digits, tmp_path, request
