@@ -50,17 +50,17 @@ from lightning_ppo.rewards import (
 )
 from lightning_ppo.roles import LoraSettings, Roles
 from lightning_ppo.rollout import Rollout, generate, hf_generation_config
-from lightning_ppo.row_groups import forward_groups, padded_to
+from lightning_ppo.row_groups import forward_groups
 from lightning_ppo.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.scoring import Scorer
 from lightning_ppo.sharded_checkpoint import install_sharded_checkpointing
 from lightning_ppo.sharded_loading import load_deferred
 from lightning_ppo.sharding import (
+    as_many_on_every_rank,
     data_parallel_mesh,
     gathered_for_generation,
     is_sharded,
     mixed_precision_policy,
-    most_over_ranks,
     no_gradient_sync,
     reject_fsdp1,
     reshard,
@@ -528,8 +528,7 @@ class PPOLightningModule(LightningModule):
         split, sharded = rollout.prompt_ids.shape[1], is_sharded(self)
         out = torch.zeros(4, *rollout.response_ids.shape, device=ids.device)
         groups = forward_groups(mask, split, self.generation_config.forward_chunk_size)
-        if sharded:  # each forward gathers weights from every rank: all run as many
-            groups = padded_to(groups, most_over_ranks(len(groups), ids.device), split)
+        groups = as_many_on_every_rank(groups, split, ids.device, sharded)
         for group in groups:
             rows, cols, width = group.rows.to(ids.device), group.columns(split), group.after
             tokens = rollout.response_ids[rows, :width]

@@ -32,8 +32,8 @@ from lightning_ppo.models import (
 )
 from lightning_ppo.preflight import _looks_local, no_head_message
 from lightning_ppo.rollout import Rollout, position_ids_from_mask
-from lightning_ppo.row_groups import forward_groups, padded_to
-from lightning_ppo.sharding import is_sharded, most_over_ranks
+from lightning_ppo.row_groups import forward_groups
+from lightning_ppo.sharding import as_many_on_every_rank, is_sharded
 
 
 @dataclass
@@ -446,8 +446,7 @@ class RewardModel(nn.Module):
         backbone, head = getattr(self.model, self.model.base_model_prefix), classifier_head(self.model)
         scores = torch.zeros(len(input_ids), device=input_ids.device)
         groups = forward_groups(attention_mask.bool(), 0)
-        if is_sharded(self.model):  # each forward gathers weights from every rank: all run as many
-            groups = padded_to(groups, most_over_ranks(len(groups), input_ids.device), 0)
+        groups = as_many_on_every_rank(groups, 0, input_ids.device, is_sharded(self.model))
         for group in groups:
             rows, cols = group.rows.to(input_ids.device), group.columns(0)
             mask = attention_mask[rows, cols]

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from lightning_ppo.errors import UsageError
+from lightning_ppo.row_groups import RowGroup, padded_to
 
 FSDP1_ERROR = (
     "Lightning's FSDPStrategy (FSDP1) does not support manual optimization, which PPO uses; shard with "
@@ -168,6 +169,16 @@ def most_over_ranks(count: int, device: torch.device) -> int:
     value = torch.tensor([count], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return int(value.item())
+
+
+def as_many_on_every_rank(
+    groups: list[RowGroup], split: int, device: torch.device, sharded: bool
+) -> list[RowGroup]:
+    """A rank's forward groups, under FSDP2 (where every forward gathers weights from every rank)
+    followed by idle forwards up to the most any rank runs (a collective); else unchanged."""
+    if not sharded:
+        return groups
+    return padded_to(groups, most_over_ranks(len(groups), device), split)
 
 
 def is_sharded(module: nn.Module) -> bool:
