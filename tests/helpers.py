@@ -402,13 +402,27 @@ def quickstart_fit_args(
 
 
 def cli_process(args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    """``python -m lightning_ppo.cli ARGS`` in a process of its own, from the repository root with
-    this checkout first on the path (Lightning's launcher re-runs that command for every rank);
-    W&B disabled unless ``env`` says otherwise. Output captured as text."""
+    """``python -m lightning_ppo.cli ARGS`` in a process of its own, run to its end (see
+    :func:`start_cli`). Output captured as text."""
+    process = start_cli(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def start_cli(
+    args: list[str], entry: str = "lightning_ppo.cli", env: dict[str, str] | None = None, **popen: Any
+) -> subprocess.Popen:
+    """``python -m ENTRY ARGS`` started in a process of its own, from the repository root with this
+    checkout first on the path (Lightning's launcher re-runs that command for every rank); W&B
+    disabled unless ``env`` says otherwise. ``popen``: the rest of ``subprocess.Popen``'s arguments."""
     root = Path(__file__).resolve().parents[1]
-    full_env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(root), **env}
-    command = [sys.executable, "-m", "lightning_ppo.cli", *args]
-    return subprocess.run(command, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
+    full_env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(root), **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", entry, *args], cwd=root, env=full_env, **popen)
 
 
 def one_line_error(done: subprocess.CompletedProcess) -> str:

@@ -29,9 +29,9 @@ from tests.helpers import (
     quickstart_fit_args,
     quiet_trainer,
     saver,
+    start_cli,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = 4
 
 
@@ -55,13 +55,8 @@ def test_kill_during_a_save_keeps_the_previous_last_ckpt_and_resumes(tiny_digits
     system_tmp.mkdir()
     stall = {"class_path": "tests.helpers.StallingCheckpointIO", "init_args": {"fault_at": 3}}
     args = _cli_args(tiny_digits, tmp_path, "--trainer.plugins", json.dumps([stall]))
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT), "TMPDIR": str(system_tmp)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "lightning_ppo.cli", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    process = start_cli(
+        args, env={"TMPDIR": str(system_tmp)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     last, temp = (
         tmp_path / "ckpt" / "last.ckpt",
@@ -208,7 +203,6 @@ def test_unwritable_dirpath_fails_at_setup_before_training(tiny_digits, tmp_path
 def test_two_runs_started_at_once_in_one_folder_one_refuses_in_one_line(tiny_digits, tmp_path):
     """Both used to find no last.ckpt, train to the end and mix their checkpoints in one folder."""
     import subprocess
-    import sys
 
     from tests.helpers import quickstart_fit_args
 
@@ -217,19 +211,7 @@ def test_two_runs_started_at_once_in_one_folder_one_refuses_in_one_line(tiny_dig
     args = quickstart_fit_args(
         tiny_digits, tmp_path / "run", [throttle, saver], "--trainer.limit_train_batches", "8"
     )
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(root)}
-    command = [sys.executable, "-m", "lightning_ppo.cli", *args]
-    runs = [
-        subprocess.Popen(
-            command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-    ]
-    runs.append(
-        subprocess.Popen(
-            command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-    )
+    runs = [start_cli(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     errors = [run.communicate(timeout=300)[1] for run in runs]
     results = [(run.returncode, err) for run, err in zip(runs, errors, strict=True)]
     assert sorted(code for code, _ in results) == [0, 2]

@@ -3,10 +3,8 @@ same result, bit for bit."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,9 +12,8 @@ import pytest
 import torch
 
 from lightning_ppo.cli import main
-from tests.helpers import quickstart_fit_args, saver
+from tests.helpers import quickstart_fit_args, saver, start_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = 30
 
 
@@ -52,11 +49,11 @@ def test_killed_run_resumes_to_the_uninterrupted_result(sig, every, reference, t
         "class_path": "tests.helpers.Throttle",
         "init_args": {"seconds": 0.3, "progress_file": str(progress)},
     }
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "lightning_ppo.cli", *_args(tiny_digits, root, throttle, every=every)]
     output = tmp_path / "output.txt"
     with open(output, "w") as out:
-        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        process = start_cli(
+            _args(tiny_digits, root, throttle, every=every), stdout=out, stderr=subprocess.STDOUT
+        )
     last = root / "ckpt" / "last.ckpt"
     deadline = time.monotonic() + 240
     while _done(progress) < 6 and process.poll() is None and time.monotonic() < deadline:

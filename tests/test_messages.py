@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,9 +25,8 @@ from tests.helpers import (
     quickstart_fit_args,
     quiet_trainer,
     saver,
+    start_cli,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 STEPS_PER_ITERATION = 4 * 2  # quickstart.yaml: ppo_epochs 4 x num_minibatches 2
 
@@ -129,14 +127,11 @@ def test_ctrl_c_at_start_up_is_one_line_and_exit_130(slow, tiny_digits, tmp_path
         ]
         extra = ()
     args = quickstart_fit_args(tiny_digits, tmp_path, callbacks, *extra, prompts=64)
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "lightning_ppo.console", *args]  # the console script's entry
-    # SIGINT's default action in the child even where this test runs in a background job (which
-    # starts with SIGINT ignored, and Python then leaves it ignored: Ctrl-C could not reach it)
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
+    # the console script's entry; SIGINT's default action in the child even where this test runs in
+    # a background job (which starts with SIGINT ignored, and Python then leaves it ignored)
+    process = start_cli(
+        args,
+        entry="lightning_ppo.console",
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

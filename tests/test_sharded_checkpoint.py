@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_ppo.sharded_checkpoint import remove_stale_folders
-from tests.helpers import cli_process, quickstart_fit_args, saver, two_cpu_ranks
+from tests.helpers import cli_process, quickstart_fit_args, saver, start_cli, two_cpu_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = 3
@@ -64,18 +64,9 @@ def test_kill_during_a_sharded_save_keeps_the_previous_last_ckpt_and_resumes(
     tiny_digits, tiny_reward, tmp_path
 ):
     reward_model = ("--model.init_args.reward_model", str(tiny_reward))  # a frozen role more to leave out
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_ppo.cli",
-        *_args(tiny_digits, tmp_path, _faulty("stall"), *reward_model),
-    ]
     # its own process group: rank 0 and the rank-1 process Lightning's launcher starts, killed together
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
+    process = start_cli(
+        _args(tiny_digits, tmp_path, _faulty("stall"), *reward_model),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
