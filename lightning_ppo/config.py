@@ -16,6 +16,7 @@ ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 _KL_PLACEMENTS = ("reward", "loss")
 _BAD_REWARD_POLICIES = ("error", "drop")
 _ENGINES = ("hf", "vllm")
+_CACHES = ("static", "dynamic")
 _IS_LEVELS = ("token", "sequence")
 
 
@@ -61,6 +62,12 @@ class GenerationConfig:
             and frees it after, so a rank holds one block whole at a time: for a policy whose whole
             weights do not fit on one device, at one all-gather per block per generated token. No
             effect without FSDP2.
+        cache_implementation: The key/value cache of HF ``generate``: ``static`` (default) writes
+            each token into a cache allocated once for prompt + ``max_new_tokens``; ``dynamic``
+            grows the cache by concatenation, copying it whole at every token of every layer
+            (measured on CPU: a third of a 128-token generation from 8-256-token prompts). The
+            samples are the same; a model without static-cache support falls back to ``dynamic``.
+            Never compiled by ``generate`` itself (``disable_compile``).
     """
 
     max_new_tokens: int = 16
@@ -76,6 +83,7 @@ class GenerationConfig:
     engine_is_cap: float = 2.0
     gpu_memory_utilization: float = 0.3
     gather_for_generation: bool = True
+    cache_implementation: str = "static"
 
     def __post_init__(self) -> None:
         _check(self.engine in _ENGINES, "generation.engine", f"one of {_ENGINES}", self.engine)
@@ -107,6 +115,12 @@ class GenerationConfig:
             "generation.gpu_memory_utilization",
             "in (0, 1]",
             self.gpu_memory_utilization,
+        )
+        _check(
+            self.cache_implementation in _CACHES,
+            "generation.cache_implementation",
+            f"one of {_CACHES}",
+            self.cache_implementation,
         )
         _check(self.max_new_tokens >= 1, "generation.max_new_tokens", ">= 1", self.max_new_tokens)
         _check(self.temperature > 0, "generation.temperature", "> 0", self.temperature)

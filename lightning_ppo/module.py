@@ -392,7 +392,10 @@ class PPOLightningModule(LightningModule):
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""
         with gathered_for_generation(self.policy, self.generation_config.gather_for_generation):
-            rollout = generate(self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_eval_generation)
+            cache = self.generation_config.cache_implementation
+            rollout = generate(
+                self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_eval_generation, cache
+            )
         completions = self.decode_responses(rollout)
         scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
         scores = check_scores(scores, len(batch), self.reward_label, self.device, allow_nonfinite=True)

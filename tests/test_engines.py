@@ -81,6 +81,7 @@ def test_engine_metrics_by_hand():
         ({"engine": "vllm", "engine_is_correction": "batch"}, "generation.engine_is_correction"),
         ({"engine": "vllm", "engine_is_cap": 0.0}, "generation.engine_is_cap"),
         ({"gpu_memory_utilization": 1.5}, "generation.gpu_memory_utilization"),
+        ({"cache_implementation": "sliding_window"}, "generation.cache_implementation"),
         # the engine's log-probs are renormalised over the kept tokens, the trainer's are not
         ({"engine": "vllm", "engine_is_correction": "token", "top_p": 0.9}, "generation.top_p 0.9"),
         ({"engine": "vllm", "engine_is_correction": "sequence", "top_k": 5}, "generation.top_k 5"),

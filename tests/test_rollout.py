@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_ppo import functional as F
 from lightning_ppo.config import GenerationConfig
 from lightning_ppo.models import load_causal_lm, response_logits
-from lightning_ppo.rollout import generate, hf_generation_config, position_ids_from_mask, truncate_at_stop
+from lightning_ppo.rollout import (
+    cache_for,
+    generate,
+    hf_generation_config,
+    position_ids_from_mask,
+    truncate_at_stop,
+)
 
 EOS = PAD = 1  # pad == eos: the case that breaks masks built from `ids != pad_token_id`
 
@@ -185,3 +192,32 @@ def test_suppress_token_patterns_match_the_vocabulary_with_only_star_and_questio
         resolve("[unused*]", "[nothing*]")
     with pytest.raises(UsageError, match="suppresses every token of the vocabulary"):
         resolve("?*")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt2-lora"])
+def test_a_static_cache_samples_as_the_dynamic_one_at_each_call_s_own_length(arch, request, monkeypatch):
+    """The default static cache changes the cost of generation, not what it samples; each call's
+    cache holds its own prompt + max_new_tokens (HF's cache_implementation="static" would keep the
+    longest call's length for every later call)."""
+    from peft import LoraConfig, get_peft_model
+
+    import lightning_ppo.rollout as rollout_module
+
+    model = load_causal_lm(str(request.getfixturevalue("tiny_llama" if arch == "llama" else "tiny_gpt2")))
+    if arch.endswith("lora"):
+        model = get_peft_model(model, LoraConfig(r=4, init_lora_weights=False))
+    made = []
+    monkeypatch.setattr(rollout_module, "cache_for", lambda *a: made.append(cache_for(*a)) or made[-1])
+    gen = hf_generation_config(GenerationConfig(max_new_tokens=12, temperature=0.7), 1, 0)
+    long_prompt = torch.randint(3, 20, (4, 30), generator=torch.Generator().manual_seed(0))
+    long_mask = torch.arange(30)[None, :] >= torch.tensor([[0], [9], [17], [25]])  # left padding
+    for ids, mask in ((long_prompt, long_mask), (long_prompt[:, -6:], long_mask[:, -6:])):
+        samples = {}
+        for cache in ("dynamic", "static"):
+            torch.manual_seed(1)
+            samples[cache] = generate(model, ids, mask, gen, cache)
+        assert torch.equal(samples["static"].response_ids, samples["dynamic"].response_ids)
+        assert samples["static"].response_mask.sum() > 4 * 3  # more than a token or two each: a real test
+        static = made[-1]["cache"]
+        assert static.layers[0].keys.shape[2] == ids.shape[1] + 12  # this call's length, not the longest
+    assert [bool(m) for m in made] == [False, True, False, True]  # dynamic: HF makes its own

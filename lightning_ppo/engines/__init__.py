@@ -72,7 +72,7 @@ def make_engine(
         return VLLMEngine(config, hf_generation, policy_path, placement, seed, dtype)
     from lightning_ppo.engines.hf import HFEngine
 
-    return HFEngine(hf_generation)
+    return HFEngine(hf_generation, config.cache_implementation)
 
 
 def engine_for_trainer(

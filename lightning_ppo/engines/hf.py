@@ -11,8 +11,8 @@ from lightning_ppo.rollout import Rollout, generate
 class HFEngine:
     """Generates with the live policy, so syncing only remembers which module that is (no copy)."""
 
-    def __init__(self, generation_config: transformers.GenerationConfig) -> None:
-        self.generation_config = generation_config
+    def __init__(self, generation_config: transformers.GenerationConfig, cache: str = "static") -> None:
+        self.generation_config, self.cache = generation_config, cache
         self.policy: nn.Module | None = None
 
     def sync_weights(self, policy: nn.Module) -> None:
@@ -21,4 +21,4 @@ class HFEngine:
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor) -> Rollout:
         if self.policy is None:
             raise RuntimeError("HFEngine.generate before sync_weights: no policy to generate with")
-        return generate(self.policy, prompt_ids, prompt_mask, self.generation_config)
+        return generate(self.policy, prompt_ids, prompt_mask, self.generation_config, self.cache)
