@@ -46,6 +46,7 @@ RUNNERS = {
     "lightning_ppo_vllm": "benchmarks.run_lightning",
     "lightning_ppo_padded": "benchmarks.run_lightning",
     "lightning_ppo_budget": "benchmarks.run_lightning",
+    "lightning_ppo_dynamic": "benchmarks.run_lightning",
 }
 # The generation engine of each lightning_ppo variant (RunSpec.engine); "hf" where not named.
 ENGINES = {"lightning_ppo_vllm": "vllm"}
@@ -287,6 +288,7 @@ def variable_jobs(args, s: Settings, spec, skip) -> list[report.Job]:
                 response_length=s.variable_response,
                 iterations=s.variable_iterations,
                 micro_batch_tokens=budget if variant == "lightning_ppo_budget" else None,
+                cache="dynamic" if variant == "lightning_ppo_dynamic" else "static",
             )
             jobs.append(report.Job("variable", point))
     return jobs

@@ -100,6 +100,7 @@ class RunSpec:
     # tokens by length_schedule (see variable_prompts).
     workload: str = "fixed"
     micro_batch_tokens: int | None = None  # lightning_ppo's ppo.micro_batch_tokens
+    cache: str = "static"  # lightning_ppo's generation.cache_implementation
 
 
 @dataclass

@@ -16,8 +16,15 @@ from benchmarks import common
 
 VARIANTS = ("lightning_ppo", "trl", "floor", "lightning_ppo_shared", "lightning_ppo_vllm")
 # The variable-length table's variants: the padded rectangle, the default (row groups, trimmed
-# minibatches), a token budget for micro-batches, and the floor (padded).
-VARIABLE_VARIANTS = ("lightning_ppo_padded", "lightning_ppo", "lightning_ppo_budget", "floor")
+# minibatches, a static generation cache), the default with HF's dynamic generation cache, a token
+# budget for micro-batches, and the floor (padded, HF's dynamic cache).
+VARIABLE_VARIANTS = (
+    "lightning_ppo_padded",
+    "lightning_ppo",
+    "lightning_ppo_dynamic",
+    "lightning_ppo_budget",
+    "floor",
+)
 # lightning_ppo with ``value_model: shared`` (one backbone for policy and critic): not the same
 # work as the others, so it is compared with TRL's fp32 time only.
 SHARED = "lightning_ppo_shared"

@@ -83,6 +83,7 @@ def build_module(spec: common.RunSpec) -> PPOLightningModule:
         max_new_tokens=spec.response_length,
         temperature=common.TEMPERATURE,
         engine=spec.engine,
+        cache_implementation=spec.cache,
         # On CPU vLLM sizes its KV cache from the machine's memory: 10 % is ample for the presets.
         gpu_memory_utilization=0.3 if spec.device.startswith("cuda") else 0.1,
     )

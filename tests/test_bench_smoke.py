@@ -52,6 +52,7 @@ def test_quick_benchmark_reports_positive_numbers(tmp_path, capsys):
     computed = {name: r["tokens_computed"] for name, r in variable.items()}
     assert computed["lightning_ppo_padded"] == computed["floor"]
     assert computed["lightning_ppo_budget"] <= computed["lightning_ppo"] < computed["lightning_ppo_padded"]
+    assert computed["lightning_ppo_dynamic"] == computed["lightning_ppo"]  # only generation's cache differs
     assert len(_table_rows(report, "lightning_ppo_budget")) == 1
 
     train = [line for line in report.splitlines() if line.startswith("| train |")]
