@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -128,3 +131,17 @@ def test_fsdp2_shards_and_accumulation_buffers_are_planned(tiny_llama):
     assert rank0 == (plan.trained, plan.accumulated)
     assert rank1[0] < rank0[0]  # the vocabulary's 51 rows: 26 on rank 0, 25 on rank 1
     assert plan.accumulated == 4 * sum(p.numel() for p in policy.parameters())  # whole, in fp32
+
+
+def test_the_7b_gpu_config_fits_by_the_plan():
+    """configs/gpu/fsdp2_7b.yaml fits 8 x 80 GB by the plan, states the plan's peak in its header,
+    and would not fit with gradient accumulation (FSDP2's whole fp32 gradients)."""
+    config = Path(__file__).parents[1] / "configs" / "gpu" / "fsdp2_7b.yaml"
+    settings, layout, policy = memory_plan.settings_from_yaml(config)
+    assert (policy, layout, settings.ranks, settings.precision) == ("Qwen2.5-7B", "separate", 8, "bf16-mixed")
+    plans = {
+        n: memory_plan.plan_model(policy, replace(settings, accumulation=n), (layout,))[layout]
+        for n in (1, 2)
+    }
+    assert plans[1].peak <= plans[1].budget < plans[2].peak
+    assert f"{memory_plan.gb(plans[1].peak)} GB per rank" in config.read_text()
