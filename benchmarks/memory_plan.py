@@ -514,16 +514,18 @@ def markdown_table(plans: dict[str, Plan]) -> str:
 
 
 def vllm_notes(plans: dict[str, Plan]) -> list[str]:
-    """Whether vLLM's share holds its weights and the rollout batch's KV cache."""
-    notes = []
+    """Whether vLLM's share holds its weights and the rollout batch's KV cache (one line per
+    distinct answer: the layouts' engines usually hold the same policy shape)."""
+    notes: dict[str, list[str]] = {}
     for layout, plan in plans.items():
         room = plan.vllm_share - plan.vllm_weights
         verdict = "holds" if room >= plan.kv_cache else "does not hold (vLLM preempts and recomputes)"
-        notes.append(
-            f"- {layout}: vLLM's {gb(plan.vllm_share)} GB share = {gb(plan.vllm_weights)} GB weights + "
-            f"{gb(room)} GB for KV blocks, which {verdict} the rollout batch's {gb(plan.kv_cache)} GB"
+        note = (
+            f"vLLM's {gb(plan.vllm_share)} GB share = {gb(plan.vllm_weights)} GB weights + {gb(room)} GB "
+            f"for KV blocks, which {verdict} the rollout batch's {gb(plan.kv_cache)} GB"
         )
-    return notes
+        notes.setdefault(note, []).append(layout)
+    return [f"- {', '.join(layouts)}: {note}" for note, layouts in notes.items()]
 
 
 def cross_check() -> list[tuple[int, float, int]]:
@@ -589,9 +591,27 @@ def role_sizes(policy: str | dict[str, Any], settings: Settings, layout: str, re
     counts = {role.name: sum(p.numel for p in role.params) for role in roles}
     trained = {role.name: sum(p.numel for p in role.params if p.trained) for role in roles}
     return ", ".join(
-        f"{name} {count / 1e9:.2f}B"
-        + (f" ({trained[name] / 1e6:.1f}M trained)" if 0 < trained[name] < count else "")
+        f"{name} {_count(count)}"
+        + (f" ({_count(trained[name])} trained)" if 0 < trained[name] < count else "")
         for name, count in counts.items()
+    )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else str(n)
+
+
+def describe_settings(s: Settings) -> str:
+    """The settings in a sentence, for the report's head."""
+    return (
+        f"Per rank, in GB (GiB): {s.ranks} ranks x {s.gpu_gb:g} GB ({s.gpu_gb - s.reserve_gb:g} planned as "
+        f"usable), {s.precision}, trained weights {s.trained_dtype}, "
+        f"frozen {s.frozen_dtype or s.trained_dtype}; "
+        f"per GPU {s.rollout_batch} sequences of {s.max_prompt} + {s.max_new_tokens} tokens, "
+        f"{s.num_minibatches} minibatches, gradient accumulation {s.accumulation}, forward chunk "
+        f"{s.forward_chunk_size}, gradient checkpointing {s.gradient_checkpointing}, gather_for_generation "
+        f"{s.gather_for_generation}, vLLM gpu_memory_utilization {s.gpu_memory_utilization}, "
+        f"LoRA r {s.lora_r}."
     )
 
 
@@ -634,7 +654,7 @@ def main() -> None:
     given = {name: getattr(ns, name) for name in vars(settings) if getattr(ns, name) is not None}
     settings = replace(settings, **given)
     layouts, models = tuple(ns.layouts or layouts), ns.config or models
-    print(f"Per rank, GB (GiB): {settings}\n")
+    print(describe_settings(settings) + "\n")
     for model in models:
         plans = plan_model(model, settings, layouts, ns.reward_config)
         print(f"### {model}\n\n{role_sizes(model, settings, layouts[0], ns.reward_config)}\n")
