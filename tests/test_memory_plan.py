@@ -145,3 +145,15 @@ def test_the_7b_gpu_config_fits_by_the_plan():
     }
     assert plans[1].peak <= plans[1].budget < plans[2].peak
     assert f"{memory_plan.gb(plans[1].peak)} GB per rank" in config.read_text()
+
+
+def test_the_docs_tables_are_the_plans():
+    """docs/memory.md's tables and README's peaks are what the script computes for the built-in
+    models at its default settings (those of configs/gpu/fsdp2_7b.yaml)."""
+    root = Path(__file__).parents[1]
+    docs, readme = (root / "docs" / "memory.md").read_text(), (root / "README.md").read_text()
+    for model in memory_plan.MODELS:
+        plans = memory_plan.plan_model(model, Settings())
+        assert memory_plan.markdown_table(plans) in docs
+        peaks = " | ".join(memory_plan.gb(plan.peak) for plan in plans.values())
+        assert f"| {model} | {peaks} |" in readme
