@@ -142,8 +142,8 @@ class Settings:
     # Never planned for: the CUDA context, NCCL's buffers, the caching allocator's fragmentation.
     reserve_gb: float = 6.0
     precision: str = "bf16-mixed"  # or "32-true"
-    # fp32: the master weights mixed precision wants. A checkpoint saved in bf16 (every hub LLM) loads
-    # in bf16 today (transformers 5's dtype "auto"), unless something asks for fp32: see docs/memory.md.
+    # fp32: the master weights mixed precision wants, which lightning_ppo loads whatever dtype the
+    # checkpoint was saved in (every hub LLM: bf16); see docs/memory.md.
     trained_dtype: str = "fp32"
     frozen_dtype: str | None = "bf16"  # model.frozen_dtype; None: as trained
     rollout_batch: int = 16  # sequences per GPU per iteration: data.batch_size x ppo.num_generations

@@ -77,7 +77,14 @@ def load_pretrained(
     them at random). Inside ``deferred_loading()`` (FSDP2) a skeleton instead, whose weights each rank
     reads as its shards once sharded (lightning_ppo.sharded_loading), unless ``deferrable`` is off or
     the checkpoint is not plain safetensors holding every parameter: then whole, as without it.
+
+    ``dtype`` None means fp32, not the checkpoint's own: transformers 5 loads a checkpoint in the
+    dtype it was saved in, and hub models are saved in bf16, so a policy would train in bf16
+    weights and AdamW state (under bf16-mixed too, which wants fp32 master weights), where an
+    update of lr 1e-6 is below bf16's resolution and rounds away; and a frozen reference in bf16
+    beside an fp32 policy would start the KL above 0. ``frozen_dtype`` lowers the frozen roles.
     """
+    dtype = dtype or torch.float32
     if deferrable and deferring():
         skeleton = build_skeleton(auto_class, name_or_path, config, trust_remote_code, dtype)
         if skeleton is not None and not skeleton.missing:

@@ -135,7 +135,8 @@ class PPOLightningModule(LightningModule):
         lora: Train LoRA adapters instead of the full policy (PEFT). One copy of the base weights
             then serves policy, reference and a shared critic.
         frozen_dtype: ``bf16``, ``fp16`` or ``fp32`` for frozen weights (reference, reward model,
-            LoRA base); trained weights stay in fp32 under the Trainer's precision.
+            LoRA base); ``None``: fp32. Trained weights are fp32 under the Trainer's precision,
+            whatever dtype the checkpoint was saved in.
         gradient_checkpointing: Recompute activations during the backward pass to save memory
             (generation runs in eval mode, with the KV cache).
         tokenizer: Tokenizer path (default: the policy's).

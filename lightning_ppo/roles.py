@@ -85,7 +85,7 @@ class Roles(nn.Module):
         value: Path the separate critic is initialised from (default: the policy).
         value_model: ``separate`` or ``shared``; ``None`` builds no critic (critic-free estimators).
         lora: LoRA settings, or ``None`` for full fine-tuning.
-        frozen_dtype: ``bf16``/``fp16``/``fp32`` for the frozen weights (reference, LoRA base).
+        frozen_dtype: ``bf16``/``fp16``/``fp32`` for the frozen weights (reference, LoRA base); None: fp32.
         gradient_checkpointing: Recompute activations in the backward pass to save memory.
         trust_remote_code: Passed to every ``from_pretrained``.
     """
