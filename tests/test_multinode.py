@@ -1,6 +1,7 @@
 """Two "nodes" of one CPU process each, on this machine, through the real CLI: the multi-node path
-(``trainer.num_nodes: 2``) started by ``torchrun`` with a c10d rendezvous, and by Lightning's own
-launcher (``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), under DDP and FSDP2.
+(``trainer.num_nodes: 2``) started by ``torchrun`` with a c10d rendezvous (DDP; FSDP2 with a sharded
+checkpoint and ``--ckpt_path last``) and by Lightning's own launcher (``NODE_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``; DDP).
 
 They must train what 2 ranks on one node train (``--trainer.devices 2``, Lightning's launcher), bit
 for bit: the world size, the backend (gloo) and every collective are the same, only the way the
