@@ -74,8 +74,15 @@ class _Reported(SystemExit):
 
 
 def _is_rank_zero() -> bool:
-    """From the launchers' environment (Lightning's, torchrun, SLURM), as Lightning reads it."""
+    """From the launchers' environment (Lightning's, torchrun, SLURM), as Lightning reads it; but a
+    ``LOCAL_RANK`` (or no rank yet) is the rank on its node: Lightning's multi-node launcher numbers the
+    nodes by ``NODE_RANK`` and gives each node's first process ``LOCAL_RANK`` 0, so every node's first
+    process would take itself for rank 0."""
     for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
         if key in os.environ:
-            return os.environ[key] == "0"
-    return True
+            break
+    else:
+        key = "LOCAL_RANK"
+    if key == "LOCAL_RANK":
+        return os.environ.get(key, "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+    return os.environ[key] == "0"

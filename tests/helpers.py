@@ -194,6 +194,25 @@ class TrainedWeightsRecorder(Callback):
         torch.save(weights, Path(self.out_dir) / f"weights_rank{trainer.global_rank}.pt")
 
 
+class RankPlacement(Callback):
+    """Where Lightning placed this rank, as it sees it: ``<out_dir>/placement_rank<k>.json`` (k the
+    global rank) with the node rank, local rank, world size and cluster environment (for the
+    multi-node tests, which must show that their "nodes" really were nodes to Lightning)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        placement = {
+            "node_rank": trainer.node_rank,
+            "local_rank": trainer.local_rank,
+            "world_size": trainer.world_size,
+            "environment": type(trainer.strategy.cluster_environment).__name__,
+        }
+        path = Path(self.out_dir) / f"placement_rank{trainer.global_rank}.json"
+        path.write_text(json.dumps(placement))
+
+
 class SlowToLoadReward(RewardFunction):
     """A reward that takes ``seconds`` to build, as a big reward model does to load, after writing
     ``started_file``: a test sends Ctrl-C in between (start-up, before the Trainer runs)."""

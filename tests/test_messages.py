@@ -17,6 +17,7 @@ import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
 from lightning_ppo.cli import main
+from lightning_ppo.ctrl_c import ctrl_c_exits
 from lightning_ppo.rewards import RewardFunction
 from tests.helpers import (
     cli_process,
@@ -152,6 +153,33 @@ def test_ctrl_c_at_start_up_is_one_line_and_exit_130(slow, tiny_digits, tmp_path
         == "lightning-ppo: interrupted (Ctrl-C) before training started; nothing was trained or saved"
     )
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("launched", "says_it"),
+    [
+        ({}, True),  # one process
+        ({"LOCAL_RANK": "1"}, False),  # Lightning's launcher, one node: its child
+        ({"NODE_RANK": "1"}, False),  # Lightning's launcher, node 1, before it launched
+        ({"NODE_RANK": "1", "LOCAL_RANK": "0"}, False),  # and after: node 1's first process
+        ({"NODE_RANK": "0", "LOCAL_RANK": "0"}, True),
+        ({"RANK": "1", "LOCAL_RANK": "0", "GROUP_RANK": "1"}, False),  # torchrun, node 1
+        ({"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0"}, True),
+        ({"SLURM_PROCID": "2", "SLURM_NODEID": "1"}, False),
+    ],
+)
+def test_ctrl_c_line_comes_from_global_rank_zero_only(monkeypatch, capsys, launched, says_it):
+    """Issue 22: on two nodes started by Lightning's launcher, node 1's process (LOCAL_RANK 0) wrote
+    the Ctrl-C line too. Every rank exits with 130; one line in all."""
+    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "SLURM_NODEID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in launched.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_info, ctrl_c_exits("lightning-ppo"):
+        raise KeyboardInterrupt
+    assert exit_info.value.code == 130
+    line = "lightning-ppo: interrupted (Ctrl-C) before training started; nothing was trained or saved\n"
+    assert capsys.readouterr().err == (line if says_it else "")
 
 
 @pytest.mark.parametrize(
