@@ -12,7 +12,8 @@ PyTorch, ``floor.py``), plus ``lightning_ppo_shared`` (one backbone for policy a
 ``lightning_ppo_vllm`` (``generation.engine: vllm``, run with the interpreter of a vLLM environment:
 ``--vllm-python``, else ``$LIGHTNING_PPO_VLLM_PYTHON``, else ``.venv-vllm/bin/python``; skipped with
 the reason printed where that interpreter or ``import vllm`` is missing, and on CPU for a model
-preset whose head size vLLM's CPU attention has no kernel for). For every (config, precision)
+preset whose head size vLLM's CPU attention has no kernel for); ``lightning_ppo_dynamic`` (HF's
+dynamic generation cache instead of the default static one) only when named. For every (config, precision)
 the variants run one after another in a rotating order (``--rounds`` times), so that drift in
 the machine's speed hits all of them alike.
 With CUDA (``--device auto`` finds it) the default is a ~0.5B Llama-style model in bf16-mixed, with
@@ -240,6 +241,7 @@ def plan(
             phases=not args.no_phases,
             threads=s.threads,
             engine=ENGINES.get(variant, "hf"),
+            cache="dynamic" if variant == report.DYNAMIC else "static",
         )
 
     jobs, rotation = [], 0
@@ -288,7 +290,6 @@ def variable_jobs(args, s: Settings, spec, skip) -> list[report.Job]:
                 response_length=s.variable_response,
                 iterations=s.variable_iterations,
                 micro_batch_tokens=budget if variant == "lightning_ppo_budget" else None,
-                cache="dynamic" if variant == "lightning_ppo_dynamic" else "static",
             )
             jobs.append(report.Job("variable", point))
     return jobs
@@ -407,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         print("CUDA is not available on this machine: skipping the GPU benchmark.")
         return 0
     s = settings_for(args, device)
-    unknown = (set(s.variants.split(",")) - set(report.VARIANTS)) | (
+    unknown = (set(s.variants.split(",")) - {*report.VARIANTS, report.DYNAMIC}) | (
         set(s.configs.split(",")) - set(common.PRESETS)
     )
     if unknown:

@@ -15,6 +15,9 @@ from typing import Any
 from benchmarks import common
 
 VARIANTS = ("lightning_ppo", "trl", "floor", "lightning_ppo_shared", "lightning_ppo_vllm")
+# lightning_ppo with ``generation.cache_implementation: dynamic`` (HF's own cache, what it used
+# before the static one): run only when named in --variants, and in the variable-length table.
+DYNAMIC = "lightning_ppo_dynamic"
 # The variable-length table's variants: the padded rectangle, the default (row groups, trimmed
 # minibatches, a static generation cache), the default with HF's dynamic generation cache, a token
 # budget for micro-batches, and the floor (padded, HF's dynamic cache).
@@ -284,7 +287,7 @@ def phases_table(rows: dict[tuple, Row], s: Any) -> str:
         row
         for preset in s.configs.split(",")
         for precision in s.precisions.split(",")
-        for variant in ("lightning_ppo", VLLM, "floor", SHARED)
+        for variant in ("lightning_ppo", DYNAMIC, VLLM, "floor", SHARED)
         if (row := rows.get((variant, preset, precision, s.batch_size, s.response_length))) and row.phases
     ]
     if not columns:
