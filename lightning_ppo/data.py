@@ -724,7 +724,7 @@ class PromptDataModule(pl.LightningDataModule):
             # loop has restored its progress: a checkpoint mid-epoch resumes after the batches it
             # trained on, and one written at the last batch of an epoch (full or cut short by
             # limit_train_batches) starts the next epoch at its beginning. With num_workers > 0 the
-            # DataLoader draws indices eagerly, before the loop restores; see the README's resume notes.
+            # DataLoader draws indices eagerly, before the loop restores; see docs/resuming.md.
             progress = trainer.fit_loop.epoch_loop.batch_progress
             loader.sampler.batches_done = lambda: progress.current.processed
             if self.num_workers == 0:  # exact: Lightning's "unreliable results" warning is false here
