@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -157,10 +158,19 @@ def cache_for(
     generation after it attend over that whole length (measured: 2.2x the dynamic cache's time).
     """
     supported = getattr(model, "_supports_default_dynamic_cache", None)
-    if kind == "dynamic" or supported is None or not supported():
+    argument = _cache_argument(model)
+    if kind == "dynamic" or supported is None or not supported() or argument is None:
         return {}
     length = prompt_width + generation_config.max_new_tokens
-    return {"cache": transformers.StaticCache(config=model.config, max_cache_len=length)}
+    return {argument: transformers.StaticCache(config=model.config, max_cache_len=length)}
+
+
+def _cache_argument(model: transformers.PreTrainedModel) -> str | None:
+    """The name ``generate`` takes a cache by, as the model's forward does: ``cache`` in newer
+    transformers, ``past_key_values`` before (5.19, which vLLM 0.32 pins); None for neither."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    parameters = inspect.signature(type(base).forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
 @torch.no_grad()

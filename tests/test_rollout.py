@@ -218,6 +218,6 @@ def test_a_static_cache_samples_as_the_dynamic_one_at_each_call_s_own_length(arc
             samples[cache] = generate(model, ids, mask, gen, cache)
         assert torch.equal(samples["static"].response_ids, samples["dynamic"].response_ids)
         assert samples["static"].response_mask.sum() > 4 * 3  # more than a token or two each: a real test
-        static = made[-1]["cache"]
+        (static,) = made[-1].values()
         assert static.layers[0].keys.shape[2] == ids.shape[1] + 12  # this call's length, not the longest
     assert [bool(m) for m in made] == [False, True, False, True]  # dynamic: HF makes its own
