@@ -152,7 +152,9 @@ class Roles(nn.Module):
                 logits_to_keep=length + 1,
                 output_hidden_states=True,
             )
-            hidden = out.hidden_states[-1][:, -length - 1 : -1]
+            # in the head's dtype: a LoRA base loaded in bf16 (frozen_dtype) gives bf16 hidden
+            # states, which the fp32 head cannot take without autocast (32-true)
+            hidden = out.hidden_states[-1][:, -length - 1 : -1].to(self.value_head.weight.dtype)
             # not a view (see ValueModel.forward)
             return out.logits[:, :-1], self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)
         logits = response_logits(self.policy, ids, mask, pos, length)

@@ -51,6 +51,16 @@ def test_role_combinations_fit(arch, value_model, lora, tiny_gpt2, tiny_llama, t
     assert torch.isfinite(metrics["loss/value_avg"]) and torch.isfinite(metrics["val/explained_variance"])
 
 
+def test_lora_with_a_bf16_base_and_a_shared_head_trains_in_fp32(tiny_gpt2, tmp_path):
+    """The shared value head is fp32 and the LoRA base's hidden states bf16: under 32-true (no
+    autocast to reconcile them) the head must take them in its own dtype."""
+    module = _module(tiny_gpt2, value_model="shared", lora=LoraSettings(r=4), frozen_dtype="bf16")
+    assert module.roles.value_head.weight.dtype == torch.float32
+    trainer = _fit(module, tmp_path, iterations=1)
+    assert trainer.global_step == 2 * 2
+    assert torch.isfinite(trainer.logged_metrics["loss/value_avg"])
+
+
 def test_shared_critic_trains_head_and_policy_with_one_optimizer(tiny_gpt2, tmp_path):
     module = _module(tiny_gpt2, value_model="shared")
     head_before = module.roles.value_head.weight.clone()
