@@ -4,7 +4,7 @@ A minibatch is split, its sequences sorted by length, into runs of similar lengt
 leave out as much padding as an extra forward is worth (:mod:`lightning_ppo.row_groups`), whose
 rectangles (rows x (longest prompt + longest response)) stay within ``ppo.micro_batch_tokens``
 where it is set; or, for ``gradient_accumulation_steps`` > 1, into that many equal counts of
-them (under FSDP2, whose ranks must run as many forwards, by count only). Every micro-batch is
+them (under FSDP2 without a budget, one: see plan_micro_batches). Every micro-batch is
 then trimmed to its own longest prompt and response (:meth:`Experience.trimmed`), so short ones
 pay for short rectangles.
 
@@ -35,6 +35,8 @@ class Share:
     tokens: float = 1.0
     responses: float = 1.0
     rows: float = 1.0
+    # a forward and backward of weight 0 that only keeps FSDP2's collectives in step (idle_micro_batch)
+    idle: bool = False
 
     def of_policy_term(self, aggregation: str) -> float:
         """The share that weighs the policy (and in-loss KL) term under ``aggregation``."""
@@ -68,9 +70,10 @@ def plan_micro_batches(
     """The micro-batches of ``minibatch``, each trimmed, with their shares; its rows sorted by
     length, so that each micro-batch holds similar lengths: ``count`` of equal row counts (count >
     1), or runs of :func:`plan_row_groups` within ``token_budget`` (or with none, count 1: runs that
-    leave out padding worth an extra forward). ``sharded`` (FSDP2, where every rank must run as
-    many forwards) and count 1: the whole minibatch, trimmed."""
-    if sharded and count == 1:
+    leave out padding worth an extra forward). ``sharded`` (FSDP2), count 1 and no budget: the whole
+    minibatch, trimmed, because FSDP2 accumulates micro-batches in whole unsharded fp32 gradients
+    on every rank (docs/memory.md), a price for memory only a budget the user sets may ask."""
+    if sharded and count == 1 and not token_budget:
         return [(minibatch.trimmed(), Share())]
     split = minibatch.input_ids.shape[1] - minibatch.response_ids.shape[1]
     lengths = minibatch.response_mask.sum(dim=1).float()
@@ -92,3 +95,16 @@ def plan_micro_batches(
         micro = minibatch if whole else minibatch.select(group.rows.to(minibatch.input_ids.device))
         plan.append((micro.trimmed([columns.start, columns.stop - 1]), Share(*shares)))
     return plan
+
+
+def idle_micro_batch(minibatch: Experience) -> tuple[Experience, Share]:
+    """One row of ``minibatch`` cut to its last prompt column and first response column, of weight
+    0: its forward and backward change no gradient and no statistic. Under FSDP2 every forward and
+    backward gathers weights from every rank, so a rank whose plan has fewer micro-batches than
+    another's runs these until the counts match. The row is the one with the longest response, so
+    that its response column is a real token and every loss term is finite (0 x NaN would not be 0).
+    """
+    row = minibatch.response_mask.sum(dim=1).argmax().reshape(1)
+    split = minibatch.input_ids.shape[1] - minibatch.response_ids.shape[1]
+    one = minibatch.select(row)
+    return one.trimmed([max(split - 1, 0), split]), Share(0.0, 0.0, 0.0, idle=True)

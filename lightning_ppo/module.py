@@ -60,6 +60,7 @@ from lightning_ppo.sharding import (
     data_parallel_mesh,
     gathered_for_generation,
     is_sharded,
+    micro_batches_on_every_rank,
     mixed_precision_policy,
     no_gradient_sync,
     reject_fsdp1,
@@ -301,10 +302,6 @@ class PPOLightningModule(LightningModule):
     def setup(self, stage: str) -> None:
         reject_fsdp1(self.trainer.strategy)
         install_sharded_checkpointing(self.trainer.strategy)  # before a resume loads a folder
-        if self.ppo.micro_batch_tokens and uses_model_parallel(self.trainer.strategy):
-            raise UsageError(
-                "ppo.micro_batch_tokens is not supported under FSDP2: set gradient_accumulation_steps"
-            )
         silence_intended_warnings()  # e.g. the frozen roles are in eval mode on purpose
         # Before the first rollout: past the model's positions generation fails with an IndexError.
         max_prompt_length = getattr(self.trainer.datamodule, "max_prompt_length", None)
@@ -588,6 +585,7 @@ class PPOLightningModule(LightningModule):
         stepped: list[Tensor] = []
         for minibatch in exp.minibatches(self.ppo.num_minibatches, generator, epochs=self.ppo.ppo_epochs):
             plan = plan_micro_batches(minibatch, accumulate, budget, sharded)  # trimmed, with shares
+            plan = micro_batches_on_every_rank(plan, minibatch, self.device, sharded)
             parts = []
             for i, (micro, share) in enumerate(plan):
                 # Under DDP (FSDP2) only the last micro-batch of a minibatch all-reduces
@@ -595,7 +593,8 @@ class PPOLightningModule(LightningModule):
                 with nullcontext() if i == len(plan) - 1 else self._no_backward_sync():
                     loss, stats = self.ppo_loss(micro, share)
                     self.manual_backward(loss)
-                parts.append((stats, share))
+                if not share.idle:
+                    parts.append((stats, share))
             history.append(minibatch_stats(parts, self.loss_aggregation.mode))
             stepped.append(self._step_if_finite(optimizer))
             optimizer.zero_grad(set_to_none=True)

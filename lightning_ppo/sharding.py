@@ -28,6 +28,8 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from lightning_ppo.errors import UsageError
+from lightning_ppo.experience import Experience
+from lightning_ppo.microbatches import Share, idle_micro_batch
 from lightning_ppo.row_groups import RowGroup, padded_to
 
 FSDP1_ERROR = (
@@ -179,6 +181,17 @@ def as_many_on_every_rank(
     if not sharded:
         return groups
     return padded_to(groups, most_over_ranks(len(groups), device), split)
+
+
+def micro_batches_on_every_rank(
+    plan: list[tuple[Experience, Share]], minibatch: Experience, device: torch.device, sharded: bool
+) -> list[tuple[Experience, Share]]:
+    """A rank's micro-batches of ``minibatch``, under FSDP2 (where every forward and backward gathers
+    weights from every rank, and the last one reduce-scatters) followed by idle ones of weight 0 up
+    to the most any rank runs (a collective); else unchanged."""
+    if not sharded:
+        return plan
+    return plan + [idle_micro_batch(minibatch)] * (most_over_ranks(len(plan), device) - len(plan))
 
 
 def is_sharded(module: nn.Module) -> bool:

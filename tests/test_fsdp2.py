@@ -77,6 +77,12 @@ LAYOUTS = {
     "full-shared": ["--model.init_args.value_model", "shared"],
     # PEFT inside fully_shard'ed blocks; generate goes around the PeftModel's forward.
     "lora-shared": ["--model.init_args.value_model", "shared", "--model.init_args.lora", '{"r": 4}'],
+    # no accumulation: micro-batches of similar lengths within a token budget, each rank's own plan
+    # (different counts: a rank with fewer runs idle micro-batches of weight 0 up to the other's)
+    "token-budget": [
+        *("--model.init_args.ppo.gradient_accumulation_steps", "1"),
+        *("--model.init_args.ppo.micro_batch_tokens", "48"),
+    ],
     # critic-free, group advantages, KL in the loss
     "grpo": [
         *("--model.init_args.ppo.advantage_estimator", "grpo", "--model.init_args.ppo.num_generations", "2"),

@@ -7,7 +7,7 @@ import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.errors import UsageError
-from lightning_ppo.microbatches import Share, plan_micro_batches
+from lightning_ppo.microbatches import Share, idle_micro_batch, plan_micro_batches
 from tests.helpers import CountCharReward
 from tests.test_trimming import _experience
 
@@ -48,3 +48,22 @@ def test_micro_batches_add_up_to_the_unsplit_minibatch(aggregation, split, tiny_
 def test_the_token_budget_is_checked():
     with pytest.raises(UsageError, match="ppo.micro_batch_tokens must be >= 1 or null"):
         PPOConfig(micro_batch_tokens=0)
+
+
+def test_idle_micro_batches_change_no_gradient(tiny_gpt2):
+    """What an FSDP2 rank with fewer micro-batches than another runs to keep the collectives in step:
+    one real token, weight 0, so the update is exactly the plan's own."""
+    torch.manual_seed(0)
+    module = PPOLightningModule(
+        policy=str(tiny_gpt2),
+        reward_fn=CountCharReward(),
+        ppo=PPOConfig(entropy_coef=0.01, kl_placement="loss", kl_estimator="k3"),
+        generation=GenerationConfig(max_new_tokens=12, temperature=1.5),
+    )
+    exp = _experience(module)
+    plan = plan_micro_batches(exp, 1, 40)
+    idle, share = idle_micro_batch(exp)
+    assert idle.input_ids.shape == (1, 2) and idle.response_mask.all() and idle.attention_mask.all()
+    assert share.idle and (share.tokens, share.responses, share.rows) == (0, 0, 0)
+    padded = _gradient(module, plan + [(idle, share)] * 2)
+    torch.testing.assert_close(padded, _gradient(module, plan), rtol=0, atol=0)
