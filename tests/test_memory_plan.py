@@ -57,7 +57,7 @@ def test_plan_equals_the_bytes_the_module_holds(layout, tiny_llama, tiny_reward,
         **options,
     )
     grads = GradientBytes()
-    # bf16-mixed as on GPUs (under 32-true a LoRA base in bf16 cannot feed the fp32 shared value head)
+    # bf16-mixed, as the plan assumes for GPUs
     trainer = pl.Trainer(
         accelerator="cpu",
         precision="bf16-mixed",
