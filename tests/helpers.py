@@ -253,16 +253,17 @@ class Throttle(Callback):
         time.sleep(self.seconds)
 
 
-def quiet_trainer(root, iterations: int, callbacks=(), plugins=()) -> pl.Trainer:
+def quiet_trainer(root, iterations: int, callbacks=(), plugins=(), precision="32-true") -> pl.Trainer:
     """A CPU Trainer for ``iterations`` PPO iterations: no logger, bar or summary; checkpoints only
     when checkpoint callbacks are given."""
     return pl.Trainer(
         plugins=list(plugins),
         accelerator="cpu",
+        precision=precision,
         max_epochs=1,
         limit_train_batches=iterations,
         logger=False,
-        enable_checkpointing=bool(callbacks),
+        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=root,

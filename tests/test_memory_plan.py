@@ -14,7 +14,7 @@ from benchmarks import memory_plan
 from benchmarks.memory_plan import Settings, build_roles, describe, model_config, plan_memory
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.roles import LoraSettings
-from tests.helpers import CountCharReward, prompt_data
+from tests.helpers import CountCharReward, prompt_data, quiet_trainer
 
 LAYOUTS = {
     "separate": {},
@@ -57,19 +57,7 @@ def test_plan_equals_the_bytes_the_module_holds(layout, tiny_llama, tiny_reward,
         **options,
     )
     grads = GradientBytes()
-    # bf16-mixed, as the plan assumes for GPUs
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        precision="bf16-mixed",
-        max_epochs=1,
-        limit_train_batches=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[grads],
-    )
+    trainer = quiet_trainer(tmp_path, 1, [grads], precision="bf16-mixed")  # as the plan assumes for GPUs
     trainer.fit(module, datamodule=prompt_data())
     unique = list({id(p): p for p in module.parameters()}.values())
     state = trainer.optimizers[0].state.values()
