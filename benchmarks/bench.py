@@ -47,7 +47,7 @@ RUNNERS = {
     "lightning_ppo_vllm": "benchmarks.run_lightning",
     "lightning_ppo_padded": "benchmarks.run_lightning",
     "lightning_ppo_budget": "benchmarks.run_lightning",
-    "lightning_ppo_dynamic": "benchmarks.run_lightning",
+    report.DYNAMIC: "benchmarks.run_lightning",
 }
 # The generation engine of each lightning_ppo variant (RunSpec.engine); "hf" where not named.
 ENGINES = {"lightning_ppo_vllm": "vllm"}

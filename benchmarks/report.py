@@ -24,7 +24,7 @@ DYNAMIC = "lightning_ppo_dynamic"
 VARIABLE_VARIANTS = (
     "lightning_ppo_padded",
     "lightning_ppo",
-    "lightning_ppo_dynamic",
+    DYNAMIC,
     "lightning_ppo_budget",
     "floor",
 )
