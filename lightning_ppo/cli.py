@@ -28,14 +28,14 @@ from lightning_ppo.export import export_main
 from lightning_ppo.log_continuity import continue_logs
 from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.plot import DEFAULT_KEYS, plot_run
-from lightning_ppo.preflight import check_checkpoint_file, check_packages, check_run_inputs
+from lightning_ppo.preflight import check_checkpoint_file, check_packages, check_precision, check_run_inputs
 from lightning_ppo.quiet import silence_intended_warnings
 from lightning_ppo.roles import LoraSettings
 from lightning_ppo.run_length import check_step_limit
 from lightning_ppo.samples import find_latest_samples, format_samples, read_samples
 from lightning_ppo.sharded_loading import deferred_loading
 from lightning_ppo.sharding import names_model_parallel, reject_fsdp1
-from lightning_ppo.tasks.tiny import DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
+from lightning_ppo.tasks.tiny import ARCHS, DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
 from lightning_ppo.typos import suggestion
 from lightning_ppo.writable import check_configured_folders, class_configs
 
@@ -85,6 +85,7 @@ class PPOLightningCLI(LightningCLI):
         (minutes, for big ones)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         reject_fsdp1(config.get("trainer.strategy"))
+        check_precision(config.get("trainer.precision"))
         model, data = _as_dict(config.get("model.init_args")), _as_dict(config.get("data.init_args"))
         check_packages(model, config.get("trainer.strategy"))
         _loggers_follow_root(config)
@@ -145,7 +146,7 @@ def make_tiny_main(argv: list[str]) -> None:
         choices=["causal-lm", "reward"],
         help="a policy, or a one-output sequence classifier used as a reward model",
     )
-    parser.add_argument("--arch", default="gpt2", choices=["gpt2", "llama"])
+    parser.add_argument("--arch", default="gpt2", choices=ARCHS)
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--n-embd", type=int, default=64)
     parser.add_argument("--n-head", type=int, default=4)

@@ -294,14 +294,15 @@ class EpisodeRunner:
         ids = torch.full((len(episodes), width), self.pad_token_id, dtype=torch.long)
         action = torch.zeros((len(episodes), width), dtype=torch.bool)
         context = torch.zeros_like(action)
-        rewards = torch.zeros((len(episodes), width))
-        logprobs = torch.zeros((len(episodes), width))
+        # fp32 by choice, not the default dtype (the low one under a true-precision plugin)
+        rewards = torch.zeros((len(episodes), width), dtype=torch.float32)
+        logprobs = torch.zeros((len(episodes), width), dtype=torch.float32)
         for row, e in enumerate(episodes):
             n = len(e.tokens)
             ids[row, :n] = torch.tensor(e.tokens, dtype=torch.long)
             action[row, :n] = torch.tensor(e.is_action) & (not e.failed)
             context[row, :n] = ~torch.tensor(e.is_action)
-            logprobs[row, :n] = torch.tensor(e.engine_logprobs)
+            logprobs[row, :n] = torch.tensor(e.engine_logprobs, dtype=torch.float32)
             for index, reward in e.rewards.items():
                 rewards[row, index] = reward
         self.transcripts = ["".join(e.transcript) for e in episodes]

@@ -193,5 +193,5 @@ def group_scale(
     if config.advantage_estimator != "grpo" or config.scale_rewards == "group":
         return None
     if config.scale_rewards == "none":
-        return torch.ones((), device=returns.device)
+        return torch.ones((), dtype=returns.dtype, device=returns.device)
     return F.masked_var(returns, valid, unbiased=True, reduce=reduce).sqrt() + 1e-6

@@ -153,7 +153,7 @@ def episode_metrics(stats: EpisodeStats, reduce: F.Reduce | None = None) -> dict
             stats.failed.float().sum(),
             stats.tool_calls.float().sum(),
             stats.tool_errors.float().sum(),
-            torch.tensor(float(len(stats.turns)), device=stats.turns.device),
+            torch.tensor(float(len(stats.turns)), dtype=torch.float32, device=stats.turns.device),
         ]
     )
     if reduce is not None:

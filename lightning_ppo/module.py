@@ -35,7 +35,7 @@ from lightning_ppo.metrics import TrailingMean, experience_metrics, score_metric
 from lightning_ppo.microbatches import Share, minibatch_stats, plan_micro_batches
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
-from lightning_ppo.preflight import check_sequence_fits, response_budget
+from lightning_ppo.preflight import check_precision, check_sequence_fits, response_budget
 from lightning_ppo.quiet import silence_intended_warnings
 from lightning_ppo.resume import check_resumable
 from lightning_ppo.rewards import (
@@ -301,6 +301,7 @@ class PPOLightningModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         reject_fsdp1(self.trainer.strategy)
+        check_precision(self.trainer.precision)
         install_sharded_checkpointing(self.trainer.strategy)  # before a resume loads a folder
         silence_intended_warnings()  # e.g. the frozen roles are in eval mode on purpose
         # Before the first rollout: past the model's positions generation fails with an IndexError.
@@ -527,7 +528,9 @@ class PPOLightningModule(LightningModule):
         groups of similar-length rows, each without the columns that are padding in all its rows."""
         ids, mask, pos = rollout.input_ids, rollout.attention_mask, rollout.position_ids
         split, sharded = rollout.prompt_ids.shape[1], is_sharded(self)
-        out = torch.zeros(4, *rollout.response_ids.shape, device=ids.device)
+        # fp32 by choice: under a true-precision plugin (bf16-true) the default dtype is the low one,
+        # and the log-probs written here are fp32 whatever the weights' dtype
+        out = torch.zeros(4, *rollout.response_ids.shape, dtype=torch.float32, device=ids.device)
         groups = forward_groups(mask, split, self.generation_config.forward_chunk_size)
         groups = as_many_on_every_rank(groups, split, ids.device, sharded)
         for group in groups:

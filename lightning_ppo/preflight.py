@@ -47,6 +47,13 @@ TOKENIZER_FILES = (
 )
 # ckpt_path values Lightning resolves itself rather than reading as a path.
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
+# Trainer precisions refused before any model loads, and why.
+REFUSED_PRECISIONS = {
+    name: "Transformer Engine swaps the policy's linear layers for its own, which Hugging Face generation, "
+    "the frozen reference copy and LoRA here were never run with; use bf16-mixed (fp32 weights, bf16 "
+    "compute) or bf16-true"
+    for name in ("transformer-engine", "transformer-engine-float16")
+}
 # Strategies whose package Lightning looks for only when the Trainer is built, after every model has
 # loaded: (strategy class, its package, how to install it).
 STRATEGY_PACKAGES = (
@@ -222,6 +229,16 @@ def check_packages(model: Mapping[str, Any], strategy: Any) -> None:
             raise UsageError(
                 f"trainer.strategy {shown!r} needs the {package} package, which is not installed: {hint}"
             )
+
+
+def check_precision(precision: Any, field: str = "trainer.precision") -> None:
+    """Refuse, before any model loads, a Trainer precision this package cannot serve.
+
+    Every other precision Lightning offers runs (tests/test_precision.py: 32-true, the mixed and the
+    true 16-bit ones, 64-true, with GPT-2 and the RoPE families).
+    """
+    if str(precision) in REFUSED_PRECISIONS:
+        raise UsageError(f"{field} {precision!r} is not supported: {REFUSED_PRECISIONS[str(precision)]}")
 
 
 def strategy_class(strategy: Any) -> type | None:

@@ -162,7 +162,23 @@ def cache_for(
     if kind == "dynamic" or supported is None or not supported() or argument is None:
         return {}
     length = prompt_width + generation_config.max_new_tokens
-    return {argument: transformers.StaticCache(config=model.config, max_cache_len=length)}
+    return {argument: OneDtypeStaticCache(config=model.config, max_cache_len=length)}
+
+
+class OneDtypeStaticCache(transformers.StaticCache):
+    """HF's static cache, with each layer's keys stored in the dtype of the values written with them.
+
+    Under autocast (bf16-mixed, 16-mixed) a RoPE model's keys leave the rotation in fp32 (its cos and
+    sin are fp32) while its values come out of their projection in the low dtype. transformers up
+    to 5.23 allocates both of a layer's tensors in the keys' dtype, and the values then fail to fit
+    (``index_copy_(): ... Float and ... BFloat16``); 5.24 keeps fp32 keys beside low values. Attention
+    under autocast casts the keys to the low dtype anyway, so casting them as they are stored changes
+    no result (a test compares the samples with the dynamic cache's), on every version, and halves
+    the keys' memory. Without autocast both already share one dtype and nothing is cast.
+    """
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        return super().update(key_states.to(value_states.dtype), value_states, layer_idx, *args, **kwargs)
 
 
 def _cache_argument(model: transformers.PreTrainedModel) -> str | None:

@@ -184,12 +184,13 @@ class VLLMEngine:
         """Right-pad the completions to the longest one, as HF generate does, and mask at the stop."""
         width = max(len(c.token_ids) for c in completions)
         ids = torch.full((len(completions), width), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(len(completions), width)
+        logprobs = torch.zeros(len(completions), width, dtype=torch.float32)  # not the default dtype
         for row, completion in enumerate(completions):
             tokens = list(completion.token_ids)
             ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             logprobs[row, : len(tokens)] = torch.tensor(
-                [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)]
+                [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)],
+                dtype=torch.float32,
             )
         ids, mask, ended = truncate_at_stop(ids, self.stop_token_id, self.pad_token_id)
         device = prompt_ids.device

@@ -84,7 +84,8 @@ class DigitsReward(RewardFunction):
             raise KeyError(f"DigitsReward needs a 'target' column; the batch has {sorted(batch.extras)}")
         targets = batch.extras["target"]
         return torch.tensor(
-            [digits_score(c, t, self.in_order) for c, t in zip(completions, targets, strict=True)]
+            [digits_score(c, t, self.in_order) for c, t in zip(completions, targets, strict=True)],
+            dtype=torch.float32,
         )
 
 

@@ -17,13 +17,24 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
 from lightning_ppo.file_modes import save_pretrained
 
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 DEFAULT_ALPHABET = "0123456789=+-*/:;,.?! abcdefghijklmnopqrstuvwxyz"
+# The rotary-embedding (RoPE) families, whose keys leave the rotation in fp32 under autocast.
+ROPE_ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+ARCHS = ("gpt2", *ROPE_ARCHS)
 
 
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
@@ -42,7 +53,8 @@ class TinyModelSpec:
     """Size of a tiny causal LM.
 
     Args:
-        arch: ``gpt2`` or ``llama``.
+        arch: ``gpt2`` or one of the RoPE families ``llama``, ``qwen2`` (biased q/k/v projections),
+            ``mistral`` (sliding-window attention, here a window shorter than ``n_positions``).
         n_layer: Transformer blocks.
         n_embd: Hidden width.
         n_head: Attention heads.
@@ -82,19 +94,22 @@ def build_tiny_causal_lm(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec
     ids = _special_ids(tokenizer)
     if spec.arch == "gpt2":
         return GPT2LMHeadModel(_gpt2_config(tokenizer, spec))
-    if spec.arch == "llama":
-        config = LlamaConfig(
+    if spec.arch in ROPE_ARCHS:
+        config_class, model_class = ROPE_ARCHS[spec.arch]
+        config = config_class(
             vocab_size=len(tokenizer),
             num_hidden_layers=spec.n_layer,
             hidden_size=spec.n_embd,
             intermediate_size=4 * spec.n_embd,
             num_attention_heads=spec.n_head,
-            num_key_value_heads=spec.n_head,
+            # grouped-query attention where the family uses it: two query heads per key/value head
+            num_key_value_heads=spec.n_head if spec.arch == "llama" else max(1, spec.n_head // 2),
             max_position_embeddings=spec.n_positions,
             **ids,
+            **({"sliding_window": spec.n_positions // 2} if spec.arch == "mistral" else {}),
         )
-        return LlamaForCausalLM(config)
-    raise ValueError(f"arch must be 'gpt2' or 'llama', got {spec.arch!r}")
+        return model_class(config)
+    raise ValueError(f"arch must be one of {ARCHS}, got {spec.arch!r}")
 
 
 def build_tiny_reward_model(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec, seed: int = 0):
