@@ -5,6 +5,12 @@ Each of these appeared in every ``lightning-ppo fit`` and says nothing the user 
 - Lightning's "Found N module(s) in eval mode at the start of training": the frozen roles
   (reference, reward model) are in eval mode by design, so dropout stays off.
 - Lightning's "💡 Tip: ... litlogger" advertisement, printed by every Trainer.
+- Lightning's "The 'train_dataloader' does not have many workers" (and the val one's), on any
+  machine of more than a few cores: a prompt batch is a few token rows, the rollout bounds the
+  iteration, and ``num_workers: 0`` is what lets ``PromptDataModule`` resume mid-epoch exactly.
+- Lightning's Tensor Cores advice on a GPU under ``32-true``: TF32 matmuls would move the
+  log-probs that the ratio and the KL compare by ~1e-3; ``bf16-mixed`` is the fast path on GPUs
+  (docs/performance.md), and a user who wants TF32 sets ``torch.set_float32_matmul_precision``.
 - Lightning's own use of a deprecated torch pytree API (``isinstance(treespec, LeafSpec)``).
 - transformers' "We strongly recommend passing in an `attention_mask`" during generation: we do
   pass it; transformers drops an all-ones mask itself and then warns when a finished response
@@ -45,10 +51,11 @@ _WARNINGS = (
     r"Found \d+ module\(s\) in eval mode at the start of training",
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
     r"Total length of `list` across ranks is zero",
+    r"The '\w+' does not have many workers which may be a bottleneck",
 )
 _MID_EPOCH_RESUME = r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader"
 _LIGHTNING_LOGGER = "lightning.pytorch.utilities.rank_zero"  # rank_zero_info's
-_LIGHTNING_TIP = (_LIGHTNING_LOGGER, "💡 Tip:")
+_LIGHTNING_ADVICE = (_LIGHTNING_LOGGER, ("💡 Tip:", "You are using a CUDA device ("))
 _MAX_EPOCHS_REACHED = "`Trainer.fit` stopped: `max_epochs="
 # (logger, message prefix): a filter on the logger that emits the record drops it before any
 # handler sees it, whenever vLLM (re)configures its handlers.
@@ -89,7 +96,7 @@ def silence_intended_warnings() -> None:
     _installed = True
     for message in _WARNINGS:
         warnings.filterwarnings("ignore", message=message)
-    name, prefix = _LIGHTNING_TIP
+    name, prefix = _LIGHTNING_ADVICE
     logging.getLogger(name).addFilter(DropMessages(prefix))
 
 

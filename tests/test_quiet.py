@@ -38,3 +38,23 @@ def test_quickstart_fit_prints_none_of_the_silenced_messages(tiny_digits, tmp_pa
     # they are silenced, not absent: the verbose switch shows them (this is what the filters hide)
     loud = _fit(tiny_digits, tmp_path / "loud", LIGHTNING_PPO_VERBOSE="1")
     assert [m for m in SILENCED[:3] if m not in loud] == []
+
+
+def test_a_many_core_machine_hears_no_advice_about_dataloader_workers(tiny_digits, monkeypatch):
+    """On a GPU machine of 16 cores Lightning advised more DataLoader workers, for the train and the
+    val loader; here a prompt batch is a few token rows and num_workers 0 keeps resume exact."""
+    from lightning.pytorch.trainer.connectors import data_connector
+
+    from lightning_ppo import quiet
+    from lightning_ppo.module import PPOLightningModule
+    from tests.helpers import CountCharReward, fit_warnings, prompt_data
+
+    monkeypatch.setattr(data_connector, "suggested_max_num_workers", lambda devices: 15)  # 16 cores
+    advice = "does not have many workers"
+    heard = {}
+    for verbose in ("1", "0"):  # verbose first: the patched machine does make Lightning say it
+        monkeypatch.setenv(quiet.VERBOSE_ENV, verbose)
+        monkeypatch.setattr(quiet, "_installed", False)
+        module = PPOLightningModule(str(tiny_digits), reward_fn=CountCharReward())
+        heard[verbose] = [m for m in fit_warnings(module, prompt_data(4), 1) if advice in m]
+    assert heard["1"] and heard["0"] == []
