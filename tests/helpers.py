@@ -253,12 +253,15 @@ class Throttle(Callback):
         time.sleep(self.seconds)
 
 
-def quiet_trainer(root, iterations: int, callbacks=(), plugins=(), precision="32-true") -> pl.Trainer:
-    """A CPU Trainer for ``iterations`` PPO iterations: no logger, bar or summary; checkpoints only
-    when checkpoint callbacks are given."""
+def quiet_trainer(
+    root, iterations: int, callbacks=(), plugins=(), precision="32-true", accelerator="cpu"
+) -> pl.Trainer:
+    """A Trainer (CPU unless told) for ``iterations`` PPO iterations: no logger, bar or summary;
+    checkpoints only when checkpoint callbacks are given."""
     return pl.Trainer(
         plugins=list(plugins),
-        accelerator="cpu",
+        accelerator=accelerator,
+        devices=1,
         precision=precision,
         max_epochs=1,
         limit_train_batches=iterations,

@@ -37,7 +37,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {arch: str(make_tiny_checkpoint(root / arch, TinyModelSpec(arch=arch))) for arch in ARCHS}
 
 
-def _fit(policy: str, precision: str, cache: str = "static", lora: bool = False) -> tuple:
+def fit(policy: str, precision: str, cache: str = "static", lora: bool = False, accelerator="cpu") -> tuple:
     module = PPOLightningModule(
         policy,
         reward_fn=CountCharReward(),
@@ -45,12 +45,12 @@ def _fit(policy: str, precision: str, cache: str = "static", lora: bool = False)
         ppo=PPOConfig(ppo_epochs=EPOCHS, num_minibatches=MINIBATCHES),
         generation=GenerationConfig(max_new_tokens=8, cache_implementation=cache),
     )
-    trainer = quiet_trainer("unused", iterations=ITERATIONS, precision=precision)
+    trainer = quiet_trainer("unused", iterations=ITERATIONS, precision=precision, accelerator=accelerator)
     trainer.fit(module, datamodule=prompt_data(4))
     return module, trainer, {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
-def _check_trained(module, trainer, metrics: dict[str, float], precision: str) -> None:
+def check_trained(module, trainer, metrics: dict[str, float], precision: str) -> None:
     assert module.iteration == ITERATIONS
     assert trainer.global_step == ITERATIONS * EPOCHS * MINIBATCHES
     assert metrics["train/skipped_updates"] == 0  # every step had finite gradients
@@ -65,15 +65,15 @@ def _check_trained(module, trainer, metrics: dict[str, float], precision: str) -
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_family_generates_and_trains_under_every_precision(checkpoints, arch, precision):
-    module, trainer, metrics = _fit(checkpoints[arch], precision)
-    _check_trained(module, trainer, metrics, precision)
+    module, trainer, metrics = fit(checkpoints[arch], precision)
+    check_trained(module, trainer, metrics, precision)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("cache", ["static", "dynamic"])
 def test_lora_on_a_rope_policy_trains_under_every_precision_with_either_cache(checkpoints, precision, cache):
-    module, trainer, metrics = _fit(checkpoints["llama"], precision, cache, lora=True)
-    _check_trained(module, trainer, metrics, precision)
+    module, trainer, metrics = fit(checkpoints["llama"], precision, cache, lora=True)
+    check_trained(module, trainer, metrics, precision)
 
 
 class Fp32StaticCache(transformers.StaticCache):
