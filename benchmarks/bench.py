@@ -476,7 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     (out / "report.md").write_text(text)
     records = [
-        {"group": d.job.group, "wall_s": d.wall_s, "foreign_cores": d.foreign_cores, **asdict(d.result)}
+        {
+            "group": d.job.group,
+            "wall_s": d.wall_s,
+            "foreign_cores": d.foreign_cores,
+            "mfu": flops.mfu(report.merge([d]))[1],  # the whole iteration's, where the peak is known
+            **asdict(d.result),
+        }
         for d in dones
     ]
     (out / "results.json").write_text(json.dumps(records, indent=1))

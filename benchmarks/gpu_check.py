@@ -1,0 +1,280 @@
+"""``make gpu-check``: what only a GPU shows, in one run of under 8 minutes on one H100/H200.
+
+    make gpu-check                                  # with python3; PYTHON=... names another
+    python -m benchmarks.gpu_check --out runs/gpu-check --budget 480
+
+Runs with the interpreter it is given, as it is: no venv, no downloads (a GPU machine may be
+offline). Four stages, each given a share of ``--budget`` seconds and skipped, saying so, when
+too little is left:
+
+1. the GPU-only tests (``tests/test_gpu.py``: every model family under every precision, LoRA);
+2. the quickstart on ``cuda`` as configured (fp32, ``--quickstart-iterations``), beside every other
+   example config for a few iterations in bf16-mixed, all at once (tiny models);
+3. the benchmark's CUDA table: llama-0.5b, bf16-mixed, batch 64 x 32 new tokens: lightning_ppo
+   eager (and compiled, where the benchmark has that variant), the floor and TRL (if importable);
+4. the same at batch 256 x 256 new tokens: lightning_ppo and the floor.
+
+It ends with one table (s / iteration, peak GPU memory, peak host RSS, MFU or the run's score) and
+writes it, with every log, to ``--out``. Exit status 1 when anything failed; without CUDA it says
+so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+# tiny checkpoints the example configs load by path, as `make tiny` writes them
+TINY = {
+    "tiny-digits": ["--alphabet", "0123456789="],
+    "tiny-reward": ["--kind", "reward", "--alphabet", "0123456789=", "--seed", "1"],
+    "tiny-chars": [],
+}
+MAIN_VARIANTS = ("lightning_ppo", "lightning_ppo_compiled", "floor", "trl")
+LONG_VARIANTS = ("lightning_ppo", "floor")
+
+
+@dataclass
+class Line:
+    """One row of the closing table."""
+
+    stage: str
+    what: str
+    precision: str
+    status: str
+    s_per_it: float | None = None
+    gpu_mib: float | None = None
+    rss_mib: float | None = None
+    note: str = ""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(ROOT / "runs" / "gpu-check"), help="folder for the logs and table")
+    p.add_argument("--budget", type=float, default=480, help="seconds for the whole check")
+    p.add_argument("--quickstart-iterations", type=int, default=100)
+    p.add_argument("--config-iterations", type=int, default=3)
+    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one config in this process
+    p.add_argument("--precision", default="bf16-mixed", help=argparse.SUPPRESS)
+    p.add_argument("--iterations", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- one config, in a child
+def run_one(
+    config: str, precision: str | None, iterations: int, root: str, result: str, accelerator: str = "cuda"
+) -> None:
+    """``lightning-ppo fit`` of one example config on one GPU, in this process; writes what it saw."""
+    import torch
+
+    from lightning_ppo.cli import main
+
+    args = ["fit", "--config", config, "--trainer.accelerator", accelerator, "--trainer.devices", "1"]
+    args += ["--trainer.limit_train_batches", str(iterations), "--trainer.default_root_dir", root]
+    args += ["--trainer.enable_progress_bar", "false"]
+    if "data_parallel_size" in Path(config).read_text():  # FSDP2's mesh, on the one GPU
+        args += ["--trainer.strategy.init_args.data_parallel_size", "1"]
+    if precision:
+        args += ["--trainer.precision", precision, "--trainer.limit_val_batches", "0"]
+    start = time.perf_counter()
+    cli = main(args)
+    seconds = time.perf_counter() - start
+    if not hasattr(cli, "trainer"):
+        raise SystemExit(f"lightning-ppo fit exited with {cli}")
+    module, metrics = cli.trainer.lightning_module, cli.trainer.callback_metrics
+    done = {
+        "iterations": module.iteration,
+        "fit_s": seconds,
+        "gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "score": float(metrics["objective/scores"]) if "objective/scores" in metrics else None,
+        "eval": float(metrics["eval/scores"]) if "eval/scores" in metrics else None,
+    }
+    Path(result).write_text(json.dumps(done))
+
+
+# ----------------------------------------------------------------------------- stages
+def child_env() -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+
+
+def run_logged(command: list[str], log: Path, timeout: float, **env: str) -> str | None:
+    """Run ``command`` from the project root, output to ``log``; None if it succeeded, else why not."""
+    with log.open("w") as out:
+        try:
+            proc = subprocess.run(
+                command, cwd=ROOT, env={**child_env(), **env}, stdout=out, stderr=out, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            return f"timed out after {timeout:.0f} s"
+    if proc.returncode == 0:
+        return None
+    last = (log.read_text().strip().splitlines() or ["no output"])[-1]
+    return f"exit {proc.returncode}: {last[:160]}"
+
+
+def gpu_tests(out: Path, timeout: float) -> list[Line]:
+    log = out / "tests.log"
+    failure = run_logged([sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_gpu.py"], log, timeout)
+    summary = re.findall(r"^=*\s*(\d+ \w+.*) in [\d.]+s", log.read_text(), flags=re.M)
+    status = "ok" if failure is None else "FAILED"
+    return [Line("tests", "tests/test_gpu.py", "all", status, note=(summary or [failure or ""])[-1])]
+
+
+def configs(out: Path, timeout: float, quickstart_iterations: int, iterations: int) -> list[Line]:
+    """Every example config at once, each in its own process on the one GPU."""
+    for name, flags in TINY.items():
+        target = ROOT / "checkpoints" / name
+        if not (target / "config.json").exists():
+            from lightning_ppo.cli import make_tiny_main
+
+            make_tiny_main(["--out", str(target), *flags])
+    runs = {"quickstart": (None, quickstart_iterations)}
+    others = [p.stem for p in sorted(CONFIGS.glob("*.yaml")) if p.stem != "quickstart"]
+    runs |= {name: ("bf16-mixed", iterations) for name in others}
+    procs = {}
+    for name, (precision, n) in runs.items():
+        command = [sys.executable, "-m", "benchmarks.gpu_check", "--one", str(CONFIGS / f"{name}.yaml")]
+        command += ["--iterations", str(n), "--root", str(out / "runs" / name)]
+        command += ["--result", str(out / f"{name}.json"), "--precision", precision or ""]
+        log = (out / f"config-{name}.log").open("w")
+        env = {**child_env(), "OMP_NUM_THREADS": "1"}
+        procs[name] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log), log)
+    deadline, lines = time.monotonic() + timeout, []
+    for name, (proc, log) in procs.items():
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = "timeout"
+        log.close()
+        lines.append(config_line(out, name, runs[name][0] or "32 (as configured)", code))
+    return lines
+
+
+def config_line(out: Path, name: str, precision: str, code: int | str) -> Line:
+    result = out / f"{name}.json"
+    if code != 0 or not result.exists():
+        tail = (out / f"config-{name}.log").read_text().strip().splitlines() or ["no output"]
+        return Line("config", name, precision, "FAILED", note=f"{code}: {tail[-1][:120]}")
+    r = json.loads(result.read_text())
+    note = f"{r['iterations']} its, score {r['score']:.3f}" if r["score"] is not None else ""
+    note += f", eval {r['eval']:.3f}" if r["eval"] is not None else ""
+    per_it = r["fit_s"] / max(1, r["iterations"])  # setup included: a ceiling, not the steady rate
+    return Line("config", name, precision, "ok", per_it, r["gpu_mib"], r["rss_mib"], note)
+
+
+def bench(out: Path, name: str, timeout: float, variants: tuple[str, ...], extra: list[str]) -> list[Line]:
+    from benchmarks import report
+
+    known = [v for v in variants if v in (*report.VARIANTS, report.DYNAMIC)]
+    folder = out / name
+    command = [sys.executable, "-m", "benchmarks.bench", "--device", "cuda", "--rounds", "1"]
+    command += ["--no-scaling", "--no-variable", "--variants", ",".join(known), "--out", str(folder), *extra]
+    failure = run_logged(command, out / f"{name}.log", timeout)
+    results = folder / "results.json"
+    if not results.exists():
+        return [Line(name, ",".join(known), "bf16-mixed", "FAILED", note=failure or "no results")]
+    lines = []
+    for r in json.loads(results.read_text()):
+        steady = r["iteration_s"][1:] or r["iteration_s"]
+        seconds = sorted(steady)[len(steady) // 2] if steady else None
+        mfu = r.get("mfu")
+        note = r["error"][:120] if r["error"] else (f"MFU {100 * mfu:.1f} %" if mfu is not None else "")
+        status = "FAILED" if r["error"] else "ok"
+        spec = r["spec"]
+        what = f"{spec['variant']} {spec['preset']} b{spec['batch_size']} x {spec['response_length']}"
+        memory = r["peak_gpu_mib"], r["peak_rss_mib"]
+        lines.append(Line(name, what, spec["precision"], status, seconds, *memory, note))
+    return lines
+
+
+# ----------------------------------------------------------------------------- the table
+def render(lines: list[Line], facts: list[str]) -> str:
+    def f(value: float | None, digits: int) -> str:
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
+    header = ["stage", "what", "precision", "status", "s / it", "peak GPU MiB", "peak RSS MiB", "note"]
+    rows = [
+        [x.stage, x.what, x.precision, x.status]
+        + [f(x.s_per_it, 3), f(x.gpu_mib, 0), f(x.rss_mib, 0), x.note]
+        for x in lines
+    ]
+    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    table += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join([*facts, "", *table, ""])
+
+
+def versions() -> str:
+    import lightning
+    import peft
+    import torch
+    import transformers
+
+    device = torch.cuda.get_device_name(0)
+    return (
+        f"{device}; torch {torch.__version__}, lightning {lightning.__version__}, transformers "
+        f"{transformers.__version__}, peft {peft.__version__}; python {sys.version.split()[0]}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.one:
+        run_one(args.one, args.precision or None, args.iterations, args.root, args.result)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu-check: CUDA is not available on this machine: nothing to check (the GPU tests skip).")
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    facts = [f"gpu-check {time.strftime('%Y-%m-%d %H:%M %Z')}: {versions()}"]
+    print(facts[0], flush=True)
+    shares = [("tests", 0.15), ("configs", 0.2), ("bench-64x32", 0.4), ("bench-256x256", 0.25)]
+    lines: list[Line] = []
+    for stage, share in shares:
+        left = args.budget - (time.monotonic() - start)
+        allowed = left if stage == shares[-1][0] else min(left, share * args.budget)
+        if allowed < 30:
+            lines.append(Line(stage, "", "", "skipped", note=f"{left:.0f} s of the budget left"))
+            continue
+        t0 = time.monotonic()
+        lines += run_stage(stage, out, allowed, args)
+        print(f"{stage}: {time.monotonic() - t0:.0f} s", flush=True)
+    facts.append(f"whole check: {time.monotonic() - start:.0f} s; logs in {out}")
+    text = render(lines, facts)
+    print("\n" + text)
+    (out / "gpu-check.md").write_text(text)
+    (out / "gpu-check.json").write_text(json.dumps([asdict(x) for x in lines], indent=1))
+    return 1 if any(x.status == "FAILED" for x in lines) else 0
+
+
+def run_stage(stage: str, out: Path, allowed: float, args: argparse.Namespace) -> list[Line]:
+    if stage == "tests":
+        return gpu_tests(out, allowed)
+    if stage == "configs":
+        return configs(out, allowed, args.quickstart_iterations, args.config_iterations)
+    if stage == "bench-64x32":
+        return bench(out, stage, allowed, MAIN_VARIANTS, ["--iterations", "4"])
+    long = ["--iterations", "3", "--batch-size", "256", "--response-length", "256"]
+    return bench(out, stage, allowed, LONG_VARIANTS, long)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
