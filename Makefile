@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install quickstart test test-vllm lint tiny clean bench bench-engines
+.PHONY: install quickstart test test-vllm test-oldest lint tiny clean bench bench-engines
 
 # Install CPU torch 2.13.0 first when no torch is present: an unpinned torch would pull CUDA wheels.
 $(STAMP): pyproject.toml
@@ -51,6 +51,28 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 WANDB_MODE=offline $(VLLM_VENV)/bin/python -m pytest -q --durations=5 \
 		tests/test_vllm_engine.py tests/test_engines.py
+
+# The oldest supported versions: an environment of their own with the pyproject's lower bounds
+# pinned (constraints-oldest.txt: torch, lightning, transformers, peft, datasets, ...) and a fast
+# subset of the tests: every precision x GPT-2/Llama/Qwen2/Mistral x static/dynamic cache x LoRA,
+# loading, generation, the update, resume, the data, the engines and every config through the CLI.
+OLDEST_VENV  ?= .venv-oldest
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
+OLDEST_TESTS := tests/test_precision.py tests/test_rollout.py tests/test_functional.py tests/test_roles.py \
+	tests/test_resume.py tests/test_data.py tests/test_engines.py tests/test_cli.py tests/test_module.py \
+	tests/test_metrics.py
+
+$(OLDEST_STAMP): pyproject.toml constraints-oldest.txt
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install -q -c constraints-oldest.txt torch
+	$(OLDEST_VENV)/bin/python -m pip install -q -c constraints-oldest.txt -e ".[dev]"
+	touch $(OLDEST_STAMP)
+
+test-oldest: $(OLDEST_STAMP)
+	@$(OLDEST_VENV)/bin/python -m pip freeze | grep -iE '^(torch|lightning|transformers|peft|datasets)==' | tr '\n' ' '; echo
+	OMP_NUM_THREADS=1 WANDB_MODE=offline $(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider --disable-warnings \
+		--durations=5 $(OLDEST_TESTS)
 
 # PPO three ways (lightning_ppo, TRL 1.12.0, bare PyTorch), alternated: see benchmarks/bench.py.
 # BENCH_ARGS="--threads 1" on a machine shared with other jobs, "--quick" for a smoke run.
