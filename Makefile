@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install quickstart test test-vllm test-oldest lint tiny clean bench bench-engines
+.PHONY: install quickstart test test-vllm test-oldest gpu-check lint tiny clean bench bench-engines
 
 # Install CPU torch 2.13.0 first when no torch is present: an unpinned torch would pull CUDA wheels.
 $(STAMP): pyproject.toml
@@ -93,6 +93,15 @@ bench: $(VENV)/.bench-installed
 bench-engines: $(VENV)/.bench-installed
 	LIGHTNING_PPO_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m benchmarks.bench \
 		$(BENCH_ENGINES_ARGS) $(BENCH_ARGS)
+
+# What only a GPU shows, in one run of under 8 minutes on one H100/H200 (benchmarks/gpu_check.py):
+# the GPU-only tests, the quickstart on cuda beside every config in bf16-mixed, the CUDA benchmark
+# (lightning_ppo eager and compiled, the floor, TRL), one table at the end. It runs with the
+# interpreter it is given, as it is (no venv, no downloads: a GPU machine may be offline):
+#   make gpu-check PYTHON=/path/to/python GPU_CHECK_ARGS="--out runs/gpu-check --budget 480"
+GPU_CHECK_ARGS ?=
+gpu-check:
+	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check lightning_ppo tests benchmarks
