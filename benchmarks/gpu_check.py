@@ -14,9 +14,10 @@ too little is left:
    eager (and compiled, where the benchmark has that variant), the floor and TRL (if importable);
 4. the same at batch 256 x 256 new tokens: lightning_ppo and the floor.
 
-It ends with one table (s / iteration, peak GPU memory, peak host RSS, MFU or the run's score) and
-writes it, with every log, to ``--out``. Exit status 1 when anything failed; without CUDA it says
-so and exits 0.
+``--accelerator cpu`` runs the same stages on the CPU (the benchmark on a tiny Llama), to try the
+check itself where no GPU is at hand. It ends with one table (s / iteration, peak GPU memory, peak
+host RSS, MFU or the run's score) and writes it, with every log, to ``--out``. Exit status 1 when
+anything failed; without CUDA (and ``--accelerator cuda``) it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ TINY = {
 }
 MAIN_VARIANTS = ("lightning_ppo", "lightning_ppo_compiled", "floor", "trl")
 LONG_VARIANTS = ("lightning_ppo", "floor")
+# the benchmark's stages on the CPU: a tiny Llama, one thread, small batches (these flags come last: they win)
+CPU_TRIAL = ["--device", "cpu", "--configs", "tiny-llama", "--precisions", "bf16-mixed", "--threads", "1"]
+CPU_TRIAL += ["--batch-size", "8", "--response-length", "8", "--minibatches", "2", "--ppo-epochs", "2"]
 
 
 @dataclass
@@ -64,6 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=480, help="seconds for the whole check")
     p.add_argument("--quickstart-iterations", type=int, default=100)
     p.add_argument("--config-iterations", type=int, default=3)
+    p.add_argument(
+        "--accelerator",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: every stage on the CPU with a tiny benchmark model, to try the check itself",
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one config in this process
     p.add_argument("--precision", default="bf16-mixed", help=argparse.SUPPRESS)
     p.add_argument("--iterations", type=int, default=3, help=argparse.SUPPRESS)
@@ -134,7 +144,7 @@ def gpu_tests(out: Path, timeout: float) -> list[Line]:
     return [Line("tests", "tests/test_gpu.py", "all", status, note=(summary or [failure or ""])[-1])]
 
 
-def configs(out: Path, timeout: float, quickstart_iterations: int, iterations: int) -> list[Line]:
+def configs(out: Path, timeout: float, args: argparse.Namespace) -> list[Line]:
     """Every example config at once, each in its own process on the one GPU."""
     for name, flags in TINY.items():
         target = ROOT / "checkpoints" / name
@@ -142,14 +152,15 @@ def configs(out: Path, timeout: float, quickstart_iterations: int, iterations: i
             from lightning_ppo.cli import make_tiny_main
 
             make_tiny_main(["--out", str(target), *flags])
-    runs = {"quickstart": (None, quickstart_iterations)}
+    runs = {"quickstart": (None, args.quickstart_iterations)}
     others = [p.stem for p in sorted(CONFIGS.glob("*.yaml")) if p.stem != "quickstart"]
-    runs |= {name: ("bf16-mixed", iterations) for name in others}
+    runs |= {name: ("bf16-mixed", args.config_iterations) for name in others}
     procs = {}
     for name, (precision, n) in runs.items():
         command = [sys.executable, "-m", "benchmarks.gpu_check", "--one", str(CONFIGS / f"{name}.yaml")]
         command += ["--iterations", str(n), "--root", str(out / "runs" / name)]
         command += ["--result", str(out / f"{name}.json"), "--precision", precision or ""]
+        command += ["--accelerator", args.accelerator]
         log = (out / f"config-{name}.log").open("w")
         env = {**child_env(), "OMP_NUM_THREADS": "1"}
         procs[name] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log), log)
@@ -178,11 +189,12 @@ def config_line(out: Path, name: str, precision: str, code: int | str) -> Line:
 
 
 def bench(out: Path, name: str, timeout: float, variants: tuple[str, ...], extra: list[str]) -> list[Line]:
+    """One benchmark table (``benchmarks.bench``), its runs as rows."""
     from benchmarks import report
 
     known = [v for v in variants if v in (*report.VARIANTS, report.DYNAMIC)]
     folder = out / name
-    command = [sys.executable, "-m", "benchmarks.bench", "--device", "cuda", "--rounds", "1"]
+    command = [sys.executable, "-m", "benchmarks.bench", "--rounds", "1"]
     command += ["--no-scaling", "--no-variable", "--variants", ",".join(known), "--out", str(folder), *extra]
     failure = run_logged(command, out / f"{name}.log", timeout)
     results = folder / "results.json"
@@ -218,13 +230,13 @@ def render(lines: list[Line], facts: list[str]) -> str:
     return "\n".join([*facts, "", *table, ""])
 
 
-def versions() -> str:
+def versions(accelerator: str) -> str:
     import lightning
     import peft
     import torch
     import transformers
 
-    device = torch.cuda.get_device_name(0)
+    device = torch.cuda.get_device_name(0) if accelerator == "cuda" else "CPU (a trial of the check)"
     return (
         f"{device}; torch {torch.__version__}, lightning {lightning.__version__}, transformers "
         f"{transformers.__version__}, peft {peft.__version__}; python {sys.version.split()[0]}"
@@ -234,17 +246,17 @@ def versions() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.one:
-        run_one(args.one, args.precision or None, args.iterations, args.root, args.result)
+        run_one(args.one, args.precision or None, args.iterations, args.root, args.result, args.accelerator)
         return 0
     import torch
 
-    if not torch.cuda.is_available():
+    if args.accelerator == "cuda" and not torch.cuda.is_available():
         print("gpu-check: CUDA is not available on this machine: nothing to check (the GPU tests skip).")
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    facts = [f"gpu-check {time.strftime('%Y-%m-%d %H:%M %Z')}: {versions()}"]
+    facts = [f"gpu-check {time.strftime('%Y-%m-%d %H:%M %Z')}: {versions(args.accelerator)}"]
     print(facts[0], flush=True)
     shares = [("tests", 0.15), ("configs", 0.2), ("bench-64x32", 0.4), ("bench-256x256", 0.25)]
     lines: list[Line] = []
@@ -269,11 +281,12 @@ def run_stage(stage: str, out: Path, allowed: float, args: argparse.Namespace) -
     if stage == "tests":
         return gpu_tests(out, allowed)
     if stage == "configs":
-        return configs(out, allowed, args.quickstart_iterations, args.config_iterations)
+        return configs(out, allowed, args)
+    device = ["--device", "cuda"] if args.accelerator == "cuda" else CPU_TRIAL
     if stage == "bench-64x32":
-        return bench(out, stage, allowed, MAIN_VARIANTS, ["--iterations", "4"])
+        return bench(out, stage, allowed, MAIN_VARIANTS, ["--iterations", "4", *device])
     long = ["--iterations", "3", "--batch-size", "256", "--response-length", "256"]
-    return bench(out, stage, allowed, LONG_VARIANTS, long)
+    return bench(out, stage, allowed, LONG_VARIANTS, [*long, *device])
 
 
 if __name__ == "__main__":
