@@ -29,7 +29,7 @@ from benchmarks import common
 from lightning_ppo import PPOLightningModule
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptDataModule
-from lightning_ppo.microbatches import Share
+from lightning_ppo.microbatches import MicroBatch, Share
 from lightning_ppo.row_groups import RowGroup
 from lightning_ppo.tasks.digits import DigitsDataModule
 
@@ -136,13 +136,16 @@ def pad_every_forward() -> None:
     def one_group(mask, split, *args, **kwargs):
         return [RowGroup(torch.arange(len(mask)), split, mask.shape[1] - split)]
 
+    def whole_minibatch(facts, rows, *args, **kwargs):
+        return [MicroBatch(rows, [0, facts.length - 1], Share())]
+
     lightning_ppo.module.forward_groups = lightning_ppo.rewards.forward_groups = one_group
-    lightning_ppo.module.plan_micro_batches = lambda minibatch, *args, **kwargs: [(minibatch, Share())]
+    lightning_ppo.module.plan_minibatch = whole_minibatch
 
 
 def count_tokens(result: common.RunResult) -> None:
     """Add the policy forwards' computed (rows x columns) and real tokens up in ``result``."""
-    groups_of, plan_of = lightning_ppo.module.forward_groups, lightning_ppo.module.plan_micro_batches
+    groups_of, cut = lightning_ppo.module.forward_groups, lightning_ppo.module.cut_micro_batches
 
     def counted_groups(mask, split, *args, **kwargs):
         groups = groups_of(mask, split, *args, **kwargs)
@@ -150,16 +153,13 @@ def count_tokens(result: common.RunResult) -> None:
         result.tokens_real += int(mask.sum())
         return groups
 
-    def counted_plan(*args, **kwargs):
-        plan = plan_of(*args, **kwargs)
-        result.tokens_computed += sum(micro.input_ids.numel() for micro, _ in plan)
-        result.tokens_real += sum(int(micro.attention_mask.sum()) for micro, _ in plan)
-        return plan
+    def counted_cut(*args, **kwargs):
+        for micro_batches in cut(*args, **kwargs):
+            result.tokens_computed += sum(micro.input_ids.numel() for micro, _ in micro_batches)
+            result.tokens_real += sum(int(micro.attention_mask.sum()) for micro, _ in micro_batches)
+            yield micro_batches
 
-    lightning_ppo.module.forward_groups, lightning_ppo.module.plan_micro_batches = (
-        counted_groups,
-        counted_plan,
-    )
+    lightning_ppo.module.forward_groups, lightning_ppo.module.cut_micro_batches = counted_groups, counted_cut
 
 
 def cut_at_scheduled_lengths(module: PPOLightningModule, spec: common.RunSpec) -> None:

@@ -28,11 +28,18 @@ from lightning_ppo.data import PromptBatch
 from lightning_ppo.engines import GenerationEngine, engine_for_trainer, engine_is_weights, engine_mismatch
 from lightning_ppo.episodes import Environment, StepResult, make_episode_runner
 from lightning_ppo.errors import UsageError
-from lightning_ppo.experience import Experience, make_experience
+from lightning_ppo.experience import Experience, make_experience, minibatch_rows
 from lightning_ppo.guardrails import Guardrails, IterationView
 from lightning_ppo.kl import make_kl_controller
 from lightning_ppo.metrics import TrailingMean, experience_metrics, score_metrics
-from lightning_ppo.microbatches import Share, minibatch_stats, plan_micro_batches
+from lightning_ppo.microbatches import (
+    MicroBatch,
+    RowFacts,
+    Share,
+    cut_micro_batches,
+    minibatch_stats,
+    plan_minibatch,
+)
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.preflight import check_sequence_fits, response_budget
@@ -578,24 +585,10 @@ class PPOLightningModule(LightningModule):
     def ppo_update(self, exp: Experience) -> dict[str, Tensor]:
         """``ppo_epochs`` passes of shuffled minibatches; one optimizer step per minibatch."""
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        generator = torch.Generator().manual_seed(self.seed + self.iteration)
-        accumulate, budget = self.ppo.gradient_accumulation_steps, self.ppo.micro_batch_tokens
-        sharded = is_sharded(self)
         history: list[dict[str, Tensor]] = []
         stepped: list[Tensor] = []
-        for minibatch in exp.minibatches(self.ppo.num_minibatches, generator, epochs=self.ppo.ppo_epochs):
-            plan = plan_micro_batches(minibatch, accumulate, budget, sharded)  # trimmed, with shares
-            plan = micro_batches_on_every_rank(plan, minibatch, self.device, sharded)
-            parts = []
-            for i, (micro, share) in enumerate(plan):
-                # Under DDP (FSDP2) only the last micro-batch of a minibatch all-reduces
-                # (reduce-scatters) gradients.
-                with nullcontext() if i == len(plan) - 1 else self._no_backward_sync():
-                    loss, stats = self.ppo_loss(micro, share)
-                    self.manual_backward(loss)
-                if not share.idle:
-                    parts.append((stats, share))
-            history.append(minibatch_stats(parts, self.loss_aggregation.mode))
+        for micro_batches in cut_micro_batches(exp, self.plan_update(exp)):
+            history.append(self.train_minibatch(micro_batches))
             stepped.append(self._step_if_finite(optimizer))
             optimizer.zero_grad(set_to_none=True)
             # The schedule counts attempted steps, so it does not depend on which were skipped.
@@ -607,6 +600,34 @@ class PPOLightningModule(LightningModule):
         self._count_skips(flags)
         stats["train/skipped_updates"] = float(flags.count(False))
         return stats
+
+    def plan_update(self, exp: Experience) -> list[list[MicroBatch]]:
+        """Every minibatch's micro-batches (trimmed, with shares), planned on the host from one read
+        of the rows' lengths: no host sync between the minibatches of the update."""
+        generator = torch.Generator().manual_seed(self.seed + self.iteration)
+        rows = minibatch_rows(len(exp), self.ppo.num_minibatches, generator, epochs=self.ppo.ppo_epochs)
+        accumulate, budget, sharded = (
+            self.ppo.gradient_accumulation_steps,
+            self.ppo.micro_batch_tokens,
+            is_sharded(self),
+        )
+        facts = RowFacts.read(exp)
+        plan = [plan_minibatch(facts, r, accumulate, budget, sharded) for r in rows]
+        return micro_batches_on_every_rank(plan, facts, rows, self.device, sharded)
+
+    def train_minibatch(self, micro_batches: list[tuple[Experience, Share]]) -> dict[str, Tensor]:
+        """Forward and backward of each micro-batch, accumulating its share of the minibatch's
+        gradient; the minibatch's statistics."""
+        parts = []
+        for i, (micro, share) in enumerate(micro_batches):
+            # Under DDP (FSDP2) only the last micro-batch of a minibatch all-reduces
+            # (reduce-scatters) gradients.
+            with nullcontext() if i == len(micro_batches) - 1 else self._no_backward_sync():
+                loss, stats = self.ppo_loss(micro, share)
+                self.manual_backward(loss)
+            if not share.idle:
+                parts.append((stats, share))
+        return minibatch_stats(parts, self.loss_aggregation.mode)
 
     def _step_if_finite(self, optimizer: Any) -> Tensor:
         """Clip, then step unless a gradient is NaN/inf; returns whether it stepped (a device bool).
