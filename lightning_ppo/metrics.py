@@ -12,6 +12,7 @@ response tokens. Padding never counts. The update's own statistics (``policy/*``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,6 +84,51 @@ def score_metrics(
     if shaping:
         metrics["objective/scores_normalized"] = F.masked_mean(shaped, kept, reduce=reduce)
     return metrics
+
+
+@dataclass
+class HostView:
+    """What the host decides on at the end of an iteration, read from the device in one read (one
+    sync on GPUs, where a ``float()`` of each statistic would be one each): every statistic, which
+    optimizer steps were taken, each sample's score and KL, and the spread of the scores the update
+    used (``None`` with fewer than two). The logged statistics themselves stay tensors."""
+
+    stats: dict[str, float]
+    stepped: list[bool]
+    scores: list[float]
+    kl: list[float]
+    scores_std: float | None
+
+    @classmethod
+    def read(
+        cls,
+        stats: dict[str, Tensor | float],
+        stepped: Tensor,
+        scores: Tensor,
+        kl: Tensor,
+        used: Tensor,
+        kept: Tensor,
+    ) -> HostView:
+        """``stats`` (tensors and floats), ``stepped`` (steps,), ``scores`` and ``kl`` (B,) as the host
+        sees them; ``used`` (B,) the scores the update used where ``kept``."""
+        names = [name for name, value in stats.items() if isinstance(value, Tensor)]
+        spread = F.masked_var(used, kept, unbiased=False).sqrt()
+        # float64 holds every float32, bf16 and fp16 value exactly (MPS has no float64)
+        dtype = torch.float32 if scores.device.type == "mps" else torch.float64
+        parts = [torch.stack([stats[n].to(dtype).reshape(()) for n in names] + [spread.to(dtype)])]
+        parts += [kept.sum().to(dtype).reshape(1), stepped.to(dtype), scores.to(dtype), kl.to(dtype)]
+        values = torch.cat(parts).tolist()
+        scalars, (count, *rest) = values[: len(names) + 1], values[len(names) + 1 :]
+        steps = len(stepped)
+        host = {name: value for name, value in stats.items() if not isinstance(value, Tensor)}
+        host.update(zip(names, scalars[:-1], strict=True))
+        return cls(
+            stats=host,
+            stepped=[bool(flag) for flag in rest[:steps]],
+            scores=rest[steps : steps + len(scores)],
+            kl=rest[steps + len(scores) :],
+            scores_std=scalars[-1] if count >= 2 else None,
+        )
 
 
 def reward_drowned(scores_std: float, kl_coef: float) -> bool:

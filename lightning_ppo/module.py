@@ -31,7 +31,7 @@ from lightning_ppo.errors import UsageError
 from lightning_ppo.experience import Experience, make_experience, minibatch_rows
 from lightning_ppo.guardrails import Guardrails, IterationView
 from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.metrics import TrailingMean, experience_metrics, score_metrics
+from lightning_ppo.metrics import HostView, TrailingMean, experience_metrics, score_metrics
 from lightning_ppo.microbatches import (
     MicroBatch,
     RowFacts,
@@ -365,7 +365,7 @@ class PPOLightningModule(LightningModule):
             engine_is_weights(self.generation_config, rollout, forwards.logprobs),
             self.sum_over_ranks,
         )
-        stats = self.ppo_update(exp)
+        stats, stepped = self.ppo_update(exp)
         self.iteration += 1
         self.episodes += len(batch) * self.trainer.world_size
         reduce = self.sum_over_ranks
@@ -377,20 +377,22 @@ class PPOLightningModule(LightningModule):
         stats.update(engine_mismatch(self.generation_config, rollout, forwards.logprobs))
         if self.episode_runner is not None:
             stats.update(self.episode_runner.metrics(reduce))
-        stats["objective/scores_smoothed"] = self.smoothed_score.add(float(stats["objective/scores"]))
+        # the iteration's one host read of what the host decides on; the logged stats stay tensors
+        host = HostView.read(stats, stepped, raw, exp.kl.sum(1), scores.shaped, ~scores.dropped)
+        self._count_skips(host.stepped)
+        stats["objective/scores_smoothed"] = self.smoothed_score.add(host.stats["objective/scores"])
         stats["kl_coef"] = kl_coef
-        self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
-        self.heed_guardrails(completions, stats, scores.shaped[~scores.dropped])
+        self.kl_ctl.update(host.stats["objective/kl"], len(batch) * self.trainer.world_size)
+        self.heed_guardrails(completions, host)
         self.log_stats(stats, len(batch))
         shown = completions if self.episode_runner is None else self.episode_runner.transcripts
-        kl = exp.kl.sum(1).tolist()
-        self.last_samples = Samples(batch.prompts, shown, raw.tolist(), kl, self.scorer.columns)
+        self.last_samples = Samples(batch.prompts, shown, host.scores, host.kl, self.scorer.columns)
 
-    def heed_guardrails(self, completions: list[str], stats: dict[str, Any], update_scores: Tensor) -> None:
+    def heed_guardrails(self, completions: list[str], host: HostView) -> None:
         """The guardrails' one-time warnings (lightning_ppo.guardrails), spoken by rank 0."""
         if self.guardrails is None:  # the learning rate is known once the optimizer exists
             self.guardrails = Guardrails(self.ppo, float(self.optimizers().param_groups[0]["lr"]))
-        view = IterationView.of(self.iteration, completions, stats, self.kl_ctl, update_scores)
+        view = IterationView.of(self.iteration, completions, host, self.kl_ctl)
         for message in self.guardrails.observe(view):
             rank_zero_warn(message)
 
@@ -582,8 +584,9 @@ class PPOLightningModule(LightningModule):
         return self.roles.value_model
 
     # ----------------------------------------------------------------- the inner PPO epochs
-    def ppo_update(self, exp: Experience) -> dict[str, Tensor]:
-        """``ppo_epochs`` passes of shuffled minibatches; one optimizer step per minibatch."""
+    def ppo_update(self, exp: Experience) -> tuple[dict[str, Tensor], Tensor]:
+        """``ppo_epochs`` passes of shuffled minibatches; one optimizer step per minibatch. Returns the
+        statistics (means over the minibatches) and whether each step was taken, all on the device."""
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         history: list[dict[str, Tensor]] = []
         stepped: list[Tensor] = []
@@ -595,11 +598,9 @@ class PPOLightningModule(LightningModule):
             if scheduler is not None:
                 scheduler.step()
         stats = {key: torch.stack([h[key] for h in history]).mean() for key in history[0]}
-        # The one read of the step flags per iteration (a host sync on GPUs).
-        flags = torch.stack(stepped).tolist()
-        self._count_skips(flags)
-        stats["train/skipped_updates"] = float(flags.count(False))
-        return stats
+        flags = torch.stack(stepped)
+        stats["train/skipped_updates"] = (~flags).sum().float()
+        return stats, flags
 
     def plan_update(self, exp: Experience) -> list[list[MicroBatch]]:
         """Every minibatch's micro-batches (trimmed, with shares), planned on the host from one read
