@@ -79,6 +79,10 @@ class Settings:
     variable_config: str = "medium"
     variable_response: int = 128
     variable_iterations: int = 4
+    # one more run per main-table point under benchmarks.op_count (aten ops and host reads per
+    # iteration, the first left out), not timed
+    count_ops: bool = True
+    count_iterations: int = 3
 
 
 DEFAULTS = {
@@ -105,6 +109,7 @@ DEFAULTS = {
         variable_config="tiny",
         variable_response=16,
         variable_iterations=2,
+        count_iterations=2,
     ),
 }
 
@@ -133,6 +138,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variable-config", help="model preset of the variable-length table")
     p.add_argument("--variable-response", type=int, help="longest response of the variable workload (128)")
     p.add_argument("--variable-iterations", type=int, help="PPO iterations per variable-length run (4)")
+    p.add_argument(
+        "--count-ops",
+        action=argparse.BooleanOptionalAction,
+        help="aten ops and host reads per iteration: one counting run per main-table point",
+    )
+    p.add_argument("--count-iterations", type=int, help="PPO iterations of a counting run (3)")
     p.add_argument("--no-phases", action="store_true", help="no per-phase timers (they synchronise on CUDA)")
     p.add_argument("--peak-tflops", type=float, help="device peak for MFU where the device is not known")
     p.add_argument(
@@ -254,6 +265,13 @@ def plan(
                 k = rotation % len(variants)
                 rotation += 1
                 jobs += [report.Job("main", spec(v, preset, precision)) for v in variants[k:] + variants[:k]]
+    if s.count_ops:
+        main = [job.spec for job in jobs]
+        points = {report.point_key(spec): spec for spec in main}.values()  # one per point, not per round
+        jobs += [
+            report.Job("count", replace(spec, count_ops=True, iterations=s.count_iterations, phases=False))
+            for spec in points
+        ]
     if s.scaling:
         points = [(s.batch_size, int(n)) for n in args.scaling_lengths.split(",")]
         points += [(int(b), s.response_length) for b in args.scaling_batches.split(",")]
