@@ -31,10 +31,13 @@ Reduce = Callable[[Tensor], Tensor]
 _ROWS_PER_CHUNK = 8
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None, reduce: Reduce | None = None) -> Tensor:
+def masked_mean(
+    x: Tensor, mask: Tensor, dim: int | None = None, reduce: Reduce | None = None, count: Tensor | None = None
+) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is True (0 where nothing is masked in).
 
     With ``reduce``, the mean over every rank's masked-in positions (``dim`` must be None).
+    ``count``: :func:`mask_count` of ``mask``, where several means over one mask share it.
     """
     mask = mask.bool()
     total = torch.where(mask, x, torch.zeros_like(x))
@@ -43,9 +46,14 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None, reduce: Reduce 
             raise ValueError("masked_mean: a per-row mean (dim) is never reduced across ranks")
         return total.sum(dim) / mask.sum(dim).clamp(min=1)
     if reduce is None:
-        return total.sum() / mask.sum().clamp(min=1)
+        return total.sum() / (mask_count(mask) if count is None else count)
     sums = reduce(torch.stack([total.sum(), mask.sum().to(total.dtype)]))
     return sums[0] / sums[1].clamp(min=1)
+
+
+def mask_count(mask: Tensor) -> Tensor:
+    """The divisor of :func:`masked_mean`: the masked-in positions, at least 1."""
+    return mask.sum().clamp(min=1)
 
 
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True, reduce: Reduce | None = None) -> Tensor:
@@ -174,13 +182,13 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     mask = mask.bool()
     rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
     values = torch.where(mask, values, torch.zeros_like(values))
-    next_value = torch.zeros_like(values[:, 0])
-    next_advantage = torch.zeros_like(values[:, 0])
+    zero = torch.zeros_like(values[:, 0])  # one column of zeros, read (never written) by every step
+    next_value = next_advantage = zero
     advantages = torch.zeros_like(values)
     for t in reversed(range(rewards.shape[1])):
         real = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = torch.where(real, delta + gamma * lam * next_advantage, torch.zeros_like(delta))
+        advantage = torch.where(real, delta + gamma * lam * next_advantage, zero)
         advantages[:, t] = advantage
         # Carry the bootstrap across padding: a masked position must not reset or shift it.
         next_advantage = torch.where(real, advantage, next_advantage)
@@ -266,11 +274,12 @@ def policy_loss(
         per_token = per_token * is_weights
     loss = aggregate(per_token, mask)
     with torch.no_grad():
+        count = mask_count(mask)
         return PolicyLossOutput(
             loss=loss,
-            clipfrac=masked_mean((clipped > unclipped).float(), mask),
-            approx_kl=0.5 * masked_mean(log_ratio.square(), mask),
-            ratio=masked_mean(ratio, mask),
+            clipfrac=masked_mean((clipped > unclipped).float(), mask, count=count),
+            approx_kl=0.5 * masked_mean(log_ratio.square(), mask, count=count),
+            ratio=masked_mean(ratio, mask, count=count),
         )
 
 
@@ -317,9 +326,10 @@ def value_loss(
     clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     unclipped_err = (values - returns).square()
     clipped_err = (clipped_values - returns).square()
-    loss = 0.5 * masked_mean(torch.maximum(unclipped_err, clipped_err), mask)
+    count = mask_count(mask.bool())
+    loss = 0.5 * masked_mean(torch.maximum(unclipped_err, clipped_err), mask, count=count)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped_err > unclipped_err).float(), mask)
+        clipfrac = masked_mean((clipped_err > unclipped_err).float(), mask, count=count)
     return ValueLossOutput(loss=loss, clipfrac=clipfrac)
 
 
@@ -377,8 +387,8 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     mask = mask.bool()
     rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
     returns = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, 0])
+    zero = running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
-        returns[:, t] = torch.where(mask[:, t], running, torch.zeros_like(running))
+        returns[:, t] = torch.where(mask[:, t], running, zero)
     return returns

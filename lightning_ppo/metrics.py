@@ -86,10 +86,22 @@ def score_metrics(
     return metrics
 
 
+# The statistics the host decides on each iteration: the KL controller, the smoothed score, the
+# guardrails (lightning_ppo.guardrails).
+HOST_STATS = (
+    "objective/scores",
+    "objective/kl",
+    "objective/entropy",
+    "response/length_mean",
+    "policy/approxkl_avg",
+    "policy/clipfrac_avg",
+)
+
+
 @dataclass
 class HostView:
     """What the host decides on at the end of an iteration, read from the device in one read (one
-    sync on GPUs, where a ``float()`` of each statistic would be one each): every statistic, which
+    sync on GPUs, where a ``float()`` of each would be one each): the :data:`HOST_STATS`, which
     optimizer steps were taken, each sample's score and KL, and the spread of the scores the update
     used (``None`` with fewer than two). The logged statistics themselves stay tensors."""
 
@@ -101,33 +113,22 @@ class HostView:
 
     @classmethod
     def read(
-        cls,
-        stats: dict[str, Tensor | float],
-        stepped: Tensor,
-        scores: Tensor,
-        kl: Tensor,
-        used: Tensor,
-        kept: Tensor,
+        cls, stats: dict[str, Tensor], stepped: Tensor, scores: Tensor, kl: Tensor, used: Tensor, kept: Tensor
     ) -> HostView:
-        """``stats`` (tensors and floats), ``stepped`` (steps,), ``scores`` and ``kl`` (B,) as the host
-        sees them; ``used`` (B,) the scores the update used where ``kept``."""
-        names = [name for name, value in stats.items() if isinstance(value, Tensor)]
+        """``stats`` (at least :data:`HOST_STATS`), ``stepped`` (steps,), ``scores`` and ``kl`` (B,) as
+        the host sees them; ``used`` (B,) the scores the update used where ``kept``."""
         spread = F.masked_var(used, kept, unbiased=False).sqrt()
-        # float64 holds every float32, bf16 and fp16 value exactly (MPS has no float64)
-        dtype = torch.float32 if scores.device.type == "mps" else torch.float64
-        parts = [torch.stack([stats[n].to(dtype).reshape(()) for n in names] + [spread.to(dtype)])]
-        parts += [kept.sum().to(dtype).reshape(1), stepped.to(dtype), scores.to(dtype), kl.to(dtype)]
-        values = torch.cat(parts).tolist()
-        scalars, (count, *rest) = values[: len(names) + 1], values[len(names) + 1 :]
-        steps = len(stepped)
-        host = {name: value for name, value in stats.items() if not isinstance(value, Tensor)}
-        host.update(zip(names, scalars[:-1], strict=True))
+        # float32 holds every float32, bf16 and fp16 value exactly (scores are float32: check_scores)
+        scalars = [stats[name].float() for name in HOST_STATS] + [spread.float(), kept.sum().float()]
+        flat = torch.cat([torch.stack(scalars), stepped.float(), scores.float(), kl.float()]).tolist()
+        *values, spread_value, count = flat[: len(scalars)]
+        rest, steps = flat[len(scalars) :], len(stepped)
         return cls(
-            stats=host,
+            stats=dict(zip(HOST_STATS, values, strict=True)),
             stepped=[bool(flag) for flag in rest[:steps]],
             scores=rest[steps : steps + len(scores)],
             kl=rest[steps + len(scores) :],
-            scores_std=scalars[-1] if count >= 2 else None,
+            scores_std=spread_value if count >= 2 else None,
         )
 
 

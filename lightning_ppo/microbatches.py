@@ -53,6 +53,8 @@ POLICY_TERM_STATS = ("loss/policy_avg", "loss/kl_avg")
 def minibatch_stats(parts: list[tuple[dict[str, Tensor], Share]], aggregation: str) -> dict[str, Tensor]:
     """A minibatch's statistics from its micro-batches': each weighted by the share its mean is
     of, so that they read as the unsplit minibatch's, however it was split."""
+    if len(parts) == 1 and parts[0][1] == Share():
+        return parts[0][0]  # the whole minibatch in one pass: its statistics are already its own
     weights = [
         {
             key: share.of_policy_term(aggregation) if key in POLICY_TERM_STATS else share.tokens
