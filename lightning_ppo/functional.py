@@ -112,14 +112,16 @@ def logprobs_from_logits(
         logits = logits / temperature
     flat_logits = logits.reshape(-1, *logits.shape[-2:]) if logits.dim() > 2 else logits[None]
     flat_tokens = tokens.reshape(-1, tokens.shape[-1]) if tokens.dim() > 1 else tokens[None]
-    out = []
-    for rows, toks in zip(
-        flat_logits.split(_ROWS_PER_CHUNK), flat_tokens.split(_ROWS_PER_CHUNK), strict=True
-    ):
+
+    def chunk(rows: Tensor, toks: Tensor) -> Tensor:
         rows = suppress(rows.float(), suppressed, float("-inf"))
         picked = rows.gather(-1, toks.unsqueeze(-1)).squeeze(-1)
-        out.append(picked - torch.logsumexp(rows, dim=-1))
-    return torch.cat(out).reshape(tokens.shape)
+        return picked - torch.logsumexp(rows, dim=-1)
+
+    if len(flat_logits) <= _ROWS_PER_CHUNK:  # one chunk: no split and concatenation to dispatch
+        return chunk(flat_logits, flat_tokens).reshape(tokens.shape)
+    pieces = zip(flat_logits.split(_ROWS_PER_CHUNK), flat_tokens.split(_ROWS_PER_CHUNK), strict=True)
+    return torch.cat([chunk(rows, toks) for rows, toks in pieces]).reshape(tokens.shape)
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, suppressed: Sequence[int] = ()) -> Tensor:
@@ -130,15 +132,18 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0, suppressed: Se
     if temperature != 1.0:
         logits = logits / temperature
     flat = logits.reshape(-1, *logits.shape[-2:]) if logits.dim() > 2 else logits[None]
-    out = []
-    for rows in flat.split(_ROWS_PER_CHUNK):
+
+    def chunk(rows: Tensor) -> Tensor:
         rows = rows.float()
         masked = suppress(rows, suppressed, float("-inf"))
         probs = torch.softmax(masked, dim=-1)
         # Suppressed tokens have probability 0; a finite logit there keeps 0 x logit (and its
         # gradient) at 0, where 0 x -inf would be NaN.
-        out.append(torch.logsumexp(masked, dim=-1) - (probs * suppress(rows, suppressed, 0.0)).sum(-1))
-    return torch.cat(out).reshape(logits.shape[:-1])
+        return torch.logsumexp(masked, dim=-1) - (probs * suppress(rows, suppressed, 0.0)).sum(-1)
+
+    if len(flat) <= _ROWS_PER_CHUNK:  # one chunk: no split and concatenation to dispatch
+        return chunk(flat).reshape(logits.shape[:-1])
+    return torch.cat([chunk(rows) for rows in flat.split(_ROWS_PER_CHUNK)]).reshape(logits.shape[:-1])
 
 
 def suppress(logits: Tensor, suppressed: Sequence[int], value: float) -> Tensor:
