@@ -216,6 +216,7 @@ class PPOLightningModule(LightningModule):
         self.ppo, self.generation_config, self.seed = ppo, generation, seed
         self.policy_path = policy
         self._engine: GenerationEngine | None = None
+        self._compiled_loss: Callable | None = None  # ppo_loss under torch.compile (ppo.torch_compile)
         self.optimizer_factory = optimizer or partial(optim.default_optimizer, lora=lora is not None)
         self.scheduler_factory = lr_scheduler
         self.tokenizer = load_tokenizer(tokenizer or policy, trust_remote_code)
@@ -624,11 +625,20 @@ class PPOLightningModule(LightningModule):
             # Under DDP (FSDP2) only the last micro-batch of a minibatch all-reduces
             # (reduce-scatters) gradients.
             with nullcontext() if i == len(micro_batches) - 1 else self._no_backward_sync():
-                loss, stats = self.ppo_loss(micro, share)
+                loss, stats = self.loss_pass(micro, share)
                 self.manual_backward(loss)
             if not share.idle:
                 parts.append((stats, share))
         return minibatch_stats(parts, self.loss_aggregation.mode)
+
+    @property
+    def loss_pass(self) -> Callable[[Experience, Share], tuple[Tensor, dict[str, Tensor]]]:
+        """:meth:`ppo_loss`, compiled by ``torch.compile`` with ``ppo.torch_compile`` (once per module)."""
+        if not self.ppo.torch_compile:
+            return self.ppo_loss
+        if self._compiled_loss is None:
+            self._compiled_loss = torch.compile(self.ppo_loss)
+        return self._compiled_loss
 
     def _step_if_finite(self, optimizer: Any) -> Tensor:
         """Clip, then step unless a gradient is NaN/inf; returns whether it stepped (a device bool).
