@@ -13,7 +13,9 @@ PyTorch, ``floor.py``), plus ``lightning_ppo_shared`` (one backbone for policy a
 ``--vllm-python``, else ``$LIGHTNING_PPO_VLLM_PYTHON``, else ``.venv-vllm/bin/python``; skipped with
 the reason printed where that interpreter or ``import vllm`` is missing, and on CPU for a model
 preset whose head size vLLM's CPU attention has no kernel for); ``lightning_ppo_dynamic`` (HF's
-dynamic generation cache instead of the default static one) only when named. For every (config, precision)
+dynamic generation cache instead of the default static one) and ``lightning_ppo_compiled``
+(``ppo.torch_compile``: the loss passes compiled; its first iteration, not counted, compiles) only
+when named. For every (config, precision)
 the variants run one after another in a rotating order (``--rounds`` times), so that drift in
 the machine's speed hits all of them alike.
 With CUDA (``--device auto`` finds it) the default is a ~0.5B Llama-style model in bf16-mixed, with
@@ -48,6 +50,7 @@ RUNNERS = {
     "lightning_ppo_padded": "benchmarks.run_lightning",
     "lightning_ppo_budget": "benchmarks.run_lightning",
     report.DYNAMIC: "benchmarks.run_lightning",
+    report.COMPILED: "benchmarks.run_lightning",
 }
 # The generation engine of each lightning_ppo variant (RunSpec.engine); "hf" where not named.
 ENGINES = {"lightning_ppo_vllm": "vllm"}
@@ -426,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         print("CUDA is not available on this machine: skipping the GPU benchmark.")
         return 0
     s = settings_for(args, device)
-    unknown = (set(s.variants.split(",")) - {*report.VARIANTS, report.DYNAMIC}) | (
+    unknown = (set(s.variants.split(",")) - {*report.VARIANTS, report.DYNAMIC, report.COMPILED}) | (
         set(s.configs.split(",")) - set(common.PRESETS)
     )
     if unknown:

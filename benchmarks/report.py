@@ -18,6 +18,8 @@ VARIANTS = ("lightning_ppo", "trl", "floor", "lightning_ppo_shared", "lightning_
 # lightning_ppo with ``generation.cache_implementation: dynamic`` (HF's own cache, what it used
 # before the static one): run only when named in --variants, and in the variable-length table.
 DYNAMIC = "lightning_ppo_dynamic"
+# lightning_ppo with ``ppo.torch_compile`` (the loss passes under torch.compile): run only when named.
+COMPILED = "lightning_ppo_compiled"
 # The variable-length table's variants: the padded rectangle, the default (row groups, trimmed
 # minibatches, a static generation cache), the default with HF's dynamic generation cache, a token
 # budget for micro-batches, and the floor (padded, HF's dynamic cache).
@@ -324,7 +326,7 @@ def phases_table(rows: dict[tuple, Row], s: Any) -> str:
         row
         for preset in s.configs.split(",")
         for precision in s.precisions.split(",")
-        for variant in ("lightning_ppo", DYNAMIC, VLLM, "floor", SHARED)
+        for variant in ("lightning_ppo", DYNAMIC, COMPILED, VLLM, "floor", SHARED)
         if (row := rows.get((variant, preset, precision, s.batch_size, s.response_length))) and row.phases
     ]
     if not columns:

@@ -4,7 +4,8 @@ Logger, checkpointing, progress bar and model summary are off; ``ppo.advantage_e
 ``gae`` with the default separate value model (built from the policy checkpoint), or a value head
 on the policy's backbone for the ``lightning_ppo_shared`` variant; ``spec.engine`` is
 ``generation.engine`` (``vllm`` for the ``lightning_ppo_vllm`` variant, which the driver runs with
-the vLLM environment's interpreter); ``lightning_ppo_budget`` sets ``ppo.micro_batch_tokens`` and
+the vLLM environment's interpreter); ``lightning_ppo_budget`` sets ``ppo.micro_batch_tokens``,
+``lightning_ppo_compiled`` sets ``ppo.torch_compile`` (the loss passes under ``torch.compile``) and
 ``lightning_ppo_padded`` computes every forward on the padded rectangle (the row groups and
 micro-batch trimming patched out: what lightning_ppo computed before them); the reward is
 the same reward-model checkpoint TRL and the floor use; gradient clipping is off because TRL's
@@ -78,6 +79,7 @@ def build_module(spec: common.RunSpec) -> PPOLightningModule:
         gae_lambda=common.GAE_LAMBDA,
         max_grad_norm=None,
         micro_batch_tokens=spec.micro_batch_tokens,
+        torch_compile=spec.variant == "lightning_ppo_compiled",
     )
     generation = GenerationConfig(
         max_new_tokens=spec.response_length,
