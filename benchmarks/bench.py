@@ -270,7 +270,9 @@ def plan(
                 jobs += [report.Job("main", spec(v, preset, precision)) for v in variants[k:] + variants[:k]]
     if s.count_ops:
         main = [job.spec for job in jobs]
-        points = {report.point_key(spec): spec for spec in main}.values()  # one per point, not per round
+        # One per point, not per round; not the compiled variant: torch.compile runs eagerly under
+        # a TorchDispatchMode, so its count would be eager mode's (and its kernels are fused anyway).
+        points = {report.point_key(spec): spec for spec in main if spec.variant != report.COMPILED}.values()
         jobs += [
             report.Job("count", replace(spec, count_ops=True, iterations=s.count_iterations, phases=False))
             for spec in points

@@ -492,7 +492,8 @@ COUNTS_NOTE = (
     "op is a kernel launch the host dispatches on a GPU, the CPU proxy of its dispatch time; a host "
     "read (`.item()`, `float()`/`bool()` of a tensor, `.tolist()`, `.numpy()`, a copy to the CPU) waits "
     "for all queued work. On CPU every `.tolist()`/`.numpy()` counts, also of tensors that would stay "
-    "on the host on a GPU."
+    "on the host on a GPU. `lightning_ppo_compiled` is not counted: under a dispatch mode "
+    "torch.compile runs eagerly."
 )
 
 
