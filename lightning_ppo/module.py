@@ -608,14 +608,10 @@ class PPOLightningModule(LightningModule):
         of the rows' lengths: no host sync between the minibatches of the update."""
         generator = torch.Generator().manual_seed(self.seed + self.iteration)
         rows = minibatch_rows(len(exp), self.ppo.num_minibatches, generator, epochs=self.ppo.ppo_epochs)
-        accumulate, budget, sharded = (
-            self.ppo.gradient_accumulation_steps,
-            self.ppo.micro_batch_tokens,
-            is_sharded(self),
-        )
-        facts = RowFacts.read(exp)
-        plan = [plan_minibatch(facts, r, accumulate, budget, sharded) for r in rows]
-        return micro_batches_on_every_rank(plan, facts, rows, self.device, sharded)
+        split = self.ppo.gradient_accumulation_steps, self.ppo.micro_batch_tokens, is_sharded(self)
+        facts = RowFacts.read(exp)  # the update's one host read
+        plan = [plan_minibatch(facts, r, *split) for r in rows]
+        return micro_batches_on_every_rank(plan, facts, rows, self.device, split[-1])
 
     def train_minibatch(self, micro_batches: list[tuple[Experience, Share]]) -> dict[str, Tensor]:
         """Forward and backward of each micro-batch, accumulating its share of the minibatch's
