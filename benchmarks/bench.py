@@ -13,7 +13,9 @@ PyTorch, ``floor.py``), plus ``lightning_ppo_shared`` (one backbone for policy a
 ``--vllm-python``, else ``$LIGHTNING_PPO_VLLM_PYTHON``, else ``.venv-vllm/bin/python``; skipped with
 the reason printed where that interpreter or ``import vllm`` is missing, and on CPU for a model
 preset whose head size vLLM's CPU attention has no kernel for); ``lightning_ppo_dynamic`` (HF's
-dynamic generation cache instead of the default static one) only when named. For every (config, precision)
+dynamic generation cache instead of the default static one) and ``lightning_ppo_compiled``
+(``ppo.torch_compile``: the loss passes compiled; its first iteration, not counted, compiles) only
+when named. For every (config, precision)
 the variants run one after another in a rotating order (``--rounds`` times), so that drift in
 the machine's speed hits all of them alike.
 With CUDA (``--device auto`` finds it) the default is a ~0.5B Llama-style model in bf16-mixed, with
@@ -48,6 +50,7 @@ RUNNERS = {
     "lightning_ppo_padded": "benchmarks.run_lightning",
     "lightning_ppo_budget": "benchmarks.run_lightning",
     report.DYNAMIC: "benchmarks.run_lightning",
+    report.COMPILED: "benchmarks.run_lightning",
 }
 # The generation engine of each lightning_ppo variant (RunSpec.engine); "hf" where not named.
 ENGINES = {"lightning_ppo_vllm": "vllm"}
@@ -79,6 +82,10 @@ class Settings:
     variable_config: str = "medium"
     variable_response: int = 128
     variable_iterations: int = 4
+    # one more run per main-table point under benchmarks.op_count (aten ops and host reads per
+    # iteration, the first left out), not timed
+    count_ops: bool = True
+    count_iterations: int = 3
 
 
 DEFAULTS = {
@@ -105,6 +112,7 @@ DEFAULTS = {
         variable_config="tiny",
         variable_response=16,
         variable_iterations=2,
+        count_iterations=2,
     ),
 }
 
@@ -133,6 +141,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variable-config", help="model preset of the variable-length table")
     p.add_argument("--variable-response", type=int, help="longest response of the variable workload (128)")
     p.add_argument("--variable-iterations", type=int, help="PPO iterations per variable-length run (4)")
+    p.add_argument(
+        "--count-ops",
+        action=argparse.BooleanOptionalAction,
+        help="aten ops and host reads per iteration: one counting run per main-table point",
+    )
+    p.add_argument("--count-iterations", type=int, help="PPO iterations of a counting run (3)")
     p.add_argument("--no-phases", action="store_true", help="no per-phase timers (they synchronise on CUDA)")
     p.add_argument("--peak-tflops", type=float, help="device peak for MFU where the device is not known")
     p.add_argument(
@@ -254,6 +268,15 @@ def plan(
                 k = rotation % len(variants)
                 rotation += 1
                 jobs += [report.Job("main", spec(v, preset, precision)) for v in variants[k:] + variants[:k]]
+    if s.count_ops:
+        main = [job.spec for job in jobs]
+        # One per point, not per round; not the compiled variant: torch.compile runs eagerly under
+        # a TorchDispatchMode, so its count would be eager mode's (and its kernels are fused anyway).
+        points = {report.point_key(spec): spec for spec in main if spec.variant != report.COMPILED}.values()
+        jobs += [
+            report.Job("count", replace(spec, count_ops=True, iterations=s.count_iterations, phases=False))
+            for spec in points
+        ]
     if s.scaling:
         points = [(s.batch_size, int(n)) for n in args.scaling_lengths.split(",")]
         points += [(int(b), s.response_length) for b in args.scaling_batches.split(",")]
@@ -408,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         print("CUDA is not available on this machine: skipping the GPU benchmark.")
         return 0
     s = settings_for(args, device)
-    unknown = (set(s.variants.split(",")) - {*report.VARIANTS, report.DYNAMIC}) | (
+    unknown = (set(s.variants.split(",")) - {*report.VARIANTS, report.DYNAMIC, report.COMPILED}) | (
         set(s.configs.split(",")) - set(common.PRESETS)
     )
     if unknown:

@@ -101,6 +101,9 @@ class RunSpec:
     workload: str = "fixed"
     micro_batch_tokens: int | None = None  # lightning_ppo's ppo.micro_batch_tokens
     cache: str = "static"  # lightning_ppo's generation.cache_implementation
+    # count aten ops and host reads per iteration (benchmarks.op_count) instead of timing: the
+    # dispatch mode slows every op down, so a counting run's seconds are not reported
+    count_ops: bool = False
 
 
 @dataclass
@@ -120,6 +123,10 @@ class RunResult:
     # computed, and the real (attended) ones among them
     tokens_computed: int = 0
     tokens_real: int = 0
+    # with RunSpec.count_ops, per iteration: aten ops dispatched, host reads, and the ops by name
+    ops: list[int] = field(default_factory=list)
+    host_reads: list[int] = field(default_factory=list)
+    ops_by_name: list[dict[str, int]] = field(default_factory=list)
 
     def median_s(self) -> float:
         """Median seconds per iteration, the first iteration (warm-up) excluded."""
@@ -292,6 +299,8 @@ class IterationClock:
         synchronize(self.device)
         self.marks.append(time.perf_counter())
         self.gc_marks.append(self._gc_total)
+        if COUNTER is not None:
+            COUNTER.mark()
 
     def intervals(self) -> list[float]:
         return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
@@ -326,6 +335,24 @@ def finish(result: RunResult, device: str) -> RunResult:
     return result
 
 
+# The op counter of a counting run (RunSpec.count_ops): every IterationClock.mark() marks it too.
+COUNTER: Any = None
+
+
+def counted_run(run: Callable[[RunSpec], RunResult], spec: RunSpec) -> RunResult:
+    """``run(spec)`` under an op counter, its aten ops and host reads per iteration (between the
+    iteration clock's marks) in the result."""
+    global COUNTER
+    from benchmarks.op_count import OpCounter
+
+    with OpCounter() as COUNTER:
+        result = run(spec)
+    counter, COUNTER = COUNTER, None
+    result.ops, result.host_reads = (list(c) for c in zip(*counter.per_interval(), strict=True))
+    result.ops_by_name = counter.by_name_per_interval()
+    return result
+
+
 def runner_main(run: Callable[[RunSpec], RunResult]) -> None:
     """Entry point of a variant's subprocess: ``python -m benchmarks.<variant> SPEC.json RESULT.json``."""
     spec_path, result_path = sys.argv[1], sys.argv[2]
@@ -334,7 +361,7 @@ def runner_main(run: Callable[[RunSpec], RunResult]) -> None:
         import torch
 
         torch.set_num_threads(spec.threads)
-    result = run(spec)
+    result = counted_run(run, spec) if spec.count_ops else run(spec)
     Path(result_path).write_text(json.dumps(asdict(result)))
 
 

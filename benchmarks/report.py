@@ -18,6 +18,8 @@ VARIANTS = ("lightning_ppo", "trl", "floor", "lightning_ppo_shared", "lightning_
 # lightning_ppo with ``generation.cache_implementation: dynamic`` (HF's own cache, what it used
 # before the static one): run only when named in --variants, and in the variable-length table.
 DYNAMIC = "lightning_ppo_dynamic"
+# lightning_ppo with ``ppo.torch_compile`` (the loss passes under torch.compile): run only when named.
+COMPILED = "lightning_ppo_compiled"
 # The variable-length table's variants: the padded rectangle, the default (row groups, trimmed
 # minibatches, a static generation cache), the default with HF's dynamic generation cache, a token
 # budget for micro-batches, and the floor (padded, HF's dynamic cache).
@@ -121,6 +123,26 @@ def rows_by_point(dones: list[Done]) -> dict[tuple, Row]:
     return {key: merge(group) for key, group in groups.items()}
 
 
+@dataclass(frozen=True)
+class Counts:
+    """A point's aten ops and host reads per iteration (benchmarks.op_count), from its counting run."""
+
+    ops: float
+    host_reads: float
+
+
+def counts_by_point(dones: list[Done]) -> dict[tuple, Counts]:
+    """The counting runs' per-iteration figures (the first iteration, lazy set-up, left out)."""
+    from benchmarks.op_count import steady_per_iteration
+
+    found = {}
+    for done in dones:
+        if not done.result.error and done.result.ops:
+            counts = list(zip(done.result.ops, done.result.host_reads, strict=True))
+            found[point_key(done.job.spec)] = Counts(*steady_per_iteration(counts))
+    return found
+
+
 # ----------------------------------------------------------------------------- FLOPs and MFU
 class Flops:
     """Model FLOPs of a point's iteration, and its MFU where the device's peak is known."""
@@ -192,6 +214,8 @@ def describe(done: Done) -> str:
     )
     if result.error:
         return f"{what}: FAILED {result.error}"
+    if spec.count_ops:
+        return f"{what}: aten ops per iteration {result.ops}, host reads {result.host_reads} (counted)"
     return (
         f"{what}: {result.median_s():.3f} s/it, peak RSS {result.peak_rss_mib:.0f} MiB "
         f"({done.wall_s:.0f} s; other processes: {fmt(done.foreign_cores, 2)} cores)"
@@ -218,9 +242,12 @@ def machine_line(dones: list[Done], threads: int, device: str) -> str:
 
 
 # ----------------------------------------------------------------------------- tables
-def main_table(rows: dict[tuple, Row], s: Any, flops: Flops, gpu: bool) -> str:
+def main_table(
+    rows: dict[tuple, Row], s: Any, flops: Flops, gpu: bool, counts: dict[tuple, Counts] | None = None
+) -> str:
+    counts = counts or {}
     header = ["model", "precision", "variant", "s / iteration", "episodes / s", "gen. tokens / s"]
-    header += ["peak RSS MiB", "gc s / iteration"]
+    header += ["peak RSS MiB", "gc s / iteration", "aten ops / iteration", "host reads / iteration"]
     if gpu:
         header += ["peak GPU MiB", "train MFU", "iteration MFU"]
     body = []
@@ -241,6 +268,8 @@ def main_table(rows: dict[tuple, Row], s: Any, flops: Flops, gpu: bool) -> str:
                     fmt(row.peak_rss_mib, 0),
                     fmt(statistics.median(row.gc_s) if row.gc_s else None),
                 ]
+                count = counts.get(point_key(row.spec))
+                cells += [f"{count.ops:,.0f}", f"{count.host_reads:.0f}"] if count else ["n/a", "n/a"]
                 if gpu:
                     train_mfu, iteration_mfu = flops.mfu(row)
                     cells += [fmt(row.peak_gpu_mib, 0), pct(train_mfu), pct(iteration_mfu)]
@@ -254,15 +283,23 @@ def ratio(a: Row | None, b: Row | None) -> str:
     return f"{a.seconds / b.seconds:.2f}"
 
 
-def ratios_table(rows: dict[tuple, Row], s: Any) -> str:
+def ops_ratio(counts: dict[tuple, Counts], a: tuple, b: tuple) -> str:
+    if a not in counts or b not in counts:
+        return "n/a"
+    return f"{counts[a].ops / counts[b].ops:.2f}"
+
+
+def ratios_table(rows: dict[tuple, Row], s: Any, counts: dict[tuple, Counts] | None = None) -> str:
+    counts = counts or {}
     body = []
     for preset in s.configs.split(","):
         trl_fp32 = rows.get(("trl", preset, "32", s.batch_size, s.response_length))
         for precision in s.precisions.split(","):
-            lit, trl, floor, shared = (
-                rows.get((v, preset, precision, s.batch_size, s.response_length))
-                for v in ("lightning_ppo", "trl", "floor", SHARED)
-            )
+
+            def key(variant: str, preset: str = preset, precision: str = precision) -> tuple:
+                return (variant, preset, precision, s.batch_size, s.response_length)
+
+            lit, trl, floor, shared = (rows.get(key(v)) for v in ("lightning_ppo", "trl", "floor", SHARED))
             body.append(
                 [
                     model_label(preset),
@@ -272,13 +309,15 @@ def ratios_table(rows: dict[tuple, Row], s: Any) -> str:
                     ratio(trl, floor),
                     ratio(lit, trl_fp32),
                     ratio(shared, trl_fp32),
+                    ops_ratio(counts, key("lightning_ppo"), key("floor")),
                 ]
             )
     header = ["model", "precision", "lightning_ppo / floor", "lightning_ppo / TRL", "TRL / floor"]
-    header += ["lightning_ppo / TRL fp32", "shared / TRL fp32"]
+    header += ["lightning_ppo / TRL fp32", "shared / TRL fp32", "aten ops: lightning_ppo / floor"]
     return table(header, body) + (
         "\n\nRatios of median seconds per iteration: below 1 is faster. `shared` is lightning_ppo "
-        "with `value_model: shared` (one backbone for policy and critic: less work than the others)."
+        "with `value_model: shared` (one backbone for policy and critic: less work than the others). "
+        "`aten ops`: the ratio of aten ops dispatched per iteration (each a kernel launch on a GPU)."
     )
 
 
@@ -287,7 +326,7 @@ def phases_table(rows: dict[tuple, Row], s: Any) -> str:
         row
         for preset in s.configs.split(",")
         for precision in s.precisions.split(",")
-        for variant in ("lightning_ppo", DYNAMIC, VLLM, "floor", SHARED)
+        for variant in ("lightning_ppo", DYNAMIC, COMPILED, VLLM, "floor", SHARED)
         if (row := rows.get((variant, preset, precision, s.batch_size, s.response_length))) and row.phases
     ]
     if not columns:
@@ -447,15 +486,29 @@ def variable_table(dones: list[Done]) -> str:
     return table(header, body)
 
 
+COUNTS_NOTE = (
+    "`aten ops / iteration` and `host reads / iteration`: counted in a separate, untimed run of each "
+    "point (`benchmarks.op_count`, a `TorchDispatchMode`), its first iteration left out. Every aten "
+    "op is a kernel launch the host dispatches on a GPU, the CPU proxy of its dispatch time; a host "
+    "read (`.item()`, `float()`/`bool()` of a tensor, `.tolist()`, `.numpy()`, a copy to the CPU) waits "
+    "for all queued work. On CPU every `.tolist()`/`.numpy()` counts, also of tensors that would stay "
+    "on the host on a GPU. `lightning_ppo_compiled` is not counted: under a dispatch mode "
+    "torch.compile runs eagerly."
+)
+
+
 def render(dones: list[Done], s: Any, flops: Flops, facts: list[str]) -> str:
     variable = [d for d in dones if d.job.group == "variable"]
-    dones = [d for d in dones if d.job.group != "variable"]
-    rows = rows_by_point(dones)
+    counted = [d for d in dones if d.job.group == "count"]
+    dones = [d for d in dones if d.job.group not in ("variable", "count")]
+    rows, counts = rows_by_point(dones), counts_by_point(counted)
     gpu = any(r.peak_gpu_mib is not None for r in rows.values()) or flops.peak_override is not None
     parts = ["# lightning_ppo benchmark", "\n".join(f"- {fact}" for fact in facts)]
-    parts += ["## Seconds per PPO iteration", main_table(rows, s, flops, gpu)]
+    parts += ["## Seconds per PPO iteration", main_table(rows, s, flops, gpu, counts)]
+    if counts:
+        parts += [COUNTS_NOTE]
     if len(s.variants.split(",")) > 1:
-        parts += ["## Ratios", ratios_table(rows, s)]
+        parts += ["## Ratios", ratios_table(rows, s, counts)]
     parts += ["## Where the time goes", phases_table(rows, s)]
     if VLLM in s.variants.split(","):
         engines = engines_table(rows, s)
@@ -474,7 +527,7 @@ def render(dones: list[Done], s: Any, flops: Flops, facts: list[str]) -> str:
             "pass, rows x columns computed, and the real ones among them.",
             variable_table(variable),
         ]
-    failed = [f"- {describe(d)}" for d in dones + variable if d.result.error]
+    failed = [f"- {describe(d)}" for d in dones + variable + counted if d.result.error]
     if failed:
         parts += ["## Failed runs", "\n".join(failed)]
     return "\n\n".join(parts) + "\n"

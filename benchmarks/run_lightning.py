@@ -4,7 +4,8 @@ Logger, checkpointing, progress bar and model summary are off; ``ppo.advantage_e
 ``gae`` with the default separate value model (built from the policy checkpoint), or a value head
 on the policy's backbone for the ``lightning_ppo_shared`` variant; ``spec.engine`` is
 ``generation.engine`` (``vllm`` for the ``lightning_ppo_vllm`` variant, which the driver runs with
-the vLLM environment's interpreter); ``lightning_ppo_budget`` sets ``ppo.micro_batch_tokens`` and
+the vLLM environment's interpreter); ``lightning_ppo_budget`` sets ``ppo.micro_batch_tokens``,
+``lightning_ppo_compiled`` sets ``ppo.torch_compile`` (the loss passes under ``torch.compile``) and
 ``lightning_ppo_padded`` computes every forward on the padded rectangle (the row groups and
 micro-batch trimming patched out: what lightning_ppo computed before them); the reward is
 the same reward-model checkpoint TRL and the floor use; gradient clipping is off because TRL's
@@ -29,7 +30,7 @@ from benchmarks import common
 from lightning_ppo import PPOLightningModule
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptDataModule
-from lightning_ppo.microbatches import Share
+from lightning_ppo.microbatches import MicroBatch, Share
 from lightning_ppo.row_groups import RowGroup
 from lightning_ppo.tasks.digits import DigitsDataModule
 
@@ -78,6 +79,7 @@ def build_module(spec: common.RunSpec) -> PPOLightningModule:
         gae_lambda=common.GAE_LAMBDA,
         max_grad_norm=None,
         micro_batch_tokens=spec.micro_batch_tokens,
+        torch_compile=spec.variant == "lightning_ppo_compiled",
     )
     generation = GenerationConfig(
         max_new_tokens=spec.response_length,
@@ -136,13 +138,16 @@ def pad_every_forward() -> None:
     def one_group(mask, split, *args, **kwargs):
         return [RowGroup(torch.arange(len(mask)), split, mask.shape[1] - split)]
 
+    def whole_minibatch(facts, rows, *args, **kwargs):
+        return [MicroBatch(rows, [0, facts.length - 1], Share())]
+
     lightning_ppo.module.forward_groups = lightning_ppo.rewards.forward_groups = one_group
-    lightning_ppo.module.plan_micro_batches = lambda minibatch, *args, **kwargs: [(minibatch, Share())]
+    lightning_ppo.module.plan_minibatch = whole_minibatch
 
 
 def count_tokens(result: common.RunResult) -> None:
     """Add the policy forwards' computed (rows x columns) and real tokens up in ``result``."""
-    groups_of, plan_of = lightning_ppo.module.forward_groups, lightning_ppo.module.plan_micro_batches
+    groups_of, cut = lightning_ppo.module.forward_groups, lightning_ppo.module.cut_micro_batches
 
     def counted_groups(mask, split, *args, **kwargs):
         groups = groups_of(mask, split, *args, **kwargs)
@@ -150,16 +155,13 @@ def count_tokens(result: common.RunResult) -> None:
         result.tokens_real += int(mask.sum())
         return groups
 
-    def counted_plan(*args, **kwargs):
-        plan = plan_of(*args, **kwargs)
-        result.tokens_computed += sum(micro.input_ids.numel() for micro, _ in plan)
-        result.tokens_real += sum(int(micro.attention_mask.sum()) for micro, _ in plan)
-        return plan
+    def counted_cut(*args, **kwargs):
+        for micro_batches in cut(*args, **kwargs):
+            result.tokens_computed += sum(micro.input_ids.numel() for micro, _ in micro_batches)
+            result.tokens_real += sum(int(micro.attention_mask.sum()) for micro, _ in micro_batches)
+            yield micro_batches
 
-    lightning_ppo.module.forward_groups, lightning_ppo.module.plan_micro_batches = (
-        counted_groups,
-        counted_plan,
-    )
+    lightning_ppo.module.forward_groups, lightning_ppo.module.cut_micro_batches = counted_groups, counted_cut
 
 
 def cut_at_scheduled_lengths(module: PPOLightningModule, spec: common.RunSpec) -> None:

@@ -191,6 +191,10 @@ class PPOConfig:
         max_consecutive_skips: An optimizer step with NaN/inf gradients is skipped and counted
             (``train/skipped_updates``); this many in a row (or this many iterations in a row whose
             every sample was dropped) stop training with an error.
+        torch_compile: Run the policy and critic loss passes (forwards, log-probs, losses) through
+            ``torch.compile`` (as ``TrainingArguments.torch_compile`` in transformers and TRL). The
+            first iterations pay for compiling, once per new micro-batch shape until the shapes are
+            made dynamic; the losses match eager mode to float32 rounding (tests/test_compile.py).
     """
 
     advantage_estimator: str = "gae"
@@ -225,6 +229,7 @@ class PPOConfig:
     score_norm: bool = False
     on_bad_reward: str = "error"
     max_consecutive_skips: int = 3
+    torch_compile: bool = False
 
     @property
     def shapes_scores(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -49,12 +50,13 @@ class Experience:
     def minibatches(
         self, num: int, generator: torch.Generator | None = None, epochs: int = 1
     ) -> Iterator[Experience]:
-        """``epochs`` passes of ``num`` equal, disjoint minibatches, each pass in a new random order."""
-        orders = [torch.randperm(len(self), generator=generator) for _ in range(epochs)]
-        # One host-to-device copy for all passes: on a GPU each copy would wait for queued work.
-        for order in torch.stack(orders).to(self.input_ids.device):
-            for index in order.chunk(num):
-                yield self.select(index)
+        """``epochs`` passes of ``num`` equal, disjoint minibatches, each pass in a new random order
+        (the rows of :func:`minibatch_rows`)."""
+        rows = minibatch_rows(len(self), num, generator, epochs)
+        # One host-to-device copy for all passes.
+        index = torch.from_numpy(np.concatenate(rows)).to(self.input_ids.device)
+        for part in index.split([len(r) for r in rows]):
+            yield self.select(part)
 
     def padding_bounds(self) -> Tensor:
         """(2,) on the device: the first column any row attends to and the last one, for
@@ -96,6 +98,24 @@ class Experience:
             return
         for index in torch.arange(len(self), device=self.input_ids.device).chunk(num):
             yield self.select(index)
+
+
+def minibatch_rows(
+    size: int, num: int, generator: torch.Generator | None = None, epochs: int = 1
+) -> list[np.ndarray]:
+    """The rows of ``epochs`` passes of ``num`` equal, disjoint minibatches of ``size`` rows, each pass
+    a new random permutation cut as ``Tensor.chunk`` cuts (the last minibatch may be smaller).
+
+    Drawn on the host straight into NumPy arrays: the update plans its micro-batches from them
+    without reading any tensor (lightning_ppo.microbatches).
+    """
+    passes = []
+    for _ in range(epochs):
+        order = np.empty(size, dtype=np.int64)
+        torch.randperm(size, generator=generator, out=torch.from_numpy(order))
+        passes.append(order)
+    step = -(-size // num)  # Tensor.chunk's size: ceil(size / num)
+    return [order[start : start + step] for order in passes for start in range(0, size, step)]
 
 
 def last_token_index(response_mask: Tensor) -> Tensor:

@@ -31,10 +31,13 @@ Reduce = Callable[[Tensor], Tensor]
 _ROWS_PER_CHUNK = 8
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None, reduce: Reduce | None = None) -> Tensor:
+def masked_mean(
+    x: Tensor, mask: Tensor, dim: int | None = None, reduce: Reduce | None = None, count: Tensor | None = None
+) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is True (0 where nothing is masked in).
 
     With ``reduce``, the mean over every rank's masked-in positions (``dim`` must be None).
+    ``count``: :func:`mask_count` of ``mask``, where several means over one mask share it.
     """
     mask = mask.bool()
     total = torch.where(mask, x, torch.zeros_like(x))
@@ -43,9 +46,14 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None, reduce: Reduce 
             raise ValueError("masked_mean: a per-row mean (dim) is never reduced across ranks")
         return total.sum(dim) / mask.sum(dim).clamp(min=1)
     if reduce is None:
-        return total.sum() / mask.sum().clamp(min=1)
+        return total.sum() / (mask_count(mask) if count is None else count)
     sums = reduce(torch.stack([total.sum(), mask.sum().to(total.dtype)]))
     return sums[0] / sums[1].clamp(min=1)
+
+
+def mask_count(mask: Tensor) -> Tensor:
+    """The divisor of :func:`masked_mean`: the masked-in positions, at least 1."""
+    return mask.sum().clamp(min=1)
 
 
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True, reduce: Reduce | None = None) -> Tensor:
@@ -104,14 +112,16 @@ def logprobs_from_logits(
         logits = logits / temperature
     flat_logits = logits.reshape(-1, *logits.shape[-2:]) if logits.dim() > 2 else logits[None]
     flat_tokens = tokens.reshape(-1, tokens.shape[-1]) if tokens.dim() > 1 else tokens[None]
-    out = []
-    for rows, toks in zip(
-        flat_logits.split(_ROWS_PER_CHUNK), flat_tokens.split(_ROWS_PER_CHUNK), strict=True
-    ):
+
+    def chunk(rows: Tensor, toks: Tensor) -> Tensor:
         rows = suppress(rows.float(), suppressed, float("-inf"))
         picked = rows.gather(-1, toks.unsqueeze(-1)).squeeze(-1)
-        out.append(picked - torch.logsumexp(rows, dim=-1))
-    return torch.cat(out).reshape(tokens.shape)
+        return picked - torch.logsumexp(rows, dim=-1)
+
+    if len(flat_logits) <= _ROWS_PER_CHUNK:  # one chunk: no split and concatenation to dispatch
+        return chunk(flat_logits, flat_tokens).reshape(tokens.shape)
+    pieces = zip(flat_logits.split(_ROWS_PER_CHUNK), flat_tokens.split(_ROWS_PER_CHUNK), strict=True)
+    return torch.cat([chunk(rows, toks) for rows, toks in pieces]).reshape(tokens.shape)
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, suppressed: Sequence[int] = ()) -> Tensor:
@@ -122,15 +132,18 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0, suppressed: Se
     if temperature != 1.0:
         logits = logits / temperature
     flat = logits.reshape(-1, *logits.shape[-2:]) if logits.dim() > 2 else logits[None]
-    out = []
-    for rows in flat.split(_ROWS_PER_CHUNK):
+
+    def chunk(rows: Tensor) -> Tensor:
         rows = rows.float()
         masked = suppress(rows, suppressed, float("-inf"))
         probs = torch.softmax(masked, dim=-1)
         # Suppressed tokens have probability 0; a finite logit there keeps 0 x logit (and its
         # gradient) at 0, where 0 x -inf would be NaN.
-        out.append(torch.logsumexp(masked, dim=-1) - (probs * suppress(rows, suppressed, 0.0)).sum(-1))
-    return torch.cat(out).reshape(logits.shape[:-1])
+        return torch.logsumexp(masked, dim=-1) - (probs * suppress(rows, suppressed, 0.0)).sum(-1)
+
+    if len(flat) <= _ROWS_PER_CHUNK:  # one chunk: no split and concatenation to dispatch
+        return chunk(flat).reshape(logits.shape[:-1])
+    return torch.cat([chunk(rows) for rows in flat.split(_ROWS_PER_CHUNK)]).reshape(logits.shape[:-1])
 
 
 def suppress(logits: Tensor, suppressed: Sequence[int], value: float) -> Tensor:
@@ -174,13 +187,13 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     mask = mask.bool()
     rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
     values = torch.where(mask, values, torch.zeros_like(values))
-    next_value = torch.zeros_like(values[:, 0])
-    next_advantage = torch.zeros_like(values[:, 0])
+    zero = torch.zeros_like(values[:, 0])  # one column of zeros, read (never written) by every step
+    next_value = next_advantage = zero
     advantages = torch.zeros_like(values)
     for t in reversed(range(rewards.shape[1])):
         real = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = torch.where(real, delta + gamma * lam * next_advantage, torch.zeros_like(delta))
+        advantage = torch.where(real, delta + gamma * lam * next_advantage, zero)
         advantages[:, t] = advantage
         # Carry the bootstrap across padding: a masked position must not reset or shift it.
         next_advantage = torch.where(real, advantage, next_advantage)
@@ -266,11 +279,12 @@ def policy_loss(
         per_token = per_token * is_weights
     loss = aggregate(per_token, mask)
     with torch.no_grad():
+        count = mask_count(mask)
         return PolicyLossOutput(
             loss=loss,
-            clipfrac=masked_mean((clipped > unclipped).float(), mask),
-            approx_kl=0.5 * masked_mean(log_ratio.square(), mask),
-            ratio=masked_mean(ratio, mask),
+            clipfrac=masked_mean((clipped > unclipped).float(), mask, count=count),
+            approx_kl=0.5 * masked_mean(log_ratio.square(), mask, count=count),
+            ratio=masked_mean(ratio, mask, count=count),
         )
 
 
@@ -317,9 +331,10 @@ def value_loss(
     clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     unclipped_err = (values - returns).square()
     clipped_err = (clipped_values - returns).square()
-    loss = 0.5 * masked_mean(torch.maximum(unclipped_err, clipped_err), mask)
+    count = mask_count(mask.bool())
+    loss = 0.5 * masked_mean(torch.maximum(unclipped_err, clipped_err), mask, count=count)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped_err > unclipped_err).float(), mask)
+        clipfrac = masked_mean((clipped_err > unclipped_err).float(), mask, count=count)
     return ValueLossOutput(loss=loss, clipfrac=clipfrac)
 
 
@@ -377,8 +392,8 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     mask = mask.bool()
     rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
     returns = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, 0])
+    zero = running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
-        returns[:, t] = torch.where(mask[:, t], running, torch.zeros_like(running))
+        returns[:, t] = torch.where(mask[:, t], running, zero)
     return returns

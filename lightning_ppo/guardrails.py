@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_ppo.config import PPOConfig
-from lightning_ppo.metrics import reward_drowned
+from lightning_ppo.metrics import HostView, reward_drowned
 
 # PPO's trust region: approx-KL 0.5 (log r)^2 near 0.01-0.05 and clip fractions near 0.1-0.2 are
 # usual; a step that leaves these far behind in the first iterations is a learning rate too large.
@@ -53,22 +53,21 @@ class IterationView:
     score: float = float("nan")  # objective/scores
 
     @classmethod
-    def of(
-        cls, iteration: int, completions: list[str], stats: dict[str, Any], kl_ctl: Any, update_scores: Any
-    ) -> IterationView:
-        """The view of an iteration from its logged ``stats``, KL controller and the update's scores."""
+    def of(cls, iteration: int, completions: list[str], host: HostView, kl_ctl: Any) -> IterationView:
+        """The view of an iteration from its statistics as the host read them, and the KL controller."""
+        stats = host.stats
         return cls(
             iteration=iteration,
             completions=completions,
-            approx_kl=float(stats["policy/approxkl_avg"]),
-            clipfrac=float(stats["policy/clipfrac_avg"]),
-            kl=float(stats["objective/kl"]),
+            approx_kl=stats["policy/approxkl_avg"],
+            clipfrac=stats["policy/clipfrac_avg"],
+            kl=stats["objective/kl"],
             kl_coef=kl_ctl.value,
             kl_coef_pinned=kl_ctl.pinned,
             kl_coef_base=getattr(kl_ctl, "integral", kl_ctl.value),
-            scores_std=float(update_scores.std(correction=0)) if len(update_scores) >= 2 else None,
-            entropy=float(stats["objective/entropy"]) / max(float(stats["response/length_mean"]), 1.0),
-            score=float(stats["objective/scores"]),
+            scores_std=host.scores_std,
+            entropy=stats["objective/entropy"] / max(stats["response/length_mean"], 1.0),
+            score=stats["objective/scores"],
         )
 
 

@@ -12,6 +12,7 @@ response tokens. Padding never counts. The update's own statistics (``policy/*``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,6 +84,52 @@ def score_metrics(
     if shaping:
         metrics["objective/scores_normalized"] = F.masked_mean(shaped, kept, reduce=reduce)
     return metrics
+
+
+# The statistics the host decides on each iteration: the KL controller, the smoothed score, the
+# guardrails (lightning_ppo.guardrails).
+HOST_STATS = (
+    "objective/scores",
+    "objective/kl",
+    "objective/entropy",
+    "response/length_mean",
+    "policy/approxkl_avg",
+    "policy/clipfrac_avg",
+)
+
+
+@dataclass
+class HostView:
+    """What the host decides on at the end of an iteration, read from the device in one read (one
+    sync on GPUs, where a ``float()`` of each would be one each): the :data:`HOST_STATS`, which
+    optimizer steps were taken, each sample's score and KL, and the spread of the scores the update
+    used (``None`` with fewer than two). The logged statistics themselves stay tensors."""
+
+    stats: dict[str, float]
+    stepped: list[bool]
+    scores: list[float]
+    kl: list[float]
+    scores_std: float | None
+
+    @classmethod
+    def read(
+        cls, stats: dict[str, Tensor], stepped: Tensor, scores: Tensor, kl: Tensor, used: Tensor, kept: Tensor
+    ) -> HostView:
+        """``stats`` (at least :data:`HOST_STATS`), ``stepped`` (steps,), ``scores`` and ``kl`` (B,) as
+        the host sees them; ``used`` (B,) the scores the update used where ``kept``."""
+        spread = F.masked_var(used, kept, unbiased=False).sqrt()
+        # float32 holds every float32, bf16 and fp16 value exactly (scores are float32: check_scores)
+        scalars = [stats[name].float() for name in HOST_STATS] + [spread.float(), kept.sum().float()]
+        flat = torch.cat([torch.stack(scalars), stepped.float(), scores.float(), kl.float()]).tolist()
+        *values, spread_value, count = flat[: len(scalars)]
+        rest, steps = flat[len(scalars) :], len(stepped)
+        return cls(
+            stats=dict(zip(HOST_STATS, values, strict=True)),
+            stepped=[bool(flag) for flag in rest[:steps]],
+            scores=rest[steps : steps + len(scores)],
+            kl=rest[steps + len(scores) :],
+            scores_std=spread_value if count >= 2 else None,
+        )
 
 
 def reward_drowned(scores_std: float, kl_coef: float) -> bool:

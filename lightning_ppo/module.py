@@ -28,11 +28,18 @@ from lightning_ppo.data import PromptBatch
 from lightning_ppo.engines import GenerationEngine, engine_for_trainer, engine_is_weights, engine_mismatch
 from lightning_ppo.episodes import Environment, StepResult, make_episode_runner
 from lightning_ppo.errors import UsageError
-from lightning_ppo.experience import Experience, make_experience
+from lightning_ppo.experience import Experience, make_experience, minibatch_rows
 from lightning_ppo.guardrails import Guardrails, IterationView
 from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.metrics import TrailingMean, experience_metrics, score_metrics
-from lightning_ppo.microbatches import Share, minibatch_stats, plan_micro_batches
+from lightning_ppo.metrics import HostView, TrailingMean, experience_metrics, score_metrics
+from lightning_ppo.microbatches import (
+    MicroBatch,
+    RowFacts,
+    Share,
+    cut_micro_batches,
+    minibatch_stats,
+    plan_minibatch,
+)
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.preflight import check_precision, check_sequence_fits, response_budget
@@ -209,6 +216,7 @@ class PPOLightningModule(LightningModule):
         self.ppo, self.generation_config, self.seed = ppo, generation, seed
         self.policy_path = policy
         self._engine: GenerationEngine | None = None
+        self._compiled_loss: Callable | None = None  # ppo_loss under torch.compile (ppo.torch_compile)
         self.optimizer_factory = optimizer or partial(optim.default_optimizer, lora=lora is not None)
         self.scheduler_factory = lr_scheduler
         self.tokenizer = load_tokenizer(tokenizer or policy, trust_remote_code)
@@ -359,7 +367,7 @@ class PPOLightningModule(LightningModule):
             engine_is_weights(self.generation_config, rollout, forwards.logprobs),
             self.sum_over_ranks,
         )
-        stats = self.ppo_update(exp)
+        stats, stepped = self.ppo_update(exp)
         self.iteration += 1
         self.episodes += len(batch) * self.trainer.world_size
         reduce = self.sum_over_ranks
@@ -371,20 +379,22 @@ class PPOLightningModule(LightningModule):
         stats.update(engine_mismatch(self.generation_config, rollout, forwards.logprobs))
         if self.episode_runner is not None:
             stats.update(self.episode_runner.metrics(reduce))
-        stats["objective/scores_smoothed"] = self.smoothed_score.add(float(stats["objective/scores"]))
+        # the iteration's one host read of what the host decides on; the logged stats stay tensors
+        host = HostView.read(stats, stepped, raw, exp.kl.sum(1), scores.shaped, ~scores.dropped)
+        self._count_skips(host.stepped)
+        stats["objective/scores_smoothed"] = self.smoothed_score.add(host.stats["objective/scores"])
         stats["kl_coef"] = kl_coef
-        self.kl_ctl.update(float(stats["objective/kl"]), len(batch) * self.trainer.world_size)
-        self.heed_guardrails(completions, stats, scores.shaped[~scores.dropped])
+        self.kl_ctl.update(host.stats["objective/kl"], len(batch) * self.trainer.world_size)
+        self.heed_guardrails(completions, host)
         self.log_stats(stats, len(batch))
         shown = completions if self.episode_runner is None else self.episode_runner.transcripts
-        kl = exp.kl.sum(1).tolist()
-        self.last_samples = Samples(batch.prompts, shown, raw.tolist(), kl, self.scorer.columns)
+        self.last_samples = Samples(batch.prompts, shown, host.scores, host.kl, self.scorer.columns)
 
-    def heed_guardrails(self, completions: list[str], stats: dict[str, Any], update_scores: Tensor) -> None:
+    def heed_guardrails(self, completions: list[str], host: HostView) -> None:
         """The guardrails' one-time warnings (lightning_ppo.guardrails), spoken by rank 0."""
         if self.guardrails is None:  # the learning rate is known once the optimizer exists
             self.guardrails = Guardrails(self.ppo, float(self.optimizers().param_groups[0]["lr"]))
-        view = IterationView.of(self.iteration, completions, stats, self.kl_ctl, update_scores)
+        view = IterationView.of(self.iteration, completions, host, self.kl_ctl)
         for message in self.guardrails.observe(view):
             rank_zero_warn(message)
 
@@ -578,38 +588,56 @@ class PPOLightningModule(LightningModule):
         return self.roles.value_model
 
     # ----------------------------------------------------------------- the inner PPO epochs
-    def ppo_update(self, exp: Experience) -> dict[str, Tensor]:
-        """``ppo_epochs`` passes of shuffled minibatches; one optimizer step per minibatch."""
+    def ppo_update(self, exp: Experience) -> tuple[dict[str, Tensor], Tensor]:
+        """``ppo_epochs`` passes of shuffled minibatches; one optimizer step per minibatch. Returns the
+        statistics (means over the minibatches) and whether each step was taken, all on the device."""
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        generator = torch.Generator().manual_seed(self.seed + self.iteration)
-        accumulate, budget = self.ppo.gradient_accumulation_steps, self.ppo.micro_batch_tokens
-        sharded = is_sharded(self)
         history: list[dict[str, Tensor]] = []
         stepped: list[Tensor] = []
-        for minibatch in exp.minibatches(self.ppo.num_minibatches, generator, epochs=self.ppo.ppo_epochs):
-            plan = plan_micro_batches(minibatch, accumulate, budget, sharded)  # trimmed, with shares
-            plan = micro_batches_on_every_rank(plan, minibatch, self.device, sharded)
-            parts = []
-            for i, (micro, share) in enumerate(plan):
-                # Under DDP (FSDP2) only the last micro-batch of a minibatch all-reduces
-                # (reduce-scatters) gradients.
-                with nullcontext() if i == len(plan) - 1 else self._no_backward_sync():
-                    loss, stats = self.ppo_loss(micro, share)
-                    self.manual_backward(loss)
-                if not share.idle:
-                    parts.append((stats, share))
-            history.append(minibatch_stats(parts, self.loss_aggregation.mode))
+        for micro_batches in cut_micro_batches(exp, self.plan_update(exp)):
+            history.append(self.train_minibatch(micro_batches))
             stepped.append(self._step_if_finite(optimizer))
             optimizer.zero_grad(set_to_none=True)
             # The schedule counts attempted steps, so it does not depend on which were skipped.
             if scheduler is not None:
                 scheduler.step()
         stats = {key: torch.stack([h[key] for h in history]).mean() for key in history[0]}
-        # The one read of the step flags per iteration (a host sync on GPUs).
-        flags = torch.stack(stepped).tolist()
-        self._count_skips(flags)
-        stats["train/skipped_updates"] = float(flags.count(False))
-        return stats
+        flags = torch.stack(stepped)
+        stats["train/skipped_updates"] = (~flags).sum().float()
+        return stats, flags
+
+    def plan_update(self, exp: Experience) -> list[list[MicroBatch]]:
+        """Every minibatch's micro-batches (trimmed, with shares), planned on the host from one read
+        of the rows' lengths: no host sync between the minibatches of the update."""
+        generator = torch.Generator().manual_seed(self.seed + self.iteration)
+        rows = minibatch_rows(len(exp), self.ppo.num_minibatches, generator, epochs=self.ppo.ppo_epochs)
+        split = self.ppo.gradient_accumulation_steps, self.ppo.micro_batch_tokens, is_sharded(self)
+        facts = RowFacts.read(exp)  # the update's one host read
+        plan = [plan_minibatch(facts, r, *split) for r in rows]
+        return micro_batches_on_every_rank(plan, facts, rows, self.device, split[-1])
+
+    def train_minibatch(self, micro_batches: list[tuple[Experience, Share]]) -> dict[str, Tensor]:
+        """Forward and backward of each micro-batch, accumulating its share of the minibatch's
+        gradient; the minibatch's statistics."""
+        parts = []
+        for i, (micro, share) in enumerate(micro_batches):
+            # Under DDP (FSDP2) only the last micro-batch of a minibatch all-reduces
+            # (reduce-scatters) gradients.
+            with nullcontext() if i == len(micro_batches) - 1 else self._no_backward_sync():
+                loss, stats = self.loss_pass(micro, share)
+                self.manual_backward(loss)
+            if not share.idle:
+                parts.append((stats, share))
+        return minibatch_stats(parts, self.loss_aggregation.mode)
+
+    @property
+    def loss_pass(self) -> Callable[[Experience, Share], tuple[Tensor, dict[str, Tensor]]]:
+        """:meth:`ppo_loss`, compiled by ``torch.compile`` with ``ppo.torch_compile`` (once per module)."""
+        if not self.ppo.torch_compile:
+            return self.ppo_loss
+        if self._compiled_loss is None:
+            self._compiled_loss = torch.compile(self.ppo_loss)
+        return self._compiled_loss
 
     def _step_if_finite(self, optimizer: Any) -> Tensor:
         """Clip, then step unless a gradient is NaN/inf; returns whether it stepped (a device bool).

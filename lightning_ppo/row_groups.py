@@ -39,6 +39,8 @@ class RowGroup:
     after: int
     # a forward whose output is thrown away (see padded_to)
     idle: bool = False
+    # ``rows`` as NumPy (the same memory), for planning on the host without reading a tensor
+    index: np.ndarray | None = None
 
     def columns(self, split: int) -> slice:
         return slice(split - self.before, split + self.after)
@@ -48,14 +50,21 @@ class RowGroup:
         return len(self.rows) * (self.before + self.after)
 
 
-def row_extents(attention_mask: Tensor, split: int) -> Tensor:
-    """(2, B) on the device: each row's real columns before ``split`` (counted back from it) and from
-    it on (through its last real column, so an episode's observations stay inside). With ``split``
-    0 the first is minus the row's first real column: any padding layout trims the same way."""
+def column_bounds(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(B,) each, on the device: each row's first and last attended column (the mask's width and
+    -1 for a row that attends to nothing)."""
     length = attention_mask.shape[1]
     columns = torch.arange(length, device=attention_mask.device)
     first = columns.masked_fill(~attention_mask, length).amin(dim=1)
     last = columns.masked_fill(~attention_mask, -1).amax(dim=1)
+    return first, last
+
+
+def row_extents(attention_mask: Tensor, split: int) -> Tensor:
+    """(2, B) on the device: each row's real columns before ``split`` (counted back from it) and from
+    it on (through its last real column, so an episode's observations stay inside). With ``split``
+    0 the first is minus the row's first real column: any padding layout trims the same way."""
+    first, last = column_bounds(attention_mask)
     return torch.stack([split - first, last + 1 - split])
 
 
@@ -96,8 +105,8 @@ def plan_row_groups(
     j = n
     while j > 0:
         i = int(start[j])
-        rows = torch.as_tensor(order[i:j].copy())
-        groups.append(RowGroup(rows, int(p[i:j].max()), int(r[i:j].max())))
+        rows = order[i:j].copy()
+        groups.append(RowGroup(torch.from_numpy(rows), int(p[i:j].max()), int(r[i:j].max()), index=rows))
         j = i
     return groups[::-1]
 
@@ -108,8 +117,8 @@ def equal_groups(before: list[int], after: list[int], count: int) -> list[RowGro
     p, r = np.asarray(before, dtype=np.int64), np.maximum(np.asarray(after, dtype=np.int64), 1)
     order = np.argsort(p + r, kind="stable")
     return [
-        RowGroup(torch.as_tensor(rows.copy()), int(p[rows].max()), int(r[rows].max()))
-        for rows in np.array_split(order, count)
+        RowGroup(torch.from_numpy(rows), int(p[rows].max()), int(r[rows].max()), index=rows)
+        for rows in (part.copy() for part in np.array_split(order, count))
         if len(rows)
     ]
 

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from importlib import import_module
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
@@ -28,8 +29,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from lightning_ppo.errors import UsageError
-from lightning_ppo.experience import Experience
-from lightning_ppo.microbatches import Share, idle_micro_batch
+from lightning_ppo.microbatches import MicroBatch, RowFacts, idle_micro_batch_plan
 from lightning_ppo.row_groups import RowGroup, padded_to
 
 FSDP1_ERROR = (
@@ -173,6 +173,15 @@ def most_over_ranks(count: int, device: torch.device) -> int:
     return int(value.item())
 
 
+def most_over_ranks_each(counts: list[int], device: torch.device) -> list[int]:
+    """The largest of each of ``counts`` over the ranks (a collective: every rank must call it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return counts
+    value = torch.tensor(counts, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.tolist()
+
+
 def as_many_on_every_rank(
     groups: list[RowGroup], split: int, device: torch.device, sharded: bool
 ) -> list[RowGroup]:
@@ -184,14 +193,19 @@ def as_many_on_every_rank(
 
 
 def micro_batches_on_every_rank(
-    plan: list[tuple[Experience, Share]], minibatch: Experience, device: torch.device, sharded: bool
-) -> list[tuple[Experience, Share]]:
-    """A rank's micro-batches of ``minibatch``, under FSDP2 (where every forward and backward gathers
-    weights from every rank, and the last one reduce-scatters) followed by idle ones of weight 0 up
-    to the most any rank runs (a collective); else unchanged."""
+    plan: list[list[MicroBatch]], facts: RowFacts, rows: list[np.ndarray], device: torch.device, sharded: bool
+) -> list[list[MicroBatch]]:
+    """A rank's planned micro-batches of each minibatch (of ``rows``), under FSDP2 (where every
+    forward and backward gathers weights from every rank, and the last one reduce-scatters) followed
+    by idle ones of weight 0 up to the most any rank runs (one collective and one host read for
+    every minibatch of the iteration); else unchanged."""
     if not sharded:
         return plan
-    return plan + [idle_micro_batch(minibatch)] * (most_over_ranks(len(plan), device) - len(plan))
+    most = most_over_ranks_each([len(micro) for micro in plan], device)
+    return [
+        micro + [idle_micro_batch_plan(facts, r)] * (n - len(micro))
+        for micro, r, n in zip(plan, rows, most, strict=True)
+    ]
 
 
 def is_sharded(module: nn.Module) -> bool:

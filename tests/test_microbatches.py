@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.errors import UsageError
+from lightning_ppo.experience import Experience
 from lightning_ppo.microbatches import Share, idle_micro_batch, plan_micro_batches
 from tests.helpers import CountCharReward
 from tests.test_trimming import _experience
@@ -67,3 +70,22 @@ def test_idle_micro_batches_change_no_gradient(tiny_gpt2):
     assert share.idle and (share.tokens, share.responses, share.rows) == (0, 0, 0)
     padded = _gradient(module, plan + [(idle, share)] * 2)
     torch.testing.assert_close(padded, _gradient(module, plan), rtol=0, atol=0)
+
+
+def test_a_whole_sharded_minibatch_is_trimmed_as_the_experience_trims_itself(tiny_gpt2):
+    """FSDP2 without a budget runs each minibatch whole: its columns are planned on the host from the
+    rows' read lengths, and must be those Experience.trimmed() reads from the device itself."""
+    torch.manual_seed(0)
+    module = PPOLightningModule(
+        policy=str(tiny_gpt2),
+        reward_fn=CountCharReward(),
+        generation=GenerationConfig(max_new_tokens=12, temperature=1.5),
+    )
+    exp = _experience(module)
+    for minibatch in exp.minibatches(3, torch.Generator().manual_seed(0)):
+        ((micro, share),) = plan_micro_batches(minibatch, 1, None, sharded=True)
+        expected = minibatch.trimmed()
+        assert share == Share() and micro.input_ids.shape == expected.input_ids.shape
+        for field in fields(Experience):
+            mine, theirs = getattr(micro, field.name), getattr(expected, field.name)
+            assert (mine is None and theirs is None) or torch.equal(mine, theirs), field.name

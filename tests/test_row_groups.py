@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 import lightning_ppo.module
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.data import PromptDataModule
-from lightning_ppo.microbatches import Share
+from lightning_ppo.microbatches import MicroBatch, Share
 from lightning_ppo.rewards import RewardModel, at_last_real_token
 from lightning_ppo.roles import LoraSettings
 from lightning_ppo.row_groups import equal_groups, forward_groups, plan_row_groups, row_extents
@@ -142,7 +142,9 @@ def test_grouped_micro_batches_give_the_padded_update(kwargs, tiny_gpt2, monkeyp
     budget = _one_update(tiny_gpt2, 48, **dict(kwargs))  # and within 48 tokens each
     # the padded path: each minibatch one micro-batch, its whole rectangle
     monkeypatch.setattr(
-        lightning_ppo.module, "plan_micro_batches", lambda minibatch, *a: [(minibatch, Share())]
+        lightning_ppo.module,
+        "plan_minibatch",
+        lambda facts, rows, *a: [MicroBatch(rows, [0, facts.length - 1], Share())],
     )
     padded, padded_metrics = _one_update(tiny_gpt2, None, **dict(kwargs))
     moved = max((padded[k] - initial).abs().max() for k, initial in _initial(tiny_gpt2).items())
