@@ -33,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lightning.pytorch import Callback
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 # tiny checkpoints the example configs load by path, as `make tiny` writes them
@@ -83,6 +85,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- one config, in a child
+class IterationTimer(Callback):
+    """Wall seconds of each PPO iteration (one training batch), the device synchronised at its end."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, *args: object) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args: object) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds.append(time.perf_counter() - self._start)
+
+    def steady(self) -> float | None:
+        """The median iteration, the first (warm-up) left out."""
+        counted = sorted(self.seconds[1:] or self.seconds)
+        return counted[len(counted) // 2] if counted else None
+
+
 def run_one(
     config: str, precision: str | None, iterations: int, root: str, result: str, accelerator: str = "cuda"
 ) -> None:
@@ -93,7 +118,7 @@ def run_one(
 
     args = ["fit", "--config", config, "--trainer.accelerator", accelerator, "--trainer.devices", "1"]
     args += ["--trainer.limit_train_batches", str(iterations), "--trainer.default_root_dir", root]
-    args += ["--trainer.enable_progress_bar", "false"]
+    args += ["--trainer.enable_progress_bar", "false", f"--trainer.callbacks+={__name__}.IterationTimer"]
     if "data_parallel_size" in Path(config).read_text():  # FSDP2's mesh, on the one GPU
         args += ["--trainer.strategy.init_args.data_parallel_size", "1"]
     if precision:
@@ -104,9 +129,11 @@ def run_one(
     if not hasattr(cli, "trainer"):
         raise SystemExit(f"lightning-ppo fit exited with {cli}")
     module, metrics = cli.trainer.lightning_module, cli.trainer.callback_metrics
+    timer = next(c for c in cli.trainer.callbacks if isinstance(c, IterationTimer))
     done = {
         "iterations": module.iteration,
         "fit_s": seconds,
+        "s_per_it": timer.steady(),
         "gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "score": float(metrics["objective/scores"]) if "objective/scores" in metrics else None,
@@ -182,10 +209,10 @@ def config_line(out: Path, name: str, precision: str, code: int | str) -> Line:
         tail = (out / f"config-{name}.log").read_text().strip().splitlines() or ["no output"]
         return Line("config", name, precision, "FAILED", note=f"{code}: {tail[-1][:120]}")
     r = json.loads(result.read_text())
-    note = f"{r['iterations']} its, score {r['score']:.3f}" if r["score"] is not None else ""
+    note = f"{r['iterations']} its, fit {r['fit_s']:.0f} s"
+    note += f", score {r['score']:.3f}" if r["score"] is not None else ""
     note += f", eval {r['eval']:.3f}" if r["eval"] is not None else ""
-    per_it = r["fit_s"] / max(1, r["iterations"])  # setup included: a ceiling, not the steady rate
-    return Line("config", name, precision, "ok", per_it, r["gpu_mib"], r["rss_mib"], note)
+    return Line("config", name, precision, "ok", r["s_per_it"], r["gpu_mib"], r["rss_mib"], note)
 
 
 def bench(out: Path, name: str, timeout: float, variants: tuple[str, ...], extra: list[str]) -> list[Line]:
@@ -195,13 +222,16 @@ def bench(out: Path, name: str, timeout: float, variants: tuple[str, ...], extra
     known = [v for v in variants if v in (*report.VARIANTS, report.DYNAMIC)]
     folder = out / name
     command = [sys.executable, "-m", "benchmarks.bench", "--rounds", "1"]
-    command += ["--no-scaling", "--no-variable", "--variants", ",".join(known), "--out", str(folder), *extra]
+    command += ["--no-scaling", "--no-variable", "--no-count-ops", "--variants", ",".join(known)]
+    command += ["--out", str(folder), *extra]  # ops are counted on CPU (docs/performance.md), not here
     failure = run_logged(command, out / f"{name}.log", timeout)
     results = folder / "results.json"
     if not results.exists():
         return [Line(name, ",".join(known), "bf16-mixed", "FAILED", note=failure or "no results")]
     lines = []
     for r in json.loads(results.read_text()):
+        if r["group"] != "main":
+            continue
         steady = r["iteration_s"][1:] or r["iteration_s"]
         seconds = sorted(steady)[len(steady) // 2] if steady else None
         mfu = r.get("mfu")
