@@ -379,14 +379,17 @@ class PPOLightningModule(LightningModule):
         stats.update(engine_mismatch(self.generation_config, rollout, forwards.logprobs))
         if self.episode_runner is not None:
             stats.update(self.episode_runner.metrics(reduce))
-        # the iteration's one host read of what the host decides on; the logged stats stay tensors
-        host = HostView.read(stats, stepped, raw, exp.kl.sum(1), scores.shaped, ~scores.dropped)
+        # the iteration's one host read: what the host decides on and what it logs
+        host = HostView.read(
+            stats, stepped, raw, exp.kl.sum(1), scores.shaped, ~scores.dropped, self.mean_over_ranks
+        )
         self._count_skips(host.stepped)
-        stats["objective/scores_smoothed"] = self.smoothed_score.add(host.stats["objective/scores"])
-        stats["kl_coef"] = kl_coef
+        logged = host.logged
+        logged["objective/scores_smoothed"] = self.smoothed_score.add(host.stats["objective/scores"])
+        logged["kl_coef"] = kl_coef
         self.kl_ctl.update(host.stats["objective/kl"], len(batch) * self.trainer.world_size)
         self.heed_guardrails(completions, host)
-        self.log_stats(stats, len(batch))
+        self.log_stats(logged, len(batch))
         shown = completions if self.episode_runner is None else self.episode_runner.transcripts
         self.last_samples = Samples(batch.prompts, shown, host.scores, host.kl, self.scorer.columns)
 
@@ -423,6 +426,14 @@ class PPOLightningModule(LightningModule):
         if self._trainer is None or self.trainer.world_size == 1:
             return None
         return lambda x: self.trainer.strategy.reduce(x.clone(), reduce_op="sum")
+
+    @property
+    def mean_over_ranks(self) -> F.Reduce | None:
+        """Averages a tensor over the data-parallel ranks, as ``log(sync_dist=True)`` averages each
+        logged value (the same reduce of the strategy's); ``None`` in one process."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return None
+        return lambda x: self.trainer.strategy.reduce(x.clone(), reduce_op="mean")
 
     def nothing_to_learn(self, dropped: Tensor) -> bool:
         """Whether every sample of every rank was dropped. Decided together: a rank that skipped alone
@@ -724,8 +735,9 @@ class PPOLightningModule(LightningModule):
         return block() if block is not None else nullcontext()
 
     # ----------------------------------------------------------------- logging
-    def log_stats(self, stats: dict[str, Tensor | float], batch_size: int) -> None:
-        # Plain floats: Lightning puts them on the module's device, so sync_dist works on GPUs too.
+    def log_stats(self, stats: dict[str, float], batch_size: int) -> None:
+        # Plain floats, already averaged over the ranks where they differ (HostView: one collective
+        # for all, not one per value) and the same on every rank: nothing left to sync.
         stats["lr"] = float(self.optimizers().param_groups[0]["lr"])
         stats["episode"] = float(self.episodes)
         stats["iteration"] = float(self.iteration)
@@ -733,9 +745,9 @@ class PPOLightningModule(LightningModule):
         shown = {k: v for k, v in stats.items() if k in progress}
         rest = {k: v for k, v in stats.items() if k not in progress}
         self.log_dict(
-            shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True
+            shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=False
         )
-        self.log_dict(rest, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True)
+        self.log_dict(rest, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=False)
 
     # ----------------------------------------------------------------- optimizers, checkpoints
     def configure_optimizers(self) -> Any:
