@@ -39,6 +39,7 @@ from lightning_ppo.microbatches import (
     cut_micro_batches,
     minibatch_stats,
     plan_minibatch,
+    weighted,
 )
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
@@ -684,7 +685,7 @@ class PPOLightningModule(LightningModule):
         """Clipped policy loss (+ vf_coef x value loss, + kl_coef x KL, - entropy_coef x entropy), each
         term weighed by the micro-batch's ``share`` of its minibatch (lightning_ppo.microbatches)."""
         length = mb.response_ids.shape[1]
-        mask = mb.response_mask
+        mask = F.TokenMask.of(mb.response_mask)  # shared by every mean below
         logits, values = self.roles.policy_forward(mb.input_ids, mb.attention_mask, mb.position_ids, length)
         logprobs = self.token_logprobs(logits, mb.response_ids)
         clip, aggregate = self.ppo.clip_bounds, self.loss_aggregation
@@ -692,7 +693,7 @@ class PPOLightningModule(LightningModule):
             logprobs, mb.logprobs, mb.advantages, mask, clip, self.ppo.dual_clip, mb.is_weights, aggregate
         )
         policy_share = share.of_policy_term(aggregate.mode)
-        loss = pg.loss * policy_share
+        loss = weighted(pg.loss, policy_share)
         stats = {
             "policy/approxkl_avg": pg.approx_kl,
             "policy/clipfrac_avg": pg.clipfrac,
@@ -702,16 +703,16 @@ class PPOLightningModule(LightningModule):
         if self.ppo.entropy_coef > 0:
             # A vocabulary-wide softmax per token: only paid for when it is a loss term
             # (objective/entropy reports the rollout policy's entropy every iteration anyway).
-            entropy = F.masked_mean(self.token_entropy(logits), mask)
-            loss = loss - self.ppo.entropy_coef * entropy * share.tokens
+            entropy = mask.mean(self.token_entropy(logits))
+            loss = loss - weighted(self.ppo.entropy_coef * entropy, share.tokens)
             stats["policy/entropy_avg"] = entropy.detach()
         if self.ppo.kl_placement == "loss":
             kl = aggregate(F.kl_penalty(logprobs, mb.ref_logprobs, self.ppo.kl_estimator), mask)
-            loss = loss + self.kl_ctl.value * kl * policy_share
+            loss = loss + weighted(self.kl_ctl.value * kl, policy_share)
             stats["loss/kl_avg"] = kl.detach()
         if values is not None:
             vf = F.value_loss(values, mb.values, mb.returns, mask, self.ppo.value_clip_range)
-            loss = loss + self.ppo.vf_coef * vf.loss * share.tokens
+            loss = loss + weighted(self.ppo.vf_coef * vf.loss, share.tokens)
             stats["loss/value_avg"] = vf.loss.detach()
             stats["val/clipfrac_avg"] = vf.clipfrac
         return loss, stats
