@@ -42,7 +42,7 @@ from lightning_ppo.microbatches import (
     weighted,
 )
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
-from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
+from lightning_ppo.optim import grad_norm, is_finite, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.preflight import check_precision, check_sequence_fits, response_budget
 from lightning_ppo.quiet import silence_intended_warnings
 from lightning_ppo.resume import check_resumable
@@ -661,7 +661,7 @@ class PPOLightningModule(LightningModule):
             optimizer.step()  # 16-mixed: the grad scaler skips non-finite steps itself
             return torch.ones((), dtype=torch.bool, device=self.device)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        finite = torch.isfinite(grad_norm(params, self.ppo.max_grad_norm))
+        finite = is_finite(grad_norm(params, self.ppo.max_grad_norm))
         inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
         if skips_on_device(inner):
             step_unless_nonfinite(inner, optimizer.step, finite)
