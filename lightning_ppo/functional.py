@@ -32,21 +32,23 @@ _ROWS_PER_CHUNK = 8
 
 
 def masked_mean(
-    x: Tensor, mask: Tensor, dim: int | None = None, reduce: Reduce | None = None, count: Tensor | None = None
+    x: Tensor, mask: Tensor | TokenMask, dim: int | None = None, reduce: Reduce | None = None
 ) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is True (0 where nothing is masked in).
 
-    With ``reduce``, the mean over every rank's masked-in positions (``dim`` must be None).
-    ``count``: :func:`mask_count` of ``mask``, where several means over one mask share it.
+    With ``reduce``, the mean over every rank's masked-in positions (``dim`` must be None). A
+    :class:`TokenMask` shares its complement and count between several means over one mask.
     """
-    mask = mask.bool()
+    if isinstance(mask, TokenMask) and dim is None and reduce is None:
+        return mask.mean(x)
+    mask = mask.mask if isinstance(mask, TokenMask) else mask.bool()
     total = torch.where(mask, x, torch.zeros_like(x))
     if dim is not None:
         if reduce is not None:
             raise ValueError("masked_mean: a per-row mean (dim) is never reduced across ranks")
         return total.sum(dim) / mask.sum(dim).clamp(min=1)
     if reduce is None:
-        return total.sum() / (mask_count(mask) if count is None else count)
+        return total.sum() / mask_count(mask)
     sums = reduce(torch.stack([total.sum(), mask.sum().to(total.dtype)]))
     return sums[0] / sums[1].clamp(min=1)
 
@@ -58,9 +60,10 @@ def mask_count(mask: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class TokenMask:
-    """A (B, T) mask and what every mean over it shares, computed once: the positions to zero and
-    the count to divide by. A micro-batch's loss takes several means over one mask, and on a GPU
-    each op saved is a kernel launch saved. :meth:`mean` is :func:`masked_mean`, bit for bit."""
+    """A mask and what every mean over it shares, computed once: the positions to zero and the
+    count to divide by. A micro-batch's loss, and an iteration's statistics, take several means over
+    one mask; on a GPU each op saved is a kernel launch saved. :meth:`mean` is :func:`masked_mean`,
+    bit for bit."""
 
     mask: Tensor
     padding: Tensor  # ~mask
@@ -75,27 +78,44 @@ class TokenMask:
 
     def mean(self, x: Tensor) -> Tensor:
         """The mean of ``x`` over the mask; padding zeroed, so its NaN/garbage never reaches the sum."""
-        return x.masked_fill(self.padding, 0.0).sum() / self.count
+        return self.zeroed(x).sum() / self.count
+
+    def zeroed(self, x: Tensor) -> Tensor:
+        """``x`` with 0 on the padding."""
+        return x.masked_fill(self.padding, 0.0)
 
 
-def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True, reduce: Reduce | None = None) -> Tensor:
+def masked_var(
+    x: Tensor, mask: Tensor | TokenMask, unbiased: bool = True, reduce: Reduce | None = None
+) -> Tensor:
     """Variance of ``x`` over the masked-in positions (a scalar); with ``reduce``, of every rank's.
 
     Two passes (mean, then squared deviations from it), as numerically safe across ranks as in one.
     """
-    mask = mask.bool()
-    mean = masked_mean(x, mask, reduce=reduce)
-    centered = torch.where(mask, x - mean, torch.zeros_like(x))
-    var = masked_mean(centered.square(), mask, reduce=reduce)
-    if unbiased:
-        count = mask.sum() if reduce is None else reduce(mask.sum().to(var.dtype))
+    if reduce is None:
+        tokens = TokenMask.of(mask)  # one complement and count for both means
+        mean = tokens.mean(x)
+        var = tokens.mean(tokens.zeroed(x - mean).square())
+        # a count clamped at 1 takes the same branch below as the raw count
+        count = tokens.count if unbiased else None
+    else:
+        mask = mask.mask if isinstance(mask, TokenMask) else mask.bool()
+        mean = masked_mean(x, mask, reduce=reduce)
+        centered = torch.where(mask, x - mean, torch.zeros_like(x))
+        var = masked_mean(centered.square(), mask, reduce=reduce)
+        count = reduce(mask.sum().to(var.dtype)) if unbiased else None
+    if count is not None:
         # Bessel's correction; a single element has no spread to correct.
         var = torch.where(count > 1, var * count / (count - 1).clamp(min=1), var)
     return var
 
 
 def masked_whiten(
-    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, reduce: Reduce | None = None
+    x: Tensor,
+    mask: Tensor | TokenMask,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    reduce: Reduce | None = None,
 ) -> Tensor:
     """Normalise ``x`` to unit variance (and zero mean if ``shift_mean``) over the mask.
 
@@ -103,13 +123,13 @@ def masked_whiten(
     global batch, as verl and OpenRLHF normalise): per-rank statistics would give each rank its
     own baseline. Masked-out positions are returned as 0 so that they cannot leak into a later sum.
     """
-    mask = mask.bool()
-    mean = masked_mean(x, mask, reduce=reduce)
-    var = masked_var(x, mask, reduce=reduce)
+    tokens = TokenMask.of(mask)
+    mean = masked_mean(x, tokens, reduce=reduce)
+    var = masked_var(x, tokens, reduce=reduce)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(mask, whitened, torch.zeros_like(whitened))
+    return tokens.zeroed(whitened)
 
 
 def logprobs_from_logits(
@@ -360,8 +380,9 @@ def value_loss(
     return ValueLossOutput(loss=loss, clipfrac=clipfrac)
 
 
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor | TokenMask) -> Tensor:
     """1 - Var(returns - values) / Var(returns) over real tokens (1 is a perfect critic)."""
+    mask = TokenMask.of(mask)
     var_returns = masked_var(returns, mask, unbiased=False)
     var_residual = masked_var(returns - values, mask, unbiased=False)
     return 1.0 - var_residual / var_returns.clamp(min=1e-8)

@@ -44,19 +44,19 @@ def experience_metrics(
         reduce: Sums over the data-parallel ranks. ``objective/kl``, which steers the adaptive KL
             controller, is then the mean over every rank's kept responses, the same on all ranks.
     """
-    mask = exp.response_mask
+    mask = F.TokenMask.of(exp.response_mask)  # one complement and count for every mean below
     kl_per_response = exp.kl.sum(dim=1)
     non_score = -kl_coef * kl_per_response
-    kept = mask.any(dim=1)  # a dropped sample's mask is empty: it has no KL to average
+    kept = mask.mask.any(dim=1)  # a dropped sample's mask is empty: it has no KL to average
     metrics = {
         "objective/kl": F.masked_mean(kl_per_response, kept, reduce=reduce),
-        "objective/entropy": entropy.masked_fill(~mask, 0.0).sum(dim=1).mean(),
+        "objective/entropy": mask.zeroed(entropy).sum(dim=1).mean(),
         "objective/non_score_reward": non_score.mean(),
         "objective/rlhf_reward": (exp.scores + non_score).mean(),
-        "returns/mean": F.masked_mean(exp.returns, mask),
+        "returns/mean": mask.mean(exp.returns),
         "returns/std": F.masked_var(exp.returns, mask).sqrt(),
-        "advantages/mean": F.masked_mean(exp.advantages, mask),
-        "response/length_mean": mask.sum(dim=1).float().mean(),
+        "advantages/mean": mask.mean(exp.advantages),
+        "response/length_mean": mask.mask.sum(dim=1).float().mean(),
         "response/eos_fraction": ended.float().mean(),
     }
     if with_critic:
