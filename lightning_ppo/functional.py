@@ -312,8 +312,9 @@ def policy_loss(
     low, high = clip_range if isinstance(clip_range, tuple) else (clip_range, clip_range)
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    negated = -advantages  # once for both terms
+    unclipped = negated * ratio
+    clipped = negated * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     per_token = torch.maximum(unclipped, clipped)
     if dual_clip is not None:
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
