@@ -157,16 +157,19 @@ def collate_prompts(rows: Sequence[Mapping[str, Any]], pad_token_id: int) -> Pro
         raise ValueError("cannot collate an empty list of rows")
     lengths = [len(row["input_ids"]) for row in rows]
     width = max(lengths)
-    prompt_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, (row, length) in enumerate(zip(rows, lengths, strict=True)):
-        if length:
-            prompt_ids[i, width - length :] = torch.as_tensor(row["input_ids"], dtype=torch.long)
-            prompt_mask[i, width - length :] = True
+    # Padded as Python lists, then one tensor each: a copy per row would be a few ops per row.
+    ids = [[pad_token_id] * (width - len(row["input_ids"])) + _token_list(row["input_ids"]) for row in rows]
+    prompt_ids = torch.tensor(ids, dtype=torch.long)
+    prompt_mask = torch.tensor([[False] * (width - n) + [True] * n for n in lengths], dtype=torch.bool)
     names = list(rows[0].get("extras", {}))
     extras = {name: [row["extras"][name] for row in rows] for name in names}
     messages = [row["messages"] for row in rows] if "messages" in rows[0] else None
     return PromptBatch(prompt_ids, prompt_mask, [row["prompt"] for row in rows], extras, messages)
+
+
+def _token_list(ids: Any) -> list[int]:
+    """A row's token ids as a list of ints (a dataset may hold a list or a 1-D tensor)."""
+    return ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
 
 
 def is_conversation(prompt: Any) -> bool:

@@ -44,19 +44,19 @@ def experience_metrics(
         reduce: Sums over the data-parallel ranks. ``objective/kl``, which steers the adaptive KL
             controller, is then the mean over every rank's kept responses, the same on all ranks.
     """
-    mask = exp.response_mask
+    mask = F.TokenMask.of(exp.response_mask)  # one complement and count for every mean below
     kl_per_response = exp.kl.sum(dim=1)
     non_score = -kl_coef * kl_per_response
-    kept = mask.any(dim=1)  # a dropped sample's mask is empty: it has no KL to average
+    kept = mask.mask.any(dim=1)  # a dropped sample's mask is empty: it has no KL to average
     metrics = {
         "objective/kl": F.masked_mean(kl_per_response, kept, reduce=reduce),
-        "objective/entropy": entropy.masked_fill(~mask, 0.0).sum(dim=1).mean(),
+        "objective/entropy": mask.zeroed(entropy).sum(dim=1).mean(),
         "objective/non_score_reward": non_score.mean(),
         "objective/rlhf_reward": (exp.scores + non_score).mean(),
-        "returns/mean": F.masked_mean(exp.returns, mask),
+        "returns/mean": mask.mean(exp.returns),
         "returns/std": F.masked_var(exp.returns, mask).sqrt(),
-        "advantages/mean": F.masked_mean(exp.advantages, mask),
-        "response/length_mean": mask.sum(dim=1).float().mean(),
+        "advantages/mean": mask.mean(exp.advantages),
+        "response/length_mean": mask.mask.sum(dim=1).float().mean(),
         "response/eos_fraction": ended.float().mean(),
     }
     if with_critic:
@@ -98,37 +98,76 @@ HOST_STATS = (
 )
 
 
+# Statistics computed over every rank's data already (with ``reduce``): the same on every rank, so
+# they are logged as they are, not averaged again.
+OVER_RANKS = frozenset(
+    {
+        "objective/kl",
+        "objective/scores",
+        "objective/scores_std",
+        "objective/scores_normalized",
+        "episode/turns_mean",
+        "episode/tokens_mean",
+        "episode/truncated",
+        "episode/env_errors",
+        "episode/tool_calls",
+        "episode/tool_errors",
+    }
+)
+
+
 @dataclass
 class HostView:
-    """What the host decides on at the end of an iteration, read from the device in one read (one
-    sync on GPUs, where a ``float()`` of each would be one each): the :data:`HOST_STATS`, which
-    optimizer steps were taken, each sample's score and KL, and the spread of the scores the update
-    used (``None`` with fewer than two). The logged statistics themselves stay tensors."""
+    """An iteration's numbers as the host sees them, read from the device in one read (one sync on
+    GPUs, where a ``float()`` of each would be one each): the :data:`HOST_STATS` it decides on (this
+    rank's), which optimizer steps were taken, each sample's score and KL, the spread of the scores
+    the update used (``None`` with fewer than two), and every statistic as logged."""
 
     stats: dict[str, float]
     stepped: list[bool]
     scores: list[float]
     kl: list[float]
     scores_std: float | None
+    # every statistic, averaged over the ranks (but :data:`OVER_RANKS`) as ``log(sync_dist=True)``
+    # would average each: here one collective for all of them
+    logged: dict[str, float]
 
     @classmethod
     def read(
-        cls, stats: dict[str, Tensor], stepped: Tensor, scores: Tensor, kl: Tensor, used: Tensor, kept: Tensor
+        cls,
+        stats: dict[str, Tensor],
+        stepped: Tensor,
+        scores: Tensor,
+        kl: Tensor,
+        used: Tensor,
+        kept: Tensor,
+        mean: F.Reduce | None = None,
     ) -> HostView:
-        """``stats`` (at least :data:`HOST_STATS`), ``stepped`` (steps,), ``scores`` and ``kl`` (B,) as
-        the host sees them; ``used`` (B,) the scores the update used where ``kept``."""
+        """``stats`` (at least :data:`HOST_STATS`, scalars), ``stepped`` (steps,), ``scores`` and ``kl``
+        (B,) as the host sees them; ``used`` (B,) the scores the update used where ``kept``; ``mean``
+        averages over the data-parallel ranks (``None``: one process)."""
         spread = F.masked_var(used, kept, unbiased=False).sqrt()
+        names = sorted(stats, key=lambda name: name in OVER_RANKS)  # this rank's own first
+        own = sum(name not in OVER_RANKS for name in names)
         # float32 holds every float32, bf16 and fp16 value exactly (scores are float32: check_scores)
-        scalars = [stats[name].float() for name in HOST_STATS] + [spread.float(), kept.sum().float()]
-        flat = torch.cat([torch.stack(scalars), stepped.float(), scores.float(), kl.float()]).tolist()
-        *values, spread_value, count = flat[: len(scalars)]
-        rest, steps = flat[len(scalars) :], len(stepped)
+        scalars = torch.stack([stats[name].float() for name in names] + [spread.float(), kept.sum().float()])
+        averaged = [] if mean is None else [mean(scalars[:own])]
+        flat = torch.cat([scalars, *averaged, stepped.float(), scores.float(), kl.float()]).tolist()
+        values, rest = flat[: len(names)], flat[len(scalars) :]
+        spread_value, count = flat[len(names) : len(scalars)]
+        local = dict(zip(names, values, strict=True))
+        logged = dict(local)
+        if mean is not None:
+            logged.update(zip(names[:own], rest[:own], strict=True))
+            rest = rest[own:]
+        steps = len(stepped)
         return cls(
-            stats=dict(zip(HOST_STATS, values, strict=True)),
+            stats={name: local[name] for name in HOST_STATS},
             stepped=[bool(flag) for flag in rest[:steps]],
             scores=rest[steps : steps + len(scores)],
             kl=rest[steps + len(scores) :],
             scores_std=spread_value if count >= 2 else None,
+            logged={name: logged[name] for name in stats},  # in the order they were computed
         )
 
 

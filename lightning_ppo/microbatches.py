@@ -45,6 +45,12 @@ class Share:
         return {"sequence_mean": self.responses, "constant": self.rows}.get(aggregation, self.tokens)
 
 
+def weighted(term: Tensor, share: float) -> Tensor:
+    """``term * share``; a share of 1 (a minibatch in one pass) skips the multiplication, which
+    would give ``term`` bit for bit and cost a kernel launch forward and another backward."""
+    return term if share == 1.0 else term * share
+
+
 # Statistics averaged like the policy term (per response under sequence_mean); the others are
 # token means.
 POLICY_TERM_STATS = ("loss/policy_avg", "loss/kl_avg")

@@ -39,9 +39,10 @@ from lightning_ppo.microbatches import (
     cut_micro_batches,
     minibatch_stats,
     plan_minibatch,
+    weighted,
 )
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
-from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
+from lightning_ppo.optim import grad_norm, is_finite, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.preflight import check_precision, check_sequence_fits, response_budget
 from lightning_ppo.quiet import silence_intended_warnings
 from lightning_ppo.resume import check_resumable
@@ -379,14 +380,17 @@ class PPOLightningModule(LightningModule):
         stats.update(engine_mismatch(self.generation_config, rollout, forwards.logprobs))
         if self.episode_runner is not None:
             stats.update(self.episode_runner.metrics(reduce))
-        # the iteration's one host read of what the host decides on; the logged stats stay tensors
-        host = HostView.read(stats, stepped, raw, exp.kl.sum(1), scores.shaped, ~scores.dropped)
+        # the iteration's one host read: what the host decides on and what it logs
+        host = HostView.read(
+            stats, stepped, raw, exp.kl.sum(1), scores.shaped, ~scores.dropped, self.mean_over_ranks
+        )
         self._count_skips(host.stepped)
-        stats["objective/scores_smoothed"] = self.smoothed_score.add(host.stats["objective/scores"])
-        stats["kl_coef"] = kl_coef
+        logged = host.logged
+        logged["objective/scores_smoothed"] = self.smoothed_score.add(host.stats["objective/scores"])
+        logged["kl_coef"] = kl_coef
         self.kl_ctl.update(host.stats["objective/kl"], len(batch) * self.trainer.world_size)
         self.heed_guardrails(completions, host)
-        self.log_stats(stats, len(batch))
+        self.log_stats(logged, len(batch))
         shown = completions if self.episode_runner is None else self.episode_runner.transcripts
         self.last_samples = Samples(batch.prompts, shown, host.scores, host.kl, self.scorer.columns)
 
@@ -423,6 +427,14 @@ class PPOLightningModule(LightningModule):
         if self._trainer is None or self.trainer.world_size == 1:
             return None
         return lambda x: self.trainer.strategy.reduce(x.clone(), reduce_op="sum")
+
+    @property
+    def mean_over_ranks(self) -> F.Reduce | None:
+        """Averages a tensor over the data-parallel ranks, as ``log(sync_dist=True)`` averages each
+        logged value (the same reduce of the strategy's); ``None`` in one process."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return None
+        return lambda x: self.trainer.strategy.reduce(x.clone(), reduce_op="mean")
 
     def nothing_to_learn(self, dropped: Tensor) -> bool:
         """Whether every sample of every rank was dropped. Decided together: a rank that skipped alone
@@ -649,7 +661,7 @@ class PPOLightningModule(LightningModule):
             optimizer.step()  # 16-mixed: the grad scaler skips non-finite steps itself
             return torch.ones((), dtype=torch.bool, device=self.device)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        finite = torch.isfinite(grad_norm(params, self.ppo.max_grad_norm))
+        finite = is_finite(grad_norm(params, self.ppo.max_grad_norm))
         inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
         if skips_on_device(inner):
             step_unless_nonfinite(inner, optimizer.step, finite)
@@ -673,7 +685,7 @@ class PPOLightningModule(LightningModule):
         """Clipped policy loss (+ vf_coef x value loss, + kl_coef x KL, - entropy_coef x entropy), each
         term weighed by the micro-batch's ``share`` of its minibatch (lightning_ppo.microbatches)."""
         length = mb.response_ids.shape[1]
-        mask = mb.response_mask
+        mask = F.TokenMask.of(mb.response_mask)  # shared by every mean below
         logits, values = self.roles.policy_forward(mb.input_ids, mb.attention_mask, mb.position_ids, length)
         logprobs = self.token_logprobs(logits, mb.response_ids)
         clip, aggregate = self.ppo.clip_bounds, self.loss_aggregation
@@ -681,7 +693,7 @@ class PPOLightningModule(LightningModule):
             logprobs, mb.logprobs, mb.advantages, mask, clip, self.ppo.dual_clip, mb.is_weights, aggregate
         )
         policy_share = share.of_policy_term(aggregate.mode)
-        loss = pg.loss * policy_share
+        loss = weighted(pg.loss, policy_share)
         stats = {
             "policy/approxkl_avg": pg.approx_kl,
             "policy/clipfrac_avg": pg.clipfrac,
@@ -691,16 +703,16 @@ class PPOLightningModule(LightningModule):
         if self.ppo.entropy_coef > 0:
             # A vocabulary-wide softmax per token: only paid for when it is a loss term
             # (objective/entropy reports the rollout policy's entropy every iteration anyway).
-            entropy = F.masked_mean(self.token_entropy(logits), mask)
-            loss = loss - self.ppo.entropy_coef * entropy * share.tokens
+            entropy = mask.mean(self.token_entropy(logits))
+            loss = loss - weighted(self.ppo.entropy_coef * entropy, share.tokens)
             stats["policy/entropy_avg"] = entropy.detach()
         if self.ppo.kl_placement == "loss":
             kl = aggregate(F.kl_penalty(logprobs, mb.ref_logprobs, self.ppo.kl_estimator), mask)
-            loss = loss + self.kl_ctl.value * kl * policy_share
+            loss = loss + weighted(self.kl_ctl.value * kl, policy_share)
             stats["loss/kl_avg"] = kl.detach()
         if values is not None:
             vf = F.value_loss(values, mb.values, mb.returns, mask, self.ppo.value_clip_range)
-            loss = loss + self.ppo.vf_coef * vf.loss * share.tokens
+            loss = loss + weighted(self.ppo.vf_coef * vf.loss, share.tokens)
             stats["loss/value_avg"] = vf.loss.detach()
             stats["val/clipfrac_avg"] = vf.clipfrac
         return loss, stats
@@ -724,8 +736,9 @@ class PPOLightningModule(LightningModule):
         return block() if block is not None else nullcontext()
 
     # ----------------------------------------------------------------- logging
-    def log_stats(self, stats: dict[str, Tensor | float], batch_size: int) -> None:
-        # Plain floats: Lightning puts them on the module's device, so sync_dist works on GPUs too.
+    def log_stats(self, stats: dict[str, float], batch_size: int) -> None:
+        # Plain floats, already averaged over the ranks where they differ (HostView: one collective
+        # for all, not one per value) and the same on every rank: nothing left to sync.
         stats["lr"] = float(self.optimizers().param_groups[0]["lr"])
         stats["episode"] = float(self.episodes)
         stats["iteration"] = float(self.iteration)
@@ -733,9 +746,9 @@ class PPOLightningModule(LightningModule):
         shown = {k: v for k, v in stats.items() if k in progress}
         rest = {k: v for k, v in stats.items() if k not in progress}
         self.log_dict(
-            shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True
+            shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=False
         )
-        self.log_dict(rest, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True)
+        self.log_dict(rest, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=False)
 
     # ----------------------------------------------------------------- optimizers, checkpoints
     def configure_optimizers(self) -> Any:

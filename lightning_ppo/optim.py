@@ -77,6 +77,12 @@ def step_unless_nonfinite(optimizer: Optimizer, step: Callable[[], Any], finite:
         del optimizer.found_inf
 
 
+def is_finite(x: torch.Tensor) -> torch.Tensor:
+    """``torch.isfinite(x)`` in two ops instead of four (abs, ne, eq, mul): ``x - x`` is exactly 0
+    for every finite float and NaN for inf and NaN. Called once per optimizer step."""
+    return (x - x) == 0
+
+
 def grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
     """The total gradient norm (a device scalar), clipping to ``max_norm`` when one is given.
 

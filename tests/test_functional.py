@@ -17,6 +17,28 @@ def test_masked_mean_ignores_garbage_in_padding():
     assert F.masked_mean(x, mask, dim=1).tolist() == pytest.approx([2.0, 5.0])
 
 
+@pytest.mark.parametrize("ones", [0, 1, 2, 17], ids=["empty", "one", "two", "many"])
+def test_a_token_mask_gives_the_means_of_the_plain_mask_bit_for_bit(ones):
+    """TokenMask shares one complement and count between means; every statistic must be unchanged."""
+    gen = torch.Generator().manual_seed(ones)
+    x = torch.randn(4, 6, generator=gen)
+    mask = torch.zeros(24, dtype=torch.bool)
+    mask[torch.randperm(24, generator=gen)[:ones]] = True
+    mask = mask.reshape(4, 6)
+    x[~mask] = float("nan")  # padding garbage stays out either way
+    tokens = F.TokenMask.of(mask)
+
+    def same(a, b):
+        assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all()), (a, b)
+
+    same(tokens.mean(x), F.masked_mean(x, mask))
+    same(F.masked_mean(x, tokens), F.masked_mean(x, mask))
+    for unbiased in (True, False):
+        same(F.masked_var(x, tokens, unbiased), F.masked_var(x, mask.clone(), unbiased))
+    same(F.masked_whiten(x, tokens), F.masked_whiten(x, mask))
+    same(F.explained_variance(x, x * 2, tokens), F.explained_variance(x, x * 2, mask))
+
+
 def test_masked_var_unbiased_and_biased():
     x = torch.tensor([1.0, 2.0, 3.0, 100.0])
     mask = torch.tensor([True, True, True, False])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_ppo.experience import Experience
-from lightning_ppo.metrics import experience_metrics, score_metrics
+from lightning_ppo.metrics import HOST_STATS, OVER_RANKS, HostView, experience_metrics, score_metrics
 
 
 def _experience() -> Experience:
@@ -74,3 +74,36 @@ def test_score_metrics_report_the_raw_scores_of_the_kept_samples():
     assert m["objective/scores_normalized"] == pytest.approx(0.0)
     assert m["reward/dropped"] == 1.0
     assert "objective/scores_normalized" not in score_metrics(raw, shaped, dropped, shaping=False)
+
+
+def test_the_host_view_logs_every_statistic_averaged_over_ranks_in_one_reduce_and_decides_on_its_own():
+    """One collective for every logged value (a stand-in for the strategy's mean: two ranks, the other
+    rank's values 1 higher); statistics computed over every rank already are logged as they are, and
+    what the host decides on stays this rank's."""
+    stats = {name: torch.tensor(float(i)) for i, name in enumerate(HOST_STATS)}
+    stats["returns/mean"] = torch.tensor(0.25)
+    calls = []
+
+    def mean(x):
+        calls.append(x.clone())
+        return (x + (x + 1)) / 2
+
+    host = HostView.read(
+        stats,
+        torch.tensor([True, False]),
+        torch.tensor([1.0, 3.0]),
+        torch.tensor([0.5, 0.0]),
+        torch.tensor([1.0, 3.0]),
+        torch.tensor([True, True]),
+        mean,
+    )
+    assert len(calls) == 1 and len(calls[0]) == sum(name not in OVER_RANKS for name in stats)
+    assert list(host.logged) == list(stats)  # in the order they were computed
+    for i, name in enumerate(HOST_STATS):
+        assert host.stats[name] == float(i)
+        assert host.logged[name] == (float(i) if name in OVER_RANKS else i + 0.5)
+    assert host.logged["returns/mean"] == 0.75
+    assert host.stepped == [True, False] and host.scores == [1.0, 3.0] and host.kl == [0.5, 0.0]
+    assert host.scores_std == 1.0
+    alone = HostView.read(stats, torch.tensor([True]), *[torch.tensor([2.0])] * 3, torch.tensor([True]))
+    assert alone.logged == {name: float(value) for name, value in stats.items()} and alone.scores_std is None

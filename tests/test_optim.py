@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_ppo.models import load_causal_lm, load_config
-from lightning_ppo.optim import grad_norm, prefer_fused, skips_on_device, step_unless_nonfinite
+from lightning_ppo.optim import grad_norm, is_finite, prefer_fused, skips_on_device, step_unless_nonfinite
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -86,3 +87,10 @@ def test_gpt2_runs_the_fused_gelu_with_the_same_outputs(tiny_gpt2):
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
     with torch.no_grad():
         torch.testing.assert_close(ours(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_is_finite_agrees_with_torch_isfinite(dtype):
+    values = [0.0, -0.0, 1e-45, 1e-8, 3e38, -3e38, 65504.0, float("inf"), float("-inf"), float("nan")]
+    x = torch.tensor(values, dtype=torch.float32).to(dtype)
+    assert torch.equal(is_finite(x), torch.isfinite(x))
