@@ -485,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 print("other processes needed the cores this run used: running it again", flush=True)
             dones.append(done)
+            write_results(out, dones, flops)  # after every run: a stopped benchmark keeps what it ran
     load_end = os.getloadavg()
     facts = [
         f"started {started}; command: `{' '.join(['python -m benchmarks.bench', *argv])}`",
@@ -498,6 +499,13 @@ def main(argv: list[str] | None = None) -> int:
     text = report.render(dones, s, flops, facts)
     print("\n" + text)
     (out / "report.md").write_text(text)
+    write_results(out, dones, flops)
+    print(f"report written to {out / 'report.md'}")
+    return 1 if any(d.result.error for d in dones if d.job.spec.variant != "trl") else 0
+
+
+def write_results(out: Path, dones: list[report.Done], flops: report.Flops) -> None:
+    """Every run's raw result, its wall time and MFU, as ``results.json``."""
     records = [
         {
             "group": d.job.group,
@@ -509,8 +517,6 @@ def main(argv: list[str] | None = None) -> int:
         for d in dones
     ]
     (out / "results.json").write_text(json.dumps(records, indent=1))
-    print(f"report written to {out / 'report.md'}")
-    return 1 if any(d.result.error for d in dones if d.job.spec.variant != "trl") else 0
 
 
 if __name__ == "__main__":

@@ -4,15 +4,15 @@
     python -m benchmarks.gpu_check --out runs/gpu-check --budget 480
 
 Runs with the interpreter it is given, as it is: no venv, no downloads (a GPU machine may be
-offline). Four stages, each given a share of ``--budget`` seconds and skipped, saying so, when
+offline). Three stages, each given a share of ``--budget`` seconds and skipped, saying so, when
 too little is left:
 
-1. the GPU-only tests (``tests/test_gpu.py``: every model family under every precision, LoRA);
-2. the quickstart on ``cuda`` as configured (fp32, ``--quickstart-iterations``), beside every other
-   example config for a few iterations in bf16-mixed, all at once (tiny models);
-3. the benchmark's CUDA table: llama-0.5b, bf16-mixed, batch 64 x 32 new tokens: lightning_ppo
-   eager (and compiled, where the benchmark has that variant), the floor and TRL (if importable);
-4. the same at batch 256 x 256 new tokens: lightning_ppo and the floor.
+1. side by side (tiny models, untimed): the GPU-only tests (``tests/test_gpu.py``: every model family
+   under every precision, LoRA), and the quickstart on ``cuda`` as configured (fp32,
+   ``--quickstart-iterations``) beside every other example config for a few iterations in bf16-mixed;
+2. the benchmark's CUDA table: llama-0.5b, bf16-mixed, batch 64 x 32 new tokens: lightning_ppo
+   eager, compiled and with the dynamic generation cache, the floor and TRL (if importable);
+3. the same at batch 256 x 256 new tokens: lightning_ppo and the floor.
 
 ``--accelerator cpu`` runs the same stages on the CPU (the benchmark on a tiny Llama), to try the
 check itself where no GPU is at hand. It ends with one table (s / iteration, peak GPU memory, peak
@@ -30,6 +30,7 @@ import resource
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ TINY = {
     "tiny-reward": ["--kind", "reward", "--alphabet", "0123456789=", "--seed", "1"],
     "tiny-chars": [],
 }
-MAIN_VARIANTS = ("lightning_ppo", "lightning_ppo_compiled", "floor", "trl")
+MAIN_VARIANTS = ("lightning_ppo", "lightning_ppo_compiled", "lightning_ppo_dynamic", "floor", "trl")
 LONG_VARIANTS = ("lightning_ppo", "floor")
 # the benchmark's stages on the CPU: a tiny Llama, one thread, small batches (these flags come last: they win)
 CPU_TRIAL = ["--device", "cpu", "--configs", "tiny-llama", "--precisions", "bf16-mixed", "--threads", "1"]
@@ -219,7 +220,7 @@ def bench(out: Path, name: str, timeout: float, variants: tuple[str, ...], extra
     """One benchmark table (``benchmarks.bench``), its runs as rows."""
     from benchmarks import report
 
-    known = [v for v in variants if v in (*report.VARIANTS, report.DYNAMIC)]
+    known = [v for v in variants if v in (*report.VARIANTS, report.DYNAMIC, report.COMPILED)]
     folder = out / name
     command = [sys.executable, "-m", "benchmarks.bench", "--rounds", "1"]
     command += ["--no-scaling", "--no-variable", "--no-count-ops", "--variants", ",".join(known)]
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     facts = [f"gpu-check {time.strftime('%Y-%m-%d %H:%M %Z')}: {versions(args.accelerator)}"]
     print(facts[0], flush=True)
-    shares = [("tests", 0.15), ("configs", 0.2), ("bench-64x32", 0.4), ("bench-256x256", 0.25)]
+    shares = [("checks", 0.25), ("bench-64x32", 0.5), ("bench-256x256", 0.25)]
     lines: list[Line] = []
     for stage, share in shares:
         left = args.budget - (time.monotonic() - start)
@@ -308,13 +309,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_stage(stage: str, out: Path, allowed: float, args: argparse.Namespace) -> list[Line]:
-    if stage == "tests":
-        return gpu_tests(out, allowed)
-    if stage == "configs":
-        return configs(out, allowed, args)
+    if stage == "checks":  # the tests and the configs side by side: tiny models, untimed
+        with ThreadPoolExecutor(2) as pool:
+            tests = pool.submit(gpu_tests, out, allowed)
+            lines = configs(out, allowed, args)
+            return tests.result() + lines
     device = ["--device", "cuda"] if args.accelerator == "cuda" else CPU_TRIAL
     if stage == "bench-64x32":
-        return bench(out, stage, allowed, MAIN_VARIANTS, ["--iterations", "4", *device])
+        return bench(out, stage, allowed, MAIN_VARIANTS, ["--iterations", "3", *device])
     long = ["--iterations", "3", "--batch-size", "256", "--response-length", "256"]
     return bench(out, stage, allowed, LONG_VARIANTS, [*long, *device])
 
