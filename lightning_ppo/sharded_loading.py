@@ -240,18 +240,40 @@ def load_deferred(module: nn.Module, roles: list[nn.Module], device: torch.devic
 
 def _materialise(role: nn.Module, device: torch.device) -> None:
     """``to_empty`` (from the role's root, so that FSDP2 re-registers its shards), then the real
-    tensors' values back: references suffice, ``to_empty`` swaps new tensors in."""
+    tensors' values back. Aliases (``detach``) suffice: ``to_empty`` gives a parameter new storage,
+    either as a new tensor or, between devices of one kind, by swapping its ``.data`` in place."""
     kept = {
-        name: (t.to_local() if isinstance(t, DTensor) else t)
+        name: (t.to_local() if isinstance(t, DTensor) else t).detach()
         for name, t in [*role.named_parameters(), *role.named_buffers()]
         if not t.is_meta
     }
+    tied = _tied_names(role)
     role.to_empty(device=device)
+    _retie(role, tied)
     now = {**dict(role.named_parameters()), **dict(role.named_buffers())}
     with torch.no_grad():
         for name, old in kept.items():
             new = now[name]
             (new.to_local() if isinstance(new, DTensor) else new).copy_(old)
+
+
+def _tied_names(role: nn.Module) -> list[list[str]]:
+    """The names of each parameter that is registered under several (a tied embedding and LM head)."""
+    names: dict[int, list[str]] = {}
+    for name, param in role.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _retie(role: nn.Module, tied: list[list[str]]) -> None:
+    """Tie again what ``to_empty`` untied: moving off the meta device gives each registration a new
+    parameter (no shallow copy between meta and a real device), one of which the read would miss."""
+    for first, *others in tied:
+        param = role.get_parameter(first)
+        for name in others:
+            parent, _, attr = name.rpartition(".")
+            if role.get_parameter(name) is not param:
+                setattr(role.get_submodule(parent), attr, param)
 
 
 def shard_rows(param: Tensor) -> tuple[int, int]:
@@ -278,7 +300,8 @@ def _read_shard(param: Tensor, source: TensorSource) -> None:
         )
     row_bytes = math.prod(source.shape[1:]) * source.dtype.itemsize
     direct = local.dtype == source.dtype and local.device.type == "cpu" and local.is_contiguous()
-    target = local if direct else torch.empty(local.shape, dtype=source.dtype)
+    # On the host whatever the default device: configure_model runs under the strategy's device context.
+    target = local if direct else torch.empty(local.shape, dtype=source.dtype, device="cpu")
     buffer = memoryview(target.detach().view(-1).view(torch.uint8).numpy())
     with open(source.file, "rb") as f:
         f.seek(source.offset + start * row_bytes)
