@@ -1,12 +1,13 @@
-"""Loading the roles' weights shard by shard under FSDP2, so that no rank holds a whole model.
+"""Loading the roles' weights where they run: whole on one device, or shard by shard under FSDP2, so
+that no rank holds a whole model.
 
-Built inside :func:`deferred_loading` (the CLI does so under ``ModelParallelStrategy``; in Python,
-``with deferred_loading(): module = PPOLightningModule(...)``), every Hugging Face model of the
-module is a skeleton: built from its config with its parameters on the meta device (its buffers,
-computed from the config, are real), remembering where each parameter lies in the checkpoint's
-safetensors files. ``configure_model`` shards the roles as before, then :func:`load_deferred` gives
-each meta parameter memory and reads into it the rows of the file that its rank's shard holds
-(FSDP2 shards dim 0), with plain reads at file offsets: each rank reads 1/N of every file and never
+Built inside :func:`deferred_loading` (``PPOLightningModule`` builds its roles so under every
+strategy: lightning_ppo.placement), every Hugging Face model of the module is a skeleton: built from
+its config with its parameters on the meta device (its buffers, computed from the config, are real),
+remembering where each parameter lies in the checkpoint's safetensors files. ``configure_model``
+shards the roles under FSDP2, then :func:`load_deferred` gives each meta parameter memory on the
+root device and reads into it the rows of the file that its rank's shard holds (FSDP2 shards dim 0;
+elsewhere every row), with plain reads at file offsets: each rank reads 1/N of every file and never
 maps a whole one. Everything built for real (value heads, LoRA adapters, buffers) keeps its value,
 so the weights are those a whole ``from_pretrained`` gives.
 
