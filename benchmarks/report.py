@@ -254,6 +254,12 @@ def ratio(a: Row | None, b: Row | None) -> str:
     return f"{a.seconds / b.seconds:.2f}"
 
 
+def rss_ratio(a: Row | None, b: Row | None) -> str:
+    if a is None or b is None or a.error or b.error:
+        return "n/a"
+    return f"{a.peak_rss_mib / b.peak_rss_mib:.2f}"
+
+
 def ratios_table(rows: dict[tuple, Row], s: Any) -> str:
     body = []
     for preset in s.configs.split(","):
@@ -272,13 +278,15 @@ def ratios_table(rows: dict[tuple, Row], s: Any) -> str:
                     ratio(trl, floor),
                     ratio(lit, trl_fp32),
                     ratio(shared, trl_fp32),
+                    rss_ratio(lit, floor),
                 ]
             )
     header = ["model", "precision", "lightning_ppo / floor", "lightning_ppo / TRL", "TRL / floor"]
-    header += ["lightning_ppo / TRL fp32", "shared / TRL fp32"]
+    header += ["lightning_ppo / TRL fp32", "shared / TRL fp32", "peak RSS lightning_ppo / floor"]
     return table(header, body) + (
         "\n\nRatios of median seconds per iteration: below 1 is faster. `shared` is lightning_ppo "
-        "with `value_model: shared` (one backbone for policy and critic: less work than the others)."
+        "with `value_model: shared` (one backbone for policy and critic: less work than the others). "
+        "The last column compares peak host RSS (the main table's column), not time."
     )
 
 
