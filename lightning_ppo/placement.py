@@ -11,8 +11,8 @@ then overwritten. What cannot be a skeleton (``.bin`` checkpoints, renamed keys,
 reward model passed in loaded) is loaded whole on the CPU as before and moved by the strategy.
 
 A module used without a Trainer (in Python, in tests) reads its weights onto the CPU the first time
-one of its models is reached (an attribute such as ``module.policy``, ``state_dict``,
-``load_state_dict``, ``.to()``), so it behaves as one built whole.
+one of its models is reached (an attribute such as ``module.policy``, ``parameters()``,
+``state_dict``, ``load_state_dict``, ``.to()``), so it behaves as one built whole.
 """
 
 from __future__ import annotations
@@ -51,13 +51,23 @@ class LoadsWhereItRuns(nn.Module):
     def __getattr__(self, name: str) -> Any:
         # Submodules (roles, reward_model, ...) live in ``_modules`` and are reached through here.
         value = super().__getattr__(name)
-        if self._loads_lazily() and name in self.__dict__["_modules"]:
+        if self._loads_lazily() and name in self.__dict__.get("_modules", {}):
             self.load_weights()
         return value
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
+        # Behind parameters(), named_parameters(), buffers() and modules(): what they yield is real.
+        if self._loads_lazily():
+            self.load_weights()
+        return super().named_modules(*args, **kwargs)
 
     def _apply(self, fn: Callable, recurse: bool = True) -> LoadsWhereItRuns:
         if self._loads_lazily():  # .to()/.cuda()/.double() on meta parameters would fail or do nothing
             self.load_weights()
+        elif self.__dict__.get("_weights_pending", False):
+            # Under a Trainer, before configure_model (a teardown after setup failed): nothing is read
+            # yet to move, and reading it only to move it would waste the time it takes.
+            return super()._apply(lambda t: t if t.is_meta else fn(t), recurse)
         return super()._apply(fn, recurse)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -77,20 +77,27 @@ def _weight_bytes(module: torch.nn.Module) -> tuple[int, int]:
     return total, max(t.numel() * 4 for t in tensors.values())
 
 
+def _as_built(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters, found without ``module.named_parameters()``: without a Trainer that reads them."""
+    modules = torch.nn.Module.named_modules(module)
+    return [(f"{m}.{n}", p) for m, sub in modules for n, p in sub._parameters.items() if p is not None]
+
+
 def test_roles_are_read_once_onto_the_root_device_in_their_final_dtype(tiny_llama, tiny_reward, tmp_path):
     memory = RealFloatMemory()
     with memory:
         module = _module(tiny_llama, tiny_reward)
     real = [
-        n
-        for n, p in module.named_parameters()
-        if not p.is_meta and not n.endswith(("v_head.weight", "v_head.bias"))
+        n for n, p in _as_built(module) if not p.is_meta and not n.endswith(("v_head.weight", "v_head.bias"))
     ]
     assert real == []  # nothing read yet: policy, reference, critic backbone and reward model are skeletons
+    built_peak = memory.peak
     with memory:
         quiet_trainer(tmp_path, iterations=0).fit(module, datamodule=prompt_data())  # configure_model reads
     assert memory.initialised == []
     total, largest = _weight_bytes(module)
+    # Building allocated each parameter for a moment, one at a time, before moving it to the meta device.
+    assert built_peak <= 2 * largest, (built_peak, largest)
     # Every weight held once, plus one host buffer at a time for a tensor read in another dtype
     # (the bf16 frozen roles from fp32 files); a second copy of any role would add its whole size.
     assert memory.peak <= total + 2 * largest, (memory.peak, total, largest)
@@ -104,8 +111,8 @@ def test_roles_are_read_once_onto_the_root_device_in_their_final_dtype(tiny_llam
 
 
 def test_without_a_trainer_the_weights_are_read_on_first_use(tiny_llama, tiny_reward):
+    """As built whole: every role real on the CPU, the weights ``from_pretrained`` gives."""
     module = _module(tiny_llama, tiny_reward)
-    assert any(p.is_meta for p in module.parameters())
     policy = module.policy  # the first model reached reads every role
     assert not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
     expected = {
