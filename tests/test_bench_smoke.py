@@ -35,14 +35,16 @@ def test_quick_benchmark_reports_positive_numbers(tmp_path, capsys):
         assert result["peak_rss_mib"] > 0 and result["response_width"] == 8
 
     rows = _table_rows(report, "tiny")
-    variants = {row[2] for row in rows if len(row) == 8}
-    assert variants == {"lightning_ppo", "floor", "lightning_ppo_shared"}
-    for row in (r for r in rows if len(r) == 8):
+    names = {"lightning_ppo", "floor", "lightning_ppo_shared"}
+    main = [row for row in rows if len(row) == 8 and row[2] in names]
+    assert {row[2] for row in main} == names
+    for row in main:
         seconds, episodes, tokens, rss = (float(cell) for cell in row[3:7])
         assert min(seconds, episodes, tokens, rss) > 0
-    ratios = [row for row in rows if len(row) == 7][0]
+    ratios = [row for row in rows if len(row) == 8 and row[2] not in names][0]
     assert float(ratios[2]) > 0  # lightning_ppo / floor
     assert ratios[6] == "n/a"  # shared / TRL fp32: the quick run has no TRL
+    assert float(ratios[7]) > 0  # peak RSS lightning_ppo / floor
 
     # the variable-length workload: the same scheduled lengths in every variant, padding left out
     variable = {r["spec"]["variant"]: r for r in records if r["group"] == "variable"}
