@@ -289,6 +289,12 @@ def ops_ratio(counts: dict[tuple, Counts], a: tuple, b: tuple) -> str:
     return f"{counts[a].ops / counts[b].ops:.2f}"
 
 
+def rss_ratio(a: Row | None, b: Row | None) -> str:
+    if a is None or b is None or a.error or b.error:
+        return "n/a"
+    return f"{a.peak_rss_mib / b.peak_rss_mib:.2f}"
+
+
 def ratios_table(rows: dict[tuple, Row], s: Any, counts: dict[tuple, Counts] | None = None) -> str:
     counts = counts or {}
     body = []
@@ -310,14 +316,17 @@ def ratios_table(rows: dict[tuple, Row], s: Any, counts: dict[tuple, Counts] | N
                     ratio(lit, trl_fp32),
                     ratio(shared, trl_fp32),
                     ops_ratio(counts, key("lightning_ppo"), key("floor")),
+                    rss_ratio(lit, floor),
                 ]
             )
     header = ["model", "precision", "lightning_ppo / floor", "lightning_ppo / TRL", "TRL / floor"]
     header += ["lightning_ppo / TRL fp32", "shared / TRL fp32", "aten ops: lightning_ppo / floor"]
+    header += ["peak RSS lightning_ppo / floor"]
     return table(header, body) + (
         "\n\nRatios of median seconds per iteration: below 1 is faster. `shared` is lightning_ppo "
         "with `value_model: shared` (one backbone for policy and critic: less work than the others). "
-        "`aten ops`: the ratio of aten ops dispatched per iteration (each a kernel launch on a GPU)."
+        "`aten ops`: the ratio of aten ops dispatched per iteration (each a kernel launch on a GPU). "
+        "The last column compares peak host RSS (the main table's column), not time."
     )
 
 

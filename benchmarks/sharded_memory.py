@@ -9,10 +9,10 @@ Reported per rank, from the tensors each rank actually holds (a DTensor counts i
 parameters (trained + frozen), gradients (one per trained parameter, alive during the backward
 pass), AdamW state, their sum, the process's peak RSS and its RSS after training; and the seconds
 per PPO iteration after a warm-up iteration (medians over the timed iterations, the slower rank).
-FSDP2 builds the module inside ``deferred_loading()``, as the CLI does: each rank reads only its
-shards of the checkpoints (the setting "loaded whole": every rank loads them whole first, as
-before). Its policy stays gathered through each generation (the setting "gather_for_generation
-false": not). ``--settings`` picks the rows (default: one process, DDP, FSDP2). Threads:
+Every setting builds the roles empty and reads them in ``configure_model`` (lightning_ppo.placement):
+under FSDP2 each rank reads only its shards of the checkpoints. FSDP2's policy stays gathered
+through each generation (the setting "gather_for_generation false": not). ``--settings`` picks the
+rows (default: one process, DDP, FSDP2). Threads:
 ``OMP_NUM_THREADS`` = CPU cores / ranks in every setting.
 """
 
@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 from benchmarks import common
@@ -35,8 +34,6 @@ SETTINGS = {
     "1 process": (1, "auto"),
     "DDP, 2 ranks": (2, "ddp"),
     "FSDP2, 2 ranks": (2, "fsdp2"),
-    # every rank loads the four models whole before sharding them (before sharded loading)
-    "FSDP2, 2 ranks, loaded whole": (2, "fsdp2-whole"),
     "FSDP2, 2 ranks, gather_for_generation false": (2, "fsdp2-nogather"),
 }
 MB = 2**20
@@ -62,7 +59,6 @@ def measure(devices: int, strategy: str, policy: str, reward: str, iterations: i
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
-    from lightning_ppo.sharded_loading import deferred_loading
 
     class Timer(pl.Callback):
         def __init__(self) -> None:
@@ -79,15 +75,13 @@ def measure(devices: int, strategy: str, policy: str, reward: str, iterations: i
 
     pl.seed_everything(0)
     gather = strategy != "fsdp2-nogather"
-    # FSDP2 builds the models empty and each rank reads its shards (as the CLI does under FSDP2)
-    with deferred_loading() if strategy in ("fsdp2", "fsdp2-nogather") else nullcontext():
-        module = PPOLightningModule(
-            policy=policy,
-            reward_model=reward,
-            value=policy,
-            ppo=PPOConfig(ppo_epochs=1, num_minibatches=1),
-            generation=GenerationConfig(max_new_tokens=8, gather_for_generation=gather),
-        )
+    module = PPOLightningModule(
+        policy=policy,
+        reward_model=reward,
+        value=policy,
+        ppo=PPOConfig(ppo_epochs=1, num_minibatches=1),
+        generation=GenerationConfig(max_new_tokens=8, gather_for_generation=gather),
+    )
     if strategy.startswith("fsdp2"):
         strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
     timer = Timer()

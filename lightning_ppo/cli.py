@@ -9,7 +9,6 @@ import argparse
 import os
 import sys
 from argparse import ArgumentError
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +32,7 @@ from lightning_ppo.quiet import silence_intended_warnings
 from lightning_ppo.roles import LoraSettings
 from lightning_ppo.run_length import check_step_limit
 from lightning_ppo.samples import find_latest_samples, format_samples, read_samples
-from lightning_ppo.sharded_loading import deferred_loading
-from lightning_ppo.sharding import names_model_parallel, reject_fsdp1
+from lightning_ppo.sharding import reject_fsdp1
 from lightning_ppo.tasks.tiny import ARCHS, DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
 from lightning_ppo.typos import suggestion
 from lightning_ppo.writable import check_configured_folders, class_configs
@@ -101,14 +99,6 @@ class PPOLightningCLI(LightningCLI):
         if ppo is not None and data.get("batch_size") is not None:
             ppo.check_batch_size(data["batch_size"])
         check_run_inputs(model, data)
-
-    def instantiate_classes(self) -> None:
-        """Under FSDP2 the models are built empty and each rank reads only its shards when the module
-        shards itself (``lightning_ppo.sharded_loading``): no rank holds the whole models."""
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        sharded = names_model_parallel(config.get("trainer.strategy"))
-        with deferred_loading() if sharded else nullcontext():
-            super().instantiate_classes()
 
     def before_fit(self) -> None:
         """``--ckpt_path last`` with no checkpoint on disk starts a new run, saying so in one line.

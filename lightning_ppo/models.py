@@ -74,9 +74,10 @@ def load_pretrained(
     deferrable: bool = True,
 ) -> tuple[PreTrainedModel, list[str]]:
     """``auto_class.from_pretrained`` and the parameters its checkpoint lacked (transformers initialises
-    them at random). Inside ``deferred_loading()`` (FSDP2) a skeleton instead, whose weights each rank
-    reads as its shards once sharded (lightning_ppo.sharded_loading), unless ``deferrable`` is off or
-    the checkpoint is not plain safetensors holding every parameter: then whole, as without it.
+    them at random). Inside ``deferred_loading()`` (``PPOLightningModule.__init__``) a skeleton
+    instead, whose weights are read on the device it runs on (each rank its shards under FSDP2:
+    lightning_ppo.sharded_loading), unless ``deferrable`` is off or the checkpoint is not plain
+    safetensors holding every parameter: then whole, as without it.
 
     ``dtype`` None means fp32, not the checkpoint's own: transformers 5 loads a checkpoint in the
     dtype it was saved in, and hub models are saved in bf16, so a policy would train in bf16

@@ -43,6 +43,7 @@ from lightning_ppo.microbatches import (
 )
 from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.optim import grad_norm, is_finite, prefer_fused, skips_on_device, step_unless_nonfinite
+from lightning_ppo.placement import LoadsWhereItRuns
 from lightning_ppo.preflight import check_precision, check_sequence_fits, response_budget
 from lightning_ppo.quiet import silence_intended_warnings
 from lightning_ppo.resume import check_resumable
@@ -62,7 +63,6 @@ from lightning_ppo.row_groups import forward_groups
 from lightning_ppo.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.scoring import Scorer
 from lightning_ppo.sharded_checkpoint import install_sharded_checkpointing
-from lightning_ppo.sharded_loading import load_deferred
 from lightning_ppo.sharding import (
     as_many_on_every_rank,
     data_parallel_mesh,
@@ -73,7 +73,6 @@ from lightning_ppo.sharding import (
     no_gradient_sync,
     reject_fsdp1,
     reshard,
-    role_models,
     shard_roles,
     uses_model_parallel,
 )
@@ -109,7 +108,7 @@ class RolloutForwards:
     entropy: Tensor
 
 
-class PPOLightningModule(LightningModule):
+class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     """PPO (and GRPO, RLOO, REINFORCE++) for RLHF of a Hugging Face causal LM.
 
     Rewards: override :meth:`score` in a subclass, or configure ``reward_fn`` and/or ``reward_model``.
@@ -235,32 +234,34 @@ class PPOLightningModule(LightningModule):
         self.episode_runner = make_episode_runner(
             environment, tools, episode, self.tokenizer, generation.stop_token, seed
         )
-        self.reward_model = (
-            RewardModel.from_pretrained(
-                reward_model,
-                self.tokenizer,
-                reward_tokenizer,
-                trust_remote_code,
-                reward_chat_template,
-                frozen_dtype,
+        # Skeletons where they can be: configure_model reads their weights on the device they run on.
+        with self.building_roles():
+            self.reward_model = (
+                RewardModel.from_pretrained(
+                    reward_model,
+                    self.tokenizer,
+                    reward_tokenizer,
+                    trust_remote_code,
+                    reward_chat_template,
+                    frozen_dtype,
+                )
+                if reward_model
+                else None
             )
-            if reward_model
-            else None
-        )
-        load_reward_models(self.reward_calls, self.tokenizer, trust_remote_code, frozen_dtype)
-        for i, call in enumerate(self.reward_calls):  # children, as reward_model: moved, frozen, sharded
-            if call.model is not None:
-                self.add_module(f"reward_fn_{i}", call.model)  # by its place in the reward_fn list
-        self.roles = Roles(
-            policy,
-            reference=reference,
-            value=value or self._default_critic_source(policy, reward_model),
-            value_model=value_model if ppo.uses_critic else None,
-            lora=lora,
-            frozen_dtype=frozen_dtype,
-            gradient_checkpointing=gradient_checkpointing,
-            trust_remote_code=trust_remote_code,
-        )
+            load_reward_models(self.reward_calls, self.tokenizer, trust_remote_code, frozen_dtype)
+            for i, call in enumerate(self.reward_calls):  # children, as reward_model: moved, frozen, sharded
+                if call.model is not None:
+                    self.add_module(f"reward_fn_{i}", call.model)  # by its place in the reward_fn list
+            self.roles = Roles(
+                policy,
+                reference=reference,
+                value=value or self._default_critic_source(policy, reward_model),
+                value_model=value_model if ppo.uses_critic else None,
+                lora=lora,
+                frozen_dtype=frozen_dtype,
+                gradient_checkpointing=gradient_checkpointing,
+                trust_remote_code=trust_remote_code,
+            )
         self.reward_adapter = None
         if reward_adapter is not None:
             if lora is None:
@@ -341,8 +342,9 @@ class PPOLightningModule(LightningModule):
         if uses_model_parallel(self.trainer.strategy) and not is_sharded(self):
             mesh = data_parallel_mesh(self.device_mesh)
             shard_roles(self, mesh, mixed_precision_policy(str(self.trainer.precision)))
-        # Models built in deferred_loading() (the CLI's under FSDP2) read their weights: each rank its shards.
-        load_deferred(self, role_models(self), self.trainer.strategy.root_device)
+        # The roles built as skeletons read their weights onto the device they run on (FSDP2: each rank
+        # its shards), in their final dtype (lightning_ppo.placement).
+        self.load_weights(self.trainer.strategy.root_device)
 
     # ----------------------------------------------------------------- the PPO iteration
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:

@@ -54,12 +54,6 @@ def reject_fsdp1(strategy: Strategy | str | Any) -> None:
         raise UsageError(FSDP1_ERROR)
 
 
-def names_model_parallel(strategy: Strategy | str | Any) -> bool:
-    """Whether a configured ``trainer.strategy`` (an instance, a class or a class_path spec) is
-    ``ModelParallelStrategy``: the CLI then builds the module's models for sharded loading."""
-    return not isinstance(strategy, str) and issubclass(_strategy_class(strategy), ModelParallelStrategy)
-
-
 def _strategy_class(strategy: Any) -> type:
     class_path = getattr(strategy, "class_path", None)
     if isinstance(class_path, str) and "." in class_path:

@@ -40,17 +40,19 @@ def test_quick_benchmark_reports_positive_numbers(tmp_path, capsys):
     assert all(len(r["ops"]) == 2 and r["ops"][1] > 0 and r["host_reads"][1] > 0 for r in counted)
 
     rows = _table_rows(report, "tiny")
-    variants = {row[2] for row in rows if len(row) == 10}
-    assert variants == {"lightning_ppo", "floor", "lightning_ppo_shared"}
-    for row in (r for r in rows if len(r) == 10):
+    names = {"lightning_ppo", "floor", "lightning_ppo_shared"}
+    main = [row for row in rows if len(row) == 10 and row[2] in names]
+    assert {row[2] for row in main} == names
+    for row in main:
         seconds, episodes, tokens, rss = (float(cell) for cell in row[3:7])
         assert min(seconds, episodes, tokens, rss) > 0
         ops, reads = float(row[8].replace(",", "")), float(row[9])
         assert ops > 0 and reads > 0
-    ratios = [row for row in rows if len(row) == 8][0]
+    ratios = [row for row in rows if len(row) == 9][0]
     assert float(ratios[2]) > 0  # lightning_ppo / floor
     assert ratios[6] == "n/a"  # shared / TRL fp32: the quick run has no TRL
     assert float(ratios[7]) > 0  # aten ops: lightning_ppo / floor
+    assert float(ratios[8]) > 0  # peak RSS lightning_ppo / floor
 
     # the variable-length workload: the same scheduled lengths in every variant, padding left out
     variable = {r["spec"]["variant"]: r for r in records if r["group"] == "variable"}
