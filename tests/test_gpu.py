@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from tests.test_precision import PRECISIONS, check_trained, checkpoints, fit  # noqa: F401 (a fixture)
 
@@ -16,12 +17,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+class WhereTheWeightsTrain(Callback):
+    """The devices of the module's weights while it trains (the Trainer moves it to the CPU after)."""
+
+    devices: set[str] = set()
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.devices = {p.device.type for p in pl_module.parameters()}
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "mistral"])
 def test_every_family_generates_and_trains_on_cuda_under_every_precision(checkpoints, arch, precision):  # noqa: F811
-    module, trainer, metrics = fit(checkpoints[arch], precision, accelerator="cuda")
+    where = WhereTheWeightsTrain()
+    module, trainer, metrics = fit(checkpoints[arch], precision, accelerator="cuda", callbacks=[where])
     check_trained(module, trainer, metrics, precision)
-    assert {p.device.type for p in module.parameters()} == {"cuda"}
+    assert where.devices == {"cuda"}
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])

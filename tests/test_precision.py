@@ -37,7 +37,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {arch: str(make_tiny_checkpoint(root / arch, TinyModelSpec(arch=arch))) for arch in ARCHS}
 
 
-def fit(policy: str, precision: str, cache: str = "static", lora: bool = False, accelerator="cpu") -> tuple:
+def fit(
+    policy: str, precision: str, cache: str = "static", lora: bool = False, accelerator="cpu", callbacks=()
+) -> tuple:
     module = PPOLightningModule(
         policy,
         reward_fn=CountCharReward(),
@@ -45,7 +47,9 @@ def fit(policy: str, precision: str, cache: str = "static", lora: bool = False, 
         ppo=PPOConfig(ppo_epochs=EPOCHS, num_minibatches=MINIBATCHES),
         generation=GenerationConfig(max_new_tokens=8, cache_implementation=cache),
     )
-    trainer = quiet_trainer("unused", iterations=ITERATIONS, precision=precision, accelerator=accelerator)
+    trainer = quiet_trainer(
+        "unused", iterations=ITERATIONS, precision=precision, accelerator=accelerator, callbacks=callbacks
+    )
     trainer.fit(module, datamodule=prompt_data(4))
     return module, trainer, {k: float(v) for k, v in trainer.callback_metrics.items()}
 
