@@ -115,6 +115,9 @@ class RunResult:
     gc_s: list[float] = field(default_factory=list)  # seconds of garbage collection in each iteration
     phases: list[dict[str, float]] = field(default_factory=list)  # per iteration: phase -> seconds
     peak_rss_mib: float = 0.0
+    # the peak until the last iteration ended: without what the run does after training (Lightning's
+    # teardown moves the module and its optimizer state to the CPU); the whole run's for the others
+    train_rss_mib: float | None = None
     peak_gpu_mib: float | None = None
     response_width: int | None = None  # generated tokens per sequence (the last iteration's)
     device_name: str = ""
@@ -310,9 +313,16 @@ class IterationClock:
 
 
 def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+    """Peak resident set size of this process so far: Linux's VmHWM, the peak of this program's own
+    memory. Not ``ru_maxrss``, which a process started by fork and exec inherits from its parent:
+    every run read at least the benchmark driver's RSS at the fork (4.3 GB after it wrote the
+    llama-0.5b checkpoints), whatever it used itself. Elsewhere ``ru_maxrss`` (macOS: bytes)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmHWM:")[1].split()[0]) / 1024
+    except (OSError, IndexError, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
 def device_name(device: str) -> str:
@@ -329,6 +339,7 @@ def finish(result: RunResult, device: str) -> RunResult:
     import torch
 
     result.peak_rss_mib = peak_rss_mib()
+    result.train_rss_mib = result.train_rss_mib or result.peak_rss_mib
     result.device_name = device_name(device)
     if device.startswith("cuda"):
         result.peak_gpu_mib = torch.cuda.max_memory_allocated() / 2**20

@@ -26,7 +26,7 @@ import argparse
 import json
 import os
 import re
-import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -106,8 +106,8 @@ class IterationTimer(Callback):
 
     def steady(self) -> float | None:
         """The median iteration, the first (warm-up) left out."""
-        counted = sorted(self.seconds[1:] or self.seconds)
-        return counted[len(counted) // 2] if counted else None
+        counted = self.seconds[1:] or self.seconds
+        return statistics.median(counted) if counted else None
 
 
 def run_one(
@@ -116,6 +116,7 @@ def run_one(
     """``lightning-ppo fit`` of one example config on one GPU, in this process; writes what it saw."""
     import torch
 
+    from benchmarks import common
     from lightning_ppo.cli import main
 
     args = ["fit", "--config", config, "--trainer.accelerator", accelerator, "--trainer.devices", "1"]
@@ -137,7 +138,7 @@ def run_one(
         "fit_s": seconds,
         "s_per_it": timer.steady(),
         "gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
-        "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_mib": common.peak_rss_mib(),
         "score": float(metrics["objective/scores"]) if "objective/scores" in metrics else None,
         "eval": float(metrics["eval/scores"]) if "eval/scores" in metrics else None,
     }
@@ -235,9 +236,11 @@ def bench(out: Path, name: str, timeout: float, variants: tuple[str, ...], extra
         if r["group"] != "main":
             continue
         steady = r["iteration_s"][1:] or r["iteration_s"]
-        seconds = sorted(steady)[len(steady) // 2] if steady else None
+        seconds = statistics.median(steady) if steady else None  # as the benchmark's report
         mfu = r.get("mfu")
-        note = r["error"][:120] if r["error"] else (f"MFU {100 * mfu:.1f} %" if mfu is not None else "")
+        note = f"training RSS {r.get('train_rss_mib') or r['peak_rss_mib']:.0f} MiB"
+        note += f", MFU {100 * mfu:.1f} %" if mfu is not None else ""
+        note = r["error"][:120] if r["error"] else note
         status = "FAILED" if r["error"] else "ok"
         spec = r["spec"]
         what = f"{spec['variant']} {spec['preset']} b{spec['batch_size']} x {spec['response_length']}"

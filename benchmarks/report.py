@@ -87,6 +87,7 @@ class Row:
     width: int  # generated tokens per sequence
     device_name: str
     error: str | None = None
+    train_rss_mib: float | None = None  # the peak until training ended (RunResult.train_rss_mib)
 
     @property
     def seconds(self) -> float:
@@ -110,6 +111,7 @@ def merge(dones: list[Done]) -> Row:
         gc_s=[s for r in ok for s in r.gc_s[1:]],
         phases=[p for r in ok for p in r.phases[1:]],
         peak_rss_mib=max(r.peak_rss_mib for r in ok),
+        train_rss_mib=max(r.train_rss_mib or r.peak_rss_mib for r in ok),
         peak_gpu_mib=max(gpu) if gpu else None,
         width=ok[-1].response_width or spec.response_length,
         device_name=ok[-1].device_name,
@@ -247,7 +249,8 @@ def main_table(
 ) -> str:
     counts = counts or {}
     header = ["model", "precision", "variant", "s / iteration", "episodes / s", "gen. tokens / s"]
-    header += ["peak RSS MiB", "gc s / iteration", "aten ops / iteration", "host reads / iteration"]
+    header += ["peak RSS MiB", "training RSS MiB", "gc s / iteration", "aten ops / iteration"]
+    header += ["host reads / iteration"]
     if gpu:
         header += ["peak GPU MiB", "train MFU", "iteration MFU"]
     body = []
@@ -266,6 +269,7 @@ def main_table(
                     fmt(row.spec.batch_size / row.seconds, 1),
                     fmt(row.spec.batch_size * row.width / row.seconds, 0),
                     fmt(row.peak_rss_mib, 0),
+                    fmt(row.train_rss_mib, 0),
                     fmt(statistics.median(row.gc_s) if row.gc_s else None),
                 ]
                 count = counts.get(point_key(row.spec))
@@ -292,7 +296,7 @@ def ops_ratio(counts: dict[tuple, Counts], a: tuple, b: tuple) -> str:
 def rss_ratio(a: Row | None, b: Row | None) -> str:
     if a is None or b is None or a.error or b.error:
         return "n/a"
-    return f"{a.peak_rss_mib / b.peak_rss_mib:.2f}"
+    return f"{a.train_rss_mib / b.train_rss_mib:.2f}"
 
 
 def ratios_table(rows: dict[tuple, Row], s: Any, counts: dict[tuple, Counts] | None = None) -> str:
@@ -321,12 +325,13 @@ def ratios_table(rows: dict[tuple, Row], s: Any, counts: dict[tuple, Counts] | N
             )
     header = ["model", "precision", "lightning_ppo / floor", "lightning_ppo / TRL", "TRL / floor"]
     header += ["lightning_ppo / TRL fp32", "shared / TRL fp32", "aten ops: lightning_ppo / floor"]
-    header += ["peak RSS lightning_ppo / floor"]
+    header += ["training RSS lightning_ppo / floor"]
     return table(header, body) + (
         "\n\nRatios of median seconds per iteration: below 1 is faster. `shared` is lightning_ppo "
         "with `value_model: shared` (one backbone for policy and critic: less work than the others). "
         "`aten ops`: the ratio of aten ops dispatched per iteration (each a kernel launch on a GPU). "
-        "The last column compares peak host RSS (the main table's column), not time."
+        "The last column compares the peak host RSS until training ended (the main table's "
+        "training RSS: without what Lightning's teardown moves to the CPU after fit), not time."
     )
 
 

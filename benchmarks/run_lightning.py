@@ -54,8 +54,10 @@ NESTED_PHASES = ("weight_push",)
 class Clock(Callback):
     """Marks the end of every PPO iteration (one training batch) and closes its phase record."""
 
-    def __init__(self, clock: common.IterationClock, timer: common.PhaseTimer) -> None:
-        self.clock, self.timer = clock, timer
+    def __init__(
+        self, clock: common.IterationClock, timer: common.PhaseTimer, result: common.RunResult
+    ) -> None:
+        self.clock, self.timer, self.result = clock, timer, result
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self.clock.marks:
@@ -64,6 +66,10 @@ class Clock(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.clock.mark()
         self.timer.end_iteration()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # before the strategy's teardown, which moves the module and the optimizer state to the CPU
+        self.result.train_rss_mib = common.peak_rss_mib()
 
 
 def build_module(spec: common.RunSpec) -> PPOLightningModule:
@@ -233,7 +239,7 @@ def run(spec: common.RunSpec) -> common.RunResult:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Clock(clock, timer)],
+        callbacks=[Clock(clock, timer, result)],
     )
     trainer.fit(module, datamodule=data)
     result.iteration_s, result.gc_s = clock.intervals(), clock.gc_intervals()

@@ -41,12 +41,12 @@ def test_quick_benchmark_reports_positive_numbers(tmp_path, capsys):
 
     rows = _table_rows(report, "tiny")
     names = {"lightning_ppo", "floor", "lightning_ppo_shared"}
-    main = [row for row in rows if len(row) == 10 and row[2] in names]
+    main = [row for row in rows if len(row) == 11 and row[2] in names]
     assert {row[2] for row in main} == names
     for row in main:
-        seconds, episodes, tokens, rss = (float(cell) for cell in row[3:7])
-        assert min(seconds, episodes, tokens, rss) > 0
-        ops, reads = float(row[8].replace(",", "")), float(row[9])
+        seconds, episodes, tokens, rss, train_rss = (float(cell) for cell in row[3:8])
+        assert min(seconds, episodes, tokens, rss, train_rss) > 0 and train_rss <= rss
+        ops, reads = float(row[9].replace(",", "")), float(row[10])
         assert ops > 0 and reads > 0
     ratios = [row for row in rows if len(row) == 9][0]
     assert float(ratios[2]) > 0  # lightning_ppo / floor
