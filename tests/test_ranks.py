@@ -85,9 +85,7 @@ def test_whitening_and_score_moments_over_two_ranks_equal_one_process_over_the_g
     torch.testing.assert_close(ranks[0]["moments"], expected, rtol=1e-12, atol=1e-12)
 
 
-def test_a_rank_whose_batch_is_all_dropped_does_not_hang_and_ranks_keep_one_controller(
-    tiny_digits, tmp_path
-):
+def test_a_rank_whose_batch_is_all_dropped_does_not_hang_and_ranks_keep_one_controller(tiny_digits, tmp_path):
     """Rank 0's first batch scores NaN throughout (``on_bad_reward: drop``): before, rank 0 skipped the
     iteration alone and rank 1 waited forever in the gradient all-reduce. The adaptive KL
     controller and the score moments are also the same on both ranks after every iteration
