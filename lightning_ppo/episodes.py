@@ -28,76 +28,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_ppo import functional as F
 from lightning_ppo.chat import MessageRenderer
 from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.data import PromptBatch
 from lightning_ppo.engines import GenerationEngine
+from lightning_ppo.environment import Environment, StepFunction, StepResult, Turn
 from lightning_ppo.errors import UsageError
-from lightning_ppo.metrics import episode_metrics
 from lightning_ppo.rollout import Rollout
+
+# The environment protocol lives in lightning_ppo.environment (tools.py builds on it without the
+# runner); configs and the docs name it here, as lightning_ppo.episodes.Environment.
+__all__ = ["Environment", "EpisodeRunner", "StepFunction", "StepResult", "Turn", "make_episode_runner"]
 
 # How sample tables mark an environment's observation inside an episode's text.
 OBSERVATION_OPEN, OBSERVATION_CLOSE = " [env: ", "] "
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One reply of the policy, as the environment receives it."""
-
-    index: int  # 0 for the first reply
-    text: str  # decoded, without the stop token
-    token_ids: list[int]  # as sampled, the stop token included when the reply has one
-    ended: bool  # whether the reply emitted the stop token (False: cut at max_new_tokens)
-
-
-@dataclass
-class StepResult:
-    """The environment's answer to a turn.
-
-    Attributes:
-        observation: Text appended after the turn for the policy to read (tokenized without special
-            tokens), or a chat message ``{"role": "user", "content": ...}`` that the tokenizer's chat
-            template renders after the reply, opening the assistant's next turn; ``None`` or ``""``
-            appends nothing.
-        reward: This turn's reward, added on the turn's last token; ``None`` for none.
-        done: The episode ends here (it also ends after ``episode.max_turns`` turns).
-    """
-
-    observation: str | dict[str, str] | None = None
-    reward: float | None = None
-    done: bool = False
-
-
-class Environment:
-    """What the policy talks to in a multi-turn episode. Subclass it and override both methods.
-
-    Each episode gets its own deep copy of the configured instance, so ``self`` can hold the
-    episode's state. Randomness should come from the ``rng`` given to :meth:`reset`: it is seeded
-    from the run's seed, the iteration, the rank and the episode, so runs (and resumed runs) repeat.
-    """
-
-    def reset(self, prompt: str, row: dict[str, Any], rng: random.Random) -> None:
-        """Start an episode on ``prompt`` (as the policy reads it) and its dataset ``row`` (the other
-        columns). The default keeps nothing."""
-
-    def step(self, turn: Turn) -> StepResult:
-        """Answer the policy's turn."""
-        raise NotImplementedError(f"{type(self).__name__} must implement step(turn) -> StepResult")
-
-
-class StepFunction(Environment):
-    """A stateless environment: ``fn(turn, row) -> StepResult``, ``row`` the episode's dataset row
-    (given to ``model.environment`` by import path, e.g. ``my_pkg.env.step``)."""
-
-    def __init__(self, fn: Callable[[Turn, dict[str, Any]], StepResult]) -> None:
-        self.fn = fn
-        self.row: dict[str, Any] = {}
-
-    def reset(self, prompt: str, row: dict[str, Any], rng: random.Random) -> None:
-        self.row = row
-
-    def step(self, turn: Turn) -> StepResult:
-        return self.fn(turn, self.row)
 
 
 @dataclass
@@ -128,6 +73,32 @@ class EpisodeStats:
     failed: Tensor  # (B,) bool: the environment raised and the episode was dropped
     tool_calls: Tensor  # (B,) tool calls per episode (model.tools)
     tool_errors: Tensor  # (B,) of which failed: malformed, unknown tool, or the tool raised
+
+    def metrics(self, reduce: F.Reduce | None = None) -> dict[str, Tensor]:
+        """Turns and tokens per episode (means); truncated and failed episodes, tool calls and failed
+        tool calls (counts), over every rank's episodes when ``reduce`` sums over the ranks."""
+        sums = torch.stack(
+            [
+                self.turns.float().sum(),
+                self.tokens.float().sum(),
+                self.truncated.float().sum(),
+                self.failed.float().sum(),
+                self.tool_calls.float().sum(),
+                self.tool_errors.float().sum(),
+                torch.tensor(float(len(self.turns)), dtype=torch.float32, device=self.turns.device),
+            ]
+        )
+        if reduce is not None:
+            sums = reduce(sums)
+        turns, tokens, truncated, failed, calls, errors, count = sums
+        return {
+            "episode/turns_mean": turns / count,
+            "episode/tokens_mean": tokens / count,
+            "episode/truncated": truncated,
+            "episode/env_errors": failed,
+            "episode/tool_calls": calls,
+            "episode/tool_errors": errors,
+        }
 
 
 class EpisodeRunner:
@@ -170,7 +141,7 @@ class EpisodeRunner:
         """``episode/*`` metrics of the last batch (over every rank's episodes with ``reduce``)."""
         if self.last_stats is None:
             return {}
-        return episode_metrics(self.last_stats, reduce)
+        return self.last_stats.metrics(reduce)
 
     def run(
         self,

@@ -13,16 +13,12 @@ response tokens. Padding never counts. The update's own statistics (``policy/*``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lightning_ppo import functional as F
 from lightning_ppo.experience import Experience
-
-if TYPE_CHECKING:
-    from lightning_ppo.episodes import EpisodeStats
 
 
 def experience_metrics(
@@ -226,30 +222,3 @@ class TrailingMean:
 
     def load_state_dict(self, state: dict[str, list[float]]) -> None:
         self.values = list(state["values"])[-self.window :]
-
-
-def episode_metrics(stats: EpisodeStats, reduce: F.Reduce | None = None) -> dict[str, Tensor]:
-    """Multi-turn episodes: turns and tokens per episode (means); truncated and failed episodes, tool
-    calls and failed tool calls (counts), over every rank's episodes when ``reduce`` sums over the ranks."""
-    sums = torch.stack(
-        [
-            stats.turns.float().sum(),
-            stats.tokens.float().sum(),
-            stats.truncated.float().sum(),
-            stats.failed.float().sum(),
-            stats.tool_calls.float().sum(),
-            stats.tool_errors.float().sum(),
-            torch.tensor(float(len(stats.turns)), dtype=torch.float32, device=stats.turns.device),
-        ]
-    )
-    if reduce is not None:
-        sums = reduce(sums)
-    turns, tokens, truncated, failed, calls, errors, count = sums
-    return {
-        "episode/turns_mean": turns / count,
-        "episode/tokens_mean": tokens / count,
-        "episode/truncated": truncated,
-        "episode/env_errors": failed,
-        "episode/tool_calls": calls,
-        "episode/tool_errors": errors,
-    }

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_ppo.chat import message_suffix
-from lightning_ppo.episodes import Environment, StepResult, Turn
+from lightning_ppo.environment import Environment, StepResult, Turn
 from lightning_ppo.errors import UsageError
 
 TOOL_FORMATS = ("auto", "hermes", "text")
