@@ -426,17 +426,17 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     def sum_over_ranks(self) -> F.Reduce | None:
         """Sums a tensor over the data-parallel ranks (the strategy's all-reduce); ``None`` in one
         process. What steers training (whitening, score moments, the KL controller, skipping) uses it."""
-        if self._trainer is None or self.trainer.world_size == 1:
-            return None
-        return lambda x: self.trainer.strategy.reduce(x.clone(), reduce_op="sum")
+        return self._over_ranks("sum")
 
     @property
     def mean_over_ranks(self) -> F.Reduce | None:
-        """Averages a tensor over the data-parallel ranks, as ``log(sync_dist=True)`` averages each
-        logged value (the same reduce of the strategy's); ``None`` in one process."""
+        """Averages a tensor over the ranks, as ``log(sync_dist=True)`` averages a logged value."""
+        return self._over_ranks("mean")
+
+    def _over_ranks(self, op: str) -> F.Reduce | None:
         if self._trainer is None or self.trainer.world_size == 1:
             return None
-        return lambda x: self.trainer.strategy.reduce(x.clone(), reduce_op="mean")
+        return lambda x: self.trainer.strategy.reduce(x.clone(), reduce_op=op)
 
     def nothing_to_learn(self, dropped: Tensor) -> bool:
         """Whether every sample of every rank was dropped. Decided together: a rank that skipped alone
