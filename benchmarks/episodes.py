@@ -27,7 +27,7 @@ import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.config import EpisodeConfig
-from lightning_ppo.episodes import Environment, StepResult, Turn
+from lightning_ppo.rollout.episodes import Environment, StepResult, Turn
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from transformers import (
 )
 
 from benchmarks import common
-from lightning_ppo.models import load_config
+from lightning_ppo.models.loading import load_config
 
 TEMPERATURE = common.TEMPERATURE
 

@@ -9,7 +9,7 @@ Parameters are counted exactly: every role is built as the package builds it (th
 model from its config, ``ValueModel``, the shared head, PEFT's LoRA) on the meta device, and every
 parameter is sharded along dim 0 as FSDP2 does (``torch.chunk``: rank 0 holds the most). The run
 is lightning_ppo's under ``ModelParallelStrategy`` (data_parallel_size = ranks) and ``bf16-mixed``
-(``lightning_ppo.sharding.mixed_precision_policy``): fp32 trained weights, gradients and AdamW
+(``lightning_ppo.distributed.sharding.mixed_precision_policy``): fp32 trained weights, gradients and AdamW
 moments sharded; frozen roles sharded in ``frozen_dtype``; bf16 copies gathered for compute and
 gradients reduced in fp32. Activations, the KV cache and vLLM's share are estimates, stated where
 they are computed; docs/memory.md explains the method and its assumptions. Sizes are in GiB
@@ -113,7 +113,7 @@ class Shape:
 
 @dataclass(frozen=True)
 class Role:
-    """One role model as the FSDP2 plan shards it (``lightning_ppo.sharding.shard_model``)."""
+    """One role model as the FSDP2 plan shards it (``lightning_ppo.distributed.sharding.shard_model``)."""
 
     name: str
     root: Unit
@@ -395,7 +395,7 @@ def describe(name: str, model: Any) -> Role:
     transformer block (``_no_split_modules``), the rest in the root; one unit for a small model."""
     from transformers import PreTrainedModel
 
-    from lightning_ppo.sharding import ONE_UNIT_BYTES, block_class_names
+    from lightning_ppo.distributed.sharding import ONE_UNIT_BYTES, block_class_names
 
     unique = {id(p): p for p in model.parameters()}  # tied weights once, as FSDP2 holds them
     size = sum(p.numel() * p.element_size() for p in unique.values())
@@ -418,7 +418,7 @@ def _param(tensor: Any) -> Param:
 
 
 def build_roles(policy_config: Any, reward_config: Any | None, layout: str, settings: Settings) -> list[Role]:
-    """The roles of ``layout`` as ``lightning_ppo.roles.Roles`` and the reward model build them, on
+    """The roles of ``layout`` as ``lightning_ppo.models.roles.Roles`` and the reward model build them, on
     the meta device: no weights are allocated. The reward model defaults to the policy's shape."""
     import copy
 
@@ -426,8 +426,8 @@ def build_roles(policy_config: Any, reward_config: Any | None, layout: str, sett
     from torch import nn
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from lightning_ppo.models import ValueModel, freeze
-    from lightning_ppo.roles import LoraSettings, apply_lora
+    from lightning_ppo.models.loading import ValueModel, freeze
+    from lightning_ppo.models.roles import LoraSettings, apply_lora
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -554,7 +554,7 @@ def settings_from_yaml(path: str | Path) -> tuple[Settings, str, str]:
     import yaml
 
     from lightning_ppo import GenerationConfig, PPOConfig, PromptDataModule
-    from lightning_ppo.roles import LoraSettings
+    from lightning_ppo.models.roles import LoraSettings
 
     config = yaml.safe_load(Path(path).read_text())
     trainer, model = config.get("trainer", {}), config["model"].get("init_args", {})

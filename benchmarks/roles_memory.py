@@ -59,7 +59,7 @@ def measure(layout: str, policy: str, reward: str) -> dict[str, float]:
     import torch
 
     from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
-    from lightning_ppo.roles import LoraSettings
+    from lightning_ppo.models.roles import LoraSettings
 
     options = dict(LAYOUTS[layout])
     lora = options.pop("lora", None)

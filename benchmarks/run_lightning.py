@@ -30,8 +30,8 @@ from benchmarks import common
 from lightning_ppo import PPOLightningModule
 from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.data import PromptDataModule
-from lightning_ppo.microbatches import MicroBatch, Share
-from lightning_ppo.row_groups import RowGroup
+from lightning_ppo.ppo.microbatches import MicroBatch, Share
+from lightning_ppo.ppo.row_groups import RowGroup
 from lightning_ppo.tasks.digits import DigitsDataModule
 
 # What one training_step calls, timed as phases (the floor times the same passes): methods of

@@ -9,7 +9,7 @@ Reported per rank, from the tensors each rank actually holds (a DTensor counts i
 parameters (trained + frozen), gradients (one per trained parameter, alive during the backward
 pass), AdamW state, their sum, the process's peak RSS and its RSS after training; and the seconds
 per PPO iteration after a warm-up iteration (medians over the timed iterations, the slower rank).
-Every setting builds the roles empty and reads them in ``configure_model`` (lightning_ppo.placement):
+Every setting builds the roles empty and reads them in ``configure_model`` (lightning_ppo.models.placement):
 under FSDP2 each rank reads only its shards of the checkpoints. FSDP2's policy stays gathered
 through each generation (the setting "gather_for_generation false": not). ``--settings`` picks the
 rows (default: one process, DDP, FSDP2). Threads:

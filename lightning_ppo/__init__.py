@@ -9,25 +9,27 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from lightning_ppo import _moved
+
 if TYPE_CHECKING:
     from lightning_ppo.config import GenerationConfig, PPOConfig
     from lightning_ppo.data import PromptBatch, PromptDataModule
-    from lightning_ppo.experience import Experience, make_experience
     from lightning_ppo.module import PPOLightningModule
+    from lightning_ppo.ppo.experience import Experience, make_experience
+    from lightning_ppo.ppo.rollout_data import Rollout
     from lightning_ppo.rewards import RewardFunction, ScoreInputs
-    from lightning_ppo.rollout import Rollout
 
 _HOMES = {
-    "Experience": "lightning_ppo.experience",
+    "Experience": "lightning_ppo.ppo.experience",
     "GenerationConfig": "lightning_ppo.config",
     "PPOConfig": "lightning_ppo.config",
     "PPOLightningModule": "lightning_ppo.module",
     "PromptBatch": "lightning_ppo.data",
     "PromptDataModule": "lightning_ppo.data",
     "RewardFunction": "lightning_ppo.rewards",
-    "Rollout": "lightning_ppo.rollout",
+    "Rollout": "lightning_ppo.ppo.rollout_data",
     "ScoreInputs": "lightning_ppo.rewards",
-    "make_experience": "lightning_ppo.experience",
+    "make_experience": "lightning_ppo.ppo.experience",
 }
 __all__ = [
     "Experience",
@@ -42,6 +44,8 @@ __all__ = [
     "make_experience",
 ]
 __version__ = "0.1.0"
+
+_moved.install()  # old module paths (``lightning_ppo.episodes``) import as their new homes
 
 
 def __getattr__(name: str) -> Any:

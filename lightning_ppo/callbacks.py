@@ -9,8 +9,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_ppo.errors import UsageError
-from lightning_ppo.samples import sample_rows, write_samples
+from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.watch.samples import sample_rows, write_samples
 
 
 @dataclass

@@ -19,13 +19,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_ppo.checkpoint_io import install_atomic_checkpoint_io, remove_stale_temp_files
-from lightning_ppo.errors import UsageError
-from lightning_ppo.log_continuity import LOGS_KEY, checkpoint_to_load, logger_records
-from lightning_ppo.quiet import DropMessages, stop_dropping, stopped_mid_epoch
-from lightning_ppo.run_lock import RunLock
-from lightning_ppo.sharded_checkpoint import remove_stale_folders
-from lightning_ppo.writable import ensure_writable
+from lightning_ppo.distributed.sharded_checkpoint import remove_stale_folders
+from lightning_ppo.runs.checkpoint_io import install_atomic_checkpoint_io, remove_stale_temp_files
+from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.log_continuity import LOGS_KEY, checkpoint_to_load, logger_records
+from lightning_ppo.runs.quiet import DropMessages, stop_dropping, stopped_mid_epoch
+from lightning_ppo.runs.run_lock import RunLock
+from lightning_ppo.runs.writable import ensure_writable
 
 
 def rng_state(device: torch.device) -> Tensor:
@@ -80,7 +80,7 @@ class PPOCheckpoint(ModelCheckpoint):
     The folder defaults to ``<trainer.default_root_dir>/checkpoints``, the same for every run in
     that root, so ``--ckpt_path last`` finds it. A new run (no ``ckpt_path``) refuses to start
     in a folder that holds another run's ``last.ckpt``, instead of mixing the two runs' files, and
-    while it trains it holds the folder's lock (:mod:`lightning_ppo.run_lock`), so a run started at
+    while it trains it holds the folder's lock (:mod:`lightning_ppo.runs.run_lock`), so a run started at
     the same moment in the same folder is refused too.
 
     Ctrl-C during training finishes the current iteration, saves (top-k and last), and stops;
@@ -90,12 +90,13 @@ class PPOCheckpoint(ModelCheckpoint):
     with a larger limit goes on from where it stopped, and with the same limits trains nothing.
 
     Each checkpoint also records where the run logs (CSV version, W&B run id), so that a run resumed
-    from it continues the same logs (:mod:`lightning_ppo.log_continuity`).
+    from it continues the same logs (:mod:`lightning_ppo.runs.log_continuity`).
 
     At setup it checks that the folder can be written (before any training), removes temporary
     files and folders that killed runs left there, and makes the trainer save through
-    :class:`~lightning_ppo.checkpoint_io.AtomicCheckpointIO`, so an interrupted or failed save never
-    leaves a half-written checkpoint in place (sharded folders: :mod:`lightning_ppo.sharded_checkpoint`).
+    :class:`~lightning_ppo.runs.checkpoint_io.AtomicCheckpointIO`, so an interrupted or failed save
+    never leaves a half-written checkpoint in place (sharded folders:
+    :mod:`lightning_ppo.distributed.sharded_checkpoint`).
 
     Args:
         every_n_iterations: Save after every this many PPO iterations (>= 1).
@@ -191,7 +192,7 @@ class PPOCheckpoint(ModelCheckpoint):
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # Where this run logs, for a resumed run to continue it (lightning_ppo.log_continuity);
+        # Where this run logs, for a resumed run to continue it (lightning_ppo.runs.log_continuity);
         # rank 0's checkpoint is the one written, and only it has the loggers' experiments.
         if trainer.is_global_zero:
             checkpoint[LOGS_KEY] = logger_records(trainer.loggers)

@@ -20,22 +20,27 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_ppo.checkpoint import PPOCheckpoint, nothing_to_resume
 from lightning_ppo.config import GenerationConfig, PPOConfig
-from lightning_ppo.ctrl_c import ctrl_c_exits
 from lightning_ppo.data import PromptDataModule
-from lightning_ppo.errors import TRACEBACK_ENV, UsageError, condense_parser_error, usage_errors_exit
+from lightning_ppo.distributed.sharding import reject_fsdp1
 from lightning_ppo.export import export_main
-from lightning_ppo.log_continuity import continue_logs
+from lightning_ppo.models.roles import LoraSettings
 from lightning_ppo.module import PPOLightningModule
-from lightning_ppo.plot import DEFAULT_KEYS, plot_run
-from lightning_ppo.preflight import check_checkpoint_file, check_packages, check_precision, check_run_inputs
-from lightning_ppo.quiet import silence_intended_warnings
-from lightning_ppo.roles import LoraSettings
-from lightning_ppo.run_length import check_step_limit
-from lightning_ppo.samples import find_latest_samples, format_samples, read_samples
-from lightning_ppo.sharding import reject_fsdp1
+from lightning_ppo.runs.ctrl_c import ctrl_c_exits
+from lightning_ppo.runs.errors import TRACEBACK_ENV, UsageError, condense_parser_error, usage_errors_exit
+from lightning_ppo.runs.log_continuity import continue_logs
+from lightning_ppo.runs.preflight import (
+    check_checkpoint_file,
+    check_packages,
+    check_precision,
+    check_run_inputs,
+)
+from lightning_ppo.runs.quiet import silence_intended_warnings
+from lightning_ppo.runs.run_length import check_step_limit
+from lightning_ppo.runs.typos import suggestion
+from lightning_ppo.runs.writable import check_configured_folders, class_configs
 from lightning_ppo.tasks.tiny import ARCHS, DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
-from lightning_ppo.typos import suggestion
-from lightning_ppo.writable import check_configured_folders, class_configs
+from lightning_ppo.watch.plot import DEFAULT_KEYS, plot_run
+from lightning_ppo.watch.samples import find_latest_samples, format_samples, read_samples
 
 DESCRIPTION = (
     "PPO for RLHF of Hugging Face causal LMs on PyTorch Lightning. "

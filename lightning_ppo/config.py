@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_ppo.errors import UsageError
+from lightning_ppo.runs.errors import UsageError
 
 _KL_ESTIMATORS = ("k1", "k2", "k3")
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
@@ -39,7 +39,7 @@ class GenerationConfig:
         forward_chunk_size: Bounds the rollout forwards' memory (policy, reference, value, reward
             model): each runs on at most this many sequences' padded tokens; 0 means no bound.
             The forwards always run on groups of similar-length rows without the padding they
-            share (lightning_ppo.row_groups).
+            share (lightning_ppo.ppo.row_groups).
         eval_do_sample: Validation samples like training instead of decoding greedily.
         suppress_tokens: Tokens never sampled, as token strings (looked up in the tokenizer's
             vocabulary), ids, or patterns: a string that is not a token and holds ``*`` (any run of
@@ -146,7 +146,7 @@ class PPOConfig:
         gradient_accumulation_steps: Micro-batches accumulated into each minibatch's optimizer step:
             equal counts of its sequences sorted by length. With 1 (the default) the minibatch still
             runs as micro-batches of similar-length sequences, as many as leave out padding worth
-            an extra forward (lightning_ppo.row_groups; under FSDP2 as one).
+            an extra forward (lightning_ppo.ppo.row_groups; under FSDP2 as one).
         micro_batch_tokens: A token budget for those micro-batches: each one's rectangle (rows x
             (longest prompt + longest response)) stays within it (``null``: no bound). Either way
             each micro-batch is trimmed to its own longest prompt and response and weighed by its
@@ -367,7 +367,7 @@ _ENV_ERROR_POLICIES = ("error", "drop")
 
 @dataclass
 class EpisodeConfig:
-    """Multi-turn episodes, used with ``model.environment`` (``lightning_ppo.episodes``).
+    """Multi-turn episodes, used with ``model.environment`` (``lightning_ppo.rollout.episodes``).
 
     Args:
         max_turns: Policy turns per episode at most (>= 1); the environment can end one earlier.
@@ -380,7 +380,8 @@ class EpisodeConfig:
             ``drop``: that episode is left out of the update and counted (``episode/env_errors``).
         tool_format: How the policy calls ``model.tools``: ``hermes`` (``<tool_call>`` JSON, results as
             chat-template ``tool`` messages), ``text`` (``call NAME: ARGUMENT``), or ``auto``:
-            ``hermes`` when the tokenizer has a chat template, else ``text`` (``lightning_ppo.tools``).
+            ``hermes`` when the tokenizer has a chat template, else ``text``
+            (``lightning_ppo.rollout.tools``).
     """
 
     max_turns: int = 4

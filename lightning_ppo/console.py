@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from lightning_ppo.ctrl_c import ctrl_c_exits
+from lightning_ppo.runs.ctrl_c import ctrl_c_exits
 
 
 def main() -> int | None:

@@ -15,7 +15,6 @@ import glob
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
@@ -25,10 +24,11 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from lightning_ppo.data_files import RowOrigin, find_problem
-from lightning_ppo.errors import MissingPathError, UsageError
-from lightning_ppo.quiet import exact_mid_epoch_resume
-from lightning_ppo.vocab import check_representable
+from lightning_ppo.rollout.prompts import PromptBatch
+from lightning_ppo.rollout.vocab import check_representable
+from lightning_ppo.runs.data_files import RowOrigin, find_problem
+from lightning_ppo.runs.errors import MissingPathError, UsageError
+from lightning_ppo.runs.quiet import exact_mid_epoch_resume
 
 log = logging.getLogger(__name__)
 
@@ -44,44 +44,6 @@ _ROW = "__lightning_ppo_row__"
 def _warn(message: str) -> None:
     """Log a warning once per job rather than once per rank."""
     log.warning(message)
-
-
-@dataclass
-class PromptBatch:
-    """A batch of tokenized prompts.
-
-    Attributes:
-        prompt_ids: ``(B, P)`` long tensor, left padded with the tokenizer's pad token id so that
-            generation continues right after the last real token of every row.
-        prompt_mask: ``(B, P)`` bool tensor, True on real tokens. Built from the prompt lengths, so it
-            stays correct when the pad token doubles as a real token (pad == eos).
-        prompts: prompt text as the policy sees it (after the chat template; a prompt cut to
-            ``max_prompt_length`` tokens is the decoded text of the tokens kept).
-        extras: every other dataset column, one value per sample (e.g. a reference answer).
-        messages: the conversations of a conversational dataset (lists of ``{"role", "content"}``
-            messages) as given, before the chat template; ``None`` for text prompts.
-    """
-
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    prompts: list[str]
-    extras: dict[str, list] = field(default_factory=dict)
-    messages: list[list[dict[str, Any]]] | None = None
-
-    def __len__(self) -> int:
-        return self.prompt_ids.shape[0]
-
-    def repeat_interleave(self, n: int) -> PromptBatch:
-        """Each prompt ``n`` times in a row (group sampling: the group of a prompt stays contiguous)."""
-        if n == 1:
-            return self
-        return PromptBatch(
-            prompt_ids=self.prompt_ids.repeat_interleave(n, dim=0),
-            prompt_mask=self.prompt_mask.repeat_interleave(n, dim=0),
-            prompts=[p for p in self.prompts for _ in range(n)],
-            extras={k: [v for v in values for _ in range(n)] for k, values in self.extras.items()},
-            messages=None if self.messages is None else [m for m in self.messages for _ in range(n)],
-        )
 
 
 class ResumableSampler(DistributedSampler):

@@ -24,11 +24,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_ppo.errors import UsageError
-from lightning_ppo.file_modes import save_pretrained
-from lightning_ppo.models import load_tokenizer, resolve_suppressed_tokens
-from lightning_ppo.preflight import check_checkpoint_file
-from lightning_ppo.roles import LoraSettings, apply_lora
+from lightning_ppo.models.loading import load_tokenizer, resolve_suppressed_tokens
+from lightning_ppo.models.roles import LoraSettings, apply_lora
+from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.file_modes import save_pretrained
+from lightning_ppo.runs.preflight import check_checkpoint_file
 
 POLICY_PREFIX = "roles.policy."
 CRITIC_PREFIXES = ("roles.value_head.", "roles.value_model.")

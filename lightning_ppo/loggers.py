@@ -9,7 +9,7 @@ Built in Python without ``save_dir``, they write under the working directory, as
 
 A resumed run continues its first part's logs: ``CSVLogger.continue_log`` and
 ``WandbLogger.continue_run``, which ``lightning-ppo fit --ckpt_path`` calls
-(:mod:`lightning_ppo.log_continuity`).
+(:mod:`lightning_ppo.runs.log_continuity`).
 """
 
 from __future__ import annotations

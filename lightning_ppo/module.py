@@ -19,51 +19,10 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_ppo import functional as F
-from lightning_ppo import optim
 from lightning_ppo.checkpoint import gather_rng_states, newest_checkpoint, restore_rng_states
 from lightning_ppo.config import EpisodeConfig, GenerationConfig, PPOConfig
-from lightning_ppo.ctrl_c import training_started
-from lightning_ppo.data import PromptBatch
-from lightning_ppo.engines import GenerationEngine, engine_for_trainer, engine_is_weights, engine_mismatch
-from lightning_ppo.episodes import Environment, StepResult, make_episode_runner
-from lightning_ppo.errors import UsageError
-from lightning_ppo.experience import Experience, make_experience, minibatch_rows
-from lightning_ppo.guardrails import Guardrails, IterationView
-from lightning_ppo.kl import make_kl_controller
-from lightning_ppo.metrics import HostView, TrailingMean, experience_metrics, score_metrics
-from lightning_ppo.microbatches import (
-    MicroBatch,
-    RowFacts,
-    Share,
-    cut_micro_batches,
-    minibatch_stats,
-    plan_minibatch,
-    weighted,
-)
-from lightning_ppo.models import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
-from lightning_ppo.optim import grad_norm, is_finite, prefer_fused, skips_on_device, step_unless_nonfinite
-from lightning_ppo.placement import LoadsWhereItRuns
-from lightning_ppo.preflight import check_precision, check_sequence_fits, response_budget
-from lightning_ppo.quiet import silence_intended_warnings
-from lightning_ppo.resume import check_resumable
-from lightning_ppo.rewards import (
-    AdapterReward,
-    RewardLike,
-    RewardModel,
-    RunningMoments,
-    ScoreInputs,
-    check_scores,
-    load_reward_models,
-    reward_calls,
-)
-from lightning_ppo.roles import LoraSettings, Roles
-from lightning_ppo.rollout import Rollout, generate, hf_generation_config
-from lightning_ppo.row_groups import forward_groups
-from lightning_ppo.run_length import check_training_plan, explain_idle_resume
-from lightning_ppo.scoring import Scorer
-from lightning_ppo.sharded_checkpoint import install_sharded_checkpointing
-from lightning_ppo.sharding import (
+from lightning_ppo.distributed.sharded_checkpoint import install_sharded_checkpointing
+from lightning_ppo.distributed.sharding import (
     as_many_on_every_rank,
     data_parallel_mesh,
     gathered_for_generation,
@@ -76,6 +35,53 @@ from lightning_ppo.sharding import (
     shard_roles,
     uses_model_parallel,
 )
+from lightning_ppo.models.loading import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
+from lightning_ppo.models.placement import LoadsWhereItRuns
+from lightning_ppo.models.roles import LoraSettings, Roles
+from lightning_ppo.ppo import functional as F
+from lightning_ppo.ppo import optim
+from lightning_ppo.ppo.experience import Experience, make_experience, minibatch_rows
+from lightning_ppo.ppo.kl import make_kl_controller
+from lightning_ppo.ppo.microbatches import (
+    MicroBatch,
+    RowFacts,
+    Share,
+    cut_micro_batches,
+    minibatch_stats,
+    plan_minibatch,
+    weighted,
+)
+from lightning_ppo.ppo.optim import grad_norm, is_finite, prefer_fused, skips_on_device, step_unless_nonfinite
+from lightning_ppo.ppo.rollout_data import Rollout
+from lightning_ppo.ppo.row_groups import forward_groups
+from lightning_ppo.rewards import (
+    AdapterReward,
+    RewardLike,
+    RewardModel,
+    RunningMoments,
+    ScoreInputs,
+    check_scores,
+    load_reward_models,
+    reward_calls,
+)
+from lightning_ppo.rollout.engines import (
+    GenerationEngine,
+    engine_for_trainer,
+    engine_is_weights,
+    engine_mismatch,
+)
+from lightning_ppo.rollout.episodes import Environment, StepResult, make_episode_runner
+from lightning_ppo.rollout.prompts import PromptBatch
+from lightning_ppo.rollout.sampling import generate, hf_generation_config
+from lightning_ppo.runs.ctrl_c import training_started
+from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.preflight import check_precision, check_sequence_fits, response_budget
+from lightning_ppo.runs.quiet import silence_intended_warnings
+from lightning_ppo.runs.resume import check_resumable
+from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resume
+from lightning_ppo.scoring import Scorer
+from lightning_ppo.watch.guardrails import Guardrails, IterationView
+from lightning_ppo.watch.metrics import HostView, TrailingMean, experience_metrics, score_metrics
 
 
 @dataclass
@@ -151,8 +157,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         ppo: PPO hyper-parameters.
         generation: Sampling settings for rollouts.
         environment: Multi-turn episodes: what answers the policy's turns, a class or a ``step(turn, row)``
-            function (``lightning_ppo.episodes``).
-        tools: Functions the policy may call in its turns (``lightning_ppo.tools``); multi-turn too.
+            function (``lightning_ppo.rollout.episodes``).
+        tools: Functions the policy may call in its turns (``lightning_ppo.rollout.tools``); multi-turn too.
         episode: Turns and token budget of multi-turn episodes (with ``environment``).
         optimizer: Optimizer over the policy and the critic (one for both). ``None``: AdamW at lr 1e-5,
             1e-4 with ``lora`` (``optim.default_optimizer``), not torch's 1e-3 that wrecks a pretrained LM.
@@ -331,7 +337,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     def on_train_start(self) -> None:
         check_training_plan(self.trainer, self.ppo)
-        training_started()  # a Ctrl-C from now on may find checkpoints written (lightning_ppo.ctrl_c)
+        training_started()  # a Ctrl-C from now on may find checkpoints written (lightning_ppo.runs.ctrl_c)
 
     def on_fit_end(self) -> None:
         explain_idle_resume(self.trainer, getattr(self, "_resumed_at", None), self.iteration)
@@ -343,7 +349,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             mesh = data_parallel_mesh(self.device_mesh)
             shard_roles(self, mesh, mixed_precision_policy(str(self.trainer.precision)))
         # The roles built as skeletons read their weights onto the device they run on (FSDP2: each rank
-        # its shards), in their final dtype (lightning_ppo.placement).
+        # its shards), in their final dtype (lightning_ppo.models.placement).
         self.load_weights(self.trainer.strategy.root_device)
 
     # ----------------------------------------------------------------- the PPO iteration
@@ -397,7 +403,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.last_samples = Samples(batch.prompts, shown, host.scores, host.kl, self.scorer.columns)
 
     def heed_guardrails(self, completions: list[str], host: HostView) -> None:
-        """The guardrails' one-time warnings (lightning_ppo.guardrails), spoken by rank 0."""
+        """The guardrails' one-time warnings (lightning_ppo.watch.guardrails), spoken by rank 0."""
         if self.guardrails is None:  # the learning rate is known once the optimizer exists
             self.guardrails = Guardrails(self.ppo, float(self.optimizers().param_groups[0]["lr"]))
         view = IterationView.of(self.iteration, completions, host, self.kl_ctl)
@@ -685,7 +691,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     def ppo_loss(self, mb: Experience, share: Share = Share()) -> tuple[Tensor, dict[str, Tensor]]:
         """Clipped policy loss (+ vf_coef x value loss, + kl_coef x KL, - entropy_coef x entropy), each
-        term weighed by the micro-batch's ``share`` of its minibatch (lightning_ppo.microbatches)."""
+        term weighed by the micro-batch's ``share`` of its minibatch (lightning_ppo.ppo.microbatches)."""
         length = mb.response_ids.shape[1]
         mask = F.TokenMask.of(mb.response_mask)  # shared by every mean below
         logits, values = self.roles.policy_forward(mb.input_ids, mb.attention_mask, mb.position_ids, length)
@@ -770,7 +776,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Frozen weights (reference, reward model, a LoRA base) are reloaded from their own
         # checkpoints when the run resumes: saving them would only copy what is on disk already.
-        # A sharded (FSDP2) state dict is the strategy's: lightning_ppo.sharded_checkpoint's holds the
+        # A sharded (FSDP2) state dict is the strategy's: distributed/sharded_checkpoint's holds the
         # trained weights only and loads without the others (Lightning's own load asks for every key).
         if not is_sharded(self):
             frozen = self._frozen_names()

@@ -20,9 +20,8 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_ppo.errors import MissingPathError, UsageError, UsageTypeError
-from lightning_ppo.functional import Reduce, masked_mean, masked_var
-from lightning_ppo.models import (
+from lightning_ppo.distributed.sharding import as_many_on_every_rank, is_sharded
+from lightning_ppo.models.loading import (
     FROZEN_DTYPES,
     classifier_head,
     freeze,
@@ -30,10 +29,11 @@ from lightning_ppo.models import (
     load_pretrained,
     load_tokenizer,
 )
-from lightning_ppo.preflight import _looks_local, no_head_message
-from lightning_ppo.rollout import Rollout, position_ids_from_mask
-from lightning_ppo.row_groups import forward_groups
-from lightning_ppo.sharding import as_many_on_every_rank, is_sharded
+from lightning_ppo.ppo.functional import Reduce, masked_mean, masked_var
+from lightning_ppo.ppo.rollout_data import Rollout, position_ids_from_mask
+from lightning_ppo.ppo.row_groups import forward_groups
+from lightning_ppo.runs.errors import MissingPathError, UsageError, UsageTypeError
+from lightning_ppo.runs.preflight import _looks_local, no_head_message
 
 
 @dataclass

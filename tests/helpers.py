@@ -21,10 +21,10 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from lightning_ppo import PPOLightningModule, PromptDataModule
-from lightning_ppo.checkpoint_io import AtomicCheckpointIO
-from lightning_ppo.episodes import Environment, StepResult
+from lightning_ppo.distributed.sharded_checkpoint import AtomicModelParallelStrategy
 from lightning_ppo.rewards import RewardFunction
-from lightning_ppo.sharded_checkpoint import AtomicModelParallelStrategy
+from lightning_ppo.rollout.episodes import Environment, StepResult
+from lightning_ppo.runs.checkpoint_io import AtomicCheckpointIO
 from lightning_ppo.tasks.digits import DigitsReward
 
 # 28 prompts of 4 characters ("012=", ...), for module tests on the char-tokenizer checkpoints.

@@ -17,11 +17,11 @@ import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.checkpoint import PPOCheckpoint
-from lightning_ppo.checkpoint_io import AtomicCheckpointIO, remove_stale_temp_files
 from lightning_ppo.cli import main
-from lightning_ppo.processes import host_name
+from lightning_ppo.runs.checkpoint_io import AtomicCheckpointIO, remove_stale_temp_files
+from lightning_ppo.runs.processes import host_name
+from lightning_ppo.runs.writable import UnwritableFolderError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
-from lightning_ppo.writable import UnwritableFolderError
 from tests.helpers import (
     DiskFullCheckpointIO,
     FillDisk,
@@ -227,7 +227,7 @@ def test_a_stale_lock_of_this_host_is_taken_over_and_another_hosts_is_not(tmp_pa
     import subprocess
     import sys
 
-    from lightning_ppo.run_lock import LOCK_NAME, RunLock
+    from lightning_ppo.runs.run_lock import LOCK_NAME, RunLock
 
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True

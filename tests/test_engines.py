@@ -10,16 +10,15 @@ import math
 import pytest
 import torch
 
-from lightning_ppo import functional as F
 from lightning_ppo.config import GenerationConfig
-from lightning_ppo.engines import Placement, compute_dtype, make_engine
-from lightning_ppo.engines.hf import HFEngine
-from lightning_ppo.engines.weights import hf_weights
-from lightning_ppo.errors import UsageError
-from lightning_ppo.metrics import engine_metrics
-from lightning_ppo.models import load_causal_lm
-from lightning_ppo.roles import LoraSettings, apply_lora
-from lightning_ppo.rollout import generate, hf_generation_config
+from lightning_ppo.models.loading import load_causal_lm
+from lightning_ppo.models.roles import LoraSettings, apply_lora
+from lightning_ppo.ppo import functional as F
+from lightning_ppo.rollout.engines import Placement, compute_dtype, engine_metrics, make_engine
+from lightning_ppo.rollout.engines.hf import HFEngine
+from lightning_ppo.rollout.engines.weights import hf_weights
+from lightning_ppo.rollout.sampling import generate, hf_generation_config
+from lightning_ppo.runs.errors import UsageError
 
 LOGPROBS = torch.tensor([[-1.0, -2.0, -0.5]])  # the trainer's
 ENGINE = torch.tensor([[-1.5, -1.0, -0.5]])  # the engine's: log-ratios 0.5, -1.0 (and padding)

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
-from lightning_ppo import functional as F
 from lightning_ppo.checkpoint import PPOCheckpoint
 from lightning_ppo.config import EpisodeConfig
-from lightning_ppo.episodes import Environment, EnvironmentFailure, StepResult, Turn
-from lightning_ppo.experience import make_experience
-from lightning_ppo.roles import LoraSettings
+from lightning_ppo.models.roles import LoraSettings
+from lightning_ppo.ppo import functional as F
+from lightning_ppo.ppo.experience import make_experience
+from lightning_ppo.rollout.episodes import Environment, EnvironmentFailure, StepResult, Turn
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from lightning_ppo.tasks.reveal import RevealDigits, RevealDigitsDataModule
 from tests.helpers import quiet_trainer

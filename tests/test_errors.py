@@ -17,10 +17,10 @@ from transformers import AutoTokenizer
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
 from lightning_ppo.cli import main
-from lightning_ppo.errors import TRACEBACK_ENV, UsageError
-from lightning_ppo.preflight import check_checkpoint_file
 from lightning_ppo.rewards import RewardModel
-from lightning_ppo.run_length import check_step_limit
+from lightning_ppo.runs.errors import TRACEBACK_ENV, UsageError
+from lightning_ppo.runs.preflight import check_checkpoint_file
+from lightning_ppo.runs.run_length import check_step_limit
 from lightning_ppo.tasks.tiny import (
     DEFAULT_ALPHABET,
     TinyModelSpec,

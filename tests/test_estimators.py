@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from lightning_ppo import functional as F
 from lightning_ppo.config import PPOConfig
-from lightning_ppo.experience import make_experience
-from lightning_ppo.rollout import Rollout
+from lightning_ppo.ppo import functional as F
+from lightning_ppo.ppo.experience import make_experience
+from lightning_ppo.ppo.rollout_data import Rollout
 
 # 2 prompts x 4 completions, each group contiguous
 SCORES = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.0, 2.0, 6.0])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lightning_ppo.config import PPOConfig
-from lightning_ppo.experience import make_experience
-from lightning_ppo.rollout import Rollout
+from lightning_ppo.ppo.experience import make_experience
+from lightning_ppo.ppo.rollout_data import Rollout
 
 
 def _rollout() -> Rollout:

@@ -198,7 +198,7 @@ def _count_generation_all_gathers(rank: int, port: int, policy: str, out: str) -
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_ppo.sharding import gathered_for_generation, shard_model
+    from lightning_ppo.distributed.sharding import gathered_for_generation, shard_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightning_ppo import functional as F
+from lightning_ppo.ppo import functional as F
 
 
 def test_masked_mean_ignores_garbage_in_padding():

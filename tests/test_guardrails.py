@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
-from lightning_ppo.guardrails import Guardrails, IterationView
 from lightning_ppo.tasks.digits import DigitsDataModule
+from lightning_ppo.watch.guardrails import Guardrails, IterationView
 from tests.helpers import fit_warnings
 
 CALM = {"approx_kl": 0.02, "clipfrac": 0.1, "kl": 3.0, "kl_coef": 0.05, "kl_coef_pinned": False}

@@ -67,5 +67,5 @@ def test_the_update_reads_the_host_once_per_iteration(split, tiny_gpt2, tmp_path
     quiet_trainer(tmp_path, iterations=2).fit(module, datamodule=prompt_data())
     # The one read: every row's attended columns and response length, from which every minibatch's
     # micro-batches are planned on the host. Step flags and statistics stay on the device until the
-    # iteration reads what it logs (lightning_ppo.metrics.HostView), after the update.
+    # iteration reads what it logs (lightning_ppo.watch.metrics.HostView), after the update.
     assert counts == [1, 1]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_ppo.kl import AdaptiveKLController, FixedKLController
+from lightning_ppo.ppo.kl import AdaptiveKLController, FixedKLController
 
 
 def test_too_much_kl_raises_the_slow_part_by_ziegler_and_the_coefficient_at_once():

@@ -8,7 +8,7 @@ import pytest
 
 from lightning_ppo.callbacks import TrainingSummary
 from lightning_ppo.cli import main
-from lightning_ppo.plot import find_metrics_csv, moving_average, read_metrics
+from lightning_ppo.watch.plot import find_metrics_csv, moving_average, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,10 +14,10 @@ from lightning.pytorch import Trainer
 
 from lightning_ppo.checkpoint import PPOCheckpoint
 from lightning_ppo.cli import main
-from lightning_ppo.log_continuity import LOGS_KEY, continue_logs
 from lightning_ppo.loggers import CSVLogger, WandbLogger
-from lightning_ppo.plot import read_metrics
-from lightning_ppo.samples import find_latest_samples, read_samples
+from lightning_ppo.runs.log_continuity import LOGS_KEY, continue_logs
+from lightning_ppo.watch.plot import read_metrics
+from lightning_ppo.watch.samples import find_latest_samples, read_samples
 from tests.helpers import quickstart_fit_args, saver
 
 STEPS_PER_ITERATION = 4 * 2  # quickstart.yaml: ppo_epochs 4 x num_minibatches 2

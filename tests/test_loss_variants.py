@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
-from lightning_ppo import functional as F
-from lightning_ppo.errors import UsageError
-from lightning_ppo.experience import estimate_advantages
+from lightning_ppo.ppo import functional as F
+from lightning_ppo.ppo.experience import estimate_advantages
+from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from tests.helpers import quiet_trainer
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from benchmarks import memory_plan
 from benchmarks.memory_plan import Settings, build_roles, describe, model_config, plan_memory
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
-from lightning_ppo.roles import LoraSettings
+from lightning_ppo.models.roles import LoraSettings
 from tests.helpers import CountCharReward, prompt_data, quiet_trainer
 
 LAYOUTS = {
@@ -92,8 +92,8 @@ def _held_under_fsdp2(path: str, rank: int, world: int) -> tuple[int, int]:
     from torch.distributed.fsdp import FSDPModule
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_ppo.models import load_causal_lm
-    from lightning_ppo.sharding import mixed_precision_policy, no_gradient_sync, shard_model
+    from lightning_ppo.distributed.sharding import mixed_precision_policy, no_gradient_sync, shard_model
+    from lightning_ppo.models.loading import load_causal_lm
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:

@@ -17,8 +17,8 @@ import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule, PromptDataModule
 from lightning_ppo.cli import main
-from lightning_ppo.ctrl_c import ctrl_c_exits
 from lightning_ppo.rewards import RewardFunction
+from lightning_ppo.runs.ctrl_c import ctrl_c_exits
 from tests.helpers import (
     cli_process,
     cli_usage_error,

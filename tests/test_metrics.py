@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lightning_ppo.experience import Experience
-from lightning_ppo.metrics import HOST_STATS, OVER_RANKS, HostView, experience_metrics, score_metrics
+from lightning_ppo.ppo.experience import Experience
+from lightning_ppo.watch.metrics import HOST_STATS, OVER_RANKS, HostView, experience_metrics, score_metrics
 
 
 def _experience() -> Experience:

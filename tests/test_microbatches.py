@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
-from lightning_ppo.errors import UsageError
-from lightning_ppo.experience import Experience
-from lightning_ppo.microbatches import Share, idle_micro_batch, plan_micro_batches
+from lightning_ppo.ppo.experience import Experience
+from lightning_ppo.ppo.microbatches import Share, idle_micro_batch, plan_micro_batches
+from lightning_ppo.runs.errors import UsageError
 from tests.helpers import CountCharReward
 from tests.test_trimming import _experience
 

@@ -7,10 +7,10 @@ import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.data import PromptBatch
-from lightning_ppo.experience import make_experience
 from lightning_ppo.module import RolloutForwards
+from lightning_ppo.ppo.experience import make_experience
+from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rewards import ScoreInputs, check_scores
-from lightning_ppo.rollout import Rollout
 from tests.helpers import CountCharReward, prompt_data, quiet_trainer
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lightning_ppo.models import load_causal_lm, load_config
-from lightning_ppo.optim import grad_norm, is_finite, prefer_fused, skips_on_device, step_unless_nonfinite
+from lightning_ppo.models.loading import load_causal_lm, load_config
+from lightning_ppo.ppo.optim import grad_norm, is_finite, prefer_fused, skips_on_device, step_unless_nonfinite
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForSequenceClassification
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
-from lightning_ppo.models import ValueModel, load_causal_lm
+from lightning_ppo.models.loading import ValueModel, load_causal_lm
 from tests.helpers import CountCharReward, prompt_data, quiet_trainer
 
 aten = torch.ops.aten

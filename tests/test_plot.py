@@ -10,7 +10,7 @@ import matplotlib.image
 import pytest
 
 from lightning_ppo.cli import main
-from lightning_ppo.plot import (
+from lightning_ppo.watch.plot import (
     FRONTIER,
     find_metrics_csv,
     frontier,

@@ -12,14 +12,14 @@ import pytest
 import torch
 import transformers
 
-import lightning_ppo.rollout as rollout_module
+import lightning_ppo.rollout.sampling as rollout_module
 from lightning_ppo.config import GenerationConfig, PPOConfig
-from lightning_ppo.errors import UsageError
-from lightning_ppo.models import load_causal_lm
+from lightning_ppo.models.loading import load_causal_lm
+from lightning_ppo.models.roles import LoraSettings
 from lightning_ppo.module import PPOLightningModule
-from lightning_ppo.preflight import check_precision
-from lightning_ppo.roles import LoraSettings
-from lightning_ppo.rollout import OneDtypeStaticCache, generate, hf_generation_config
+from lightning_ppo.rollout.sampling import OneDtypeStaticCache, generate, hf_generation_config
+from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.preflight import check_precision
 from lightning_ppo.tasks.tiny import ARCHS, TinyModelSpec, make_tiny_checkpoint
 from tests.helpers import CountCharReward, prompt_data, quiet_trainer
 

@@ -45,8 +45,8 @@ def test_a_many_core_machine_hears_no_advice_about_dataloader_workers(tiny_digit
     val loader; here a prompt batch is a few token rows and num_workers 0 keeps resume exact."""
     from lightning.pytorch.trainer.connectors import data_connector
 
-    from lightning_ppo import quiet
     from lightning_ppo.module import PPOLightningModule
+    from lightning_ppo.runs import quiet
     from tests.helpers import CountCharReward, fit_warnings, prompt_data
 
     monkeypatch.setattr(data_connector, "suggested_max_num_workers", lambda devices: 15)  # 16 cores

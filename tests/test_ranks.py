@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_ppo import functional as F
+from lightning_ppo.ppo import functional as F
 from lightning_ppo.rewards import RunningMoments
 from tests.helpers import cli_process, quickstart_fit_args, two_cpu_ranks
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
-from lightning_ppo.metrics import reward_drowned
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
+from lightning_ppo.watch.metrics import reward_drowned
 from tests.helpers import fit_warnings
 
 MESSAGE = "so the score will stay flat"

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2ForSequenceClassification
 
+from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rewards import RewardModel
-from lightning_ppo.rollout import Rollout
 
 EOS = 1  # also the pad id below: HF's own pooling would look for the first pad and pick the wrong token
 

@@ -196,7 +196,7 @@ def second_scores(prompts, completions, batch):  # our convention may return Non
 
 
 def test_none_rows_leave_a_reward_out_and_a_row_no_reward_scores_leaves_its_group(tiny_gpt2):
-    from lightning_ppo.experience import estimate_advantages, last_token_index
+    from lightning_ppo.ppo.experience import estimate_advantages, last_token_index
 
     torch.manual_seed(0)
     grpo = {"advantage_estimator": "grpo", "num_generations": 4}  # on_bad_reward stays "error"
@@ -322,7 +322,7 @@ def test_trainer_state_log_metric_and_log_extra(tiny_gpt2, tmp_path):
     import lightning.pytorch as pl
 
     from lightning_ppo.callbacks import SampleTable
-    from lightning_ppo.samples import read_samples
+    from lightning_ppo.watch.samples import read_samples
     from tests.helpers import prompt_data
 
     torch.manual_seed(0)
@@ -428,7 +428,7 @@ def test_a_reward_model_path_in_the_list_through_the_cli(tiny_digits, tiny_rewar
 def test_reward_fn_strings_and_models_that_are_not_rewards_are_named(tiny_gpt2, tmp_path):
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    from lightning_ppo.errors import UsageError
+    from lightning_ppo.runs.errors import UsageError
 
     # both before any model loads (the policy path does not exist)
     with pytest.raises(

@@ -9,9 +9,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.export import export_policy
-from lightning_ppo.models import ValueModel, load_causal_lm, response_logits
-from lightning_ppo.roles import LoraSettings
-from lightning_ppo.rollout import position_ids_from_mask
+from lightning_ppo.models.loading import ValueModel, load_causal_lm, response_logits
+from lightning_ppo.models.roles import LoraSettings
+from lightning_ppo.ppo.rollout_data import position_ids_from_mask
 from tests.helpers import CountCharReward, prompt_data, quiet_trainer
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ppo import functional as F
 from lightning_ppo.config import GenerationConfig
-from lightning_ppo.models import load_causal_lm, response_logits
-from lightning_ppo.rollout import (
+from lightning_ppo.models.loading import load_causal_lm, response_logits
+from lightning_ppo.ppo import functional as F
+from lightning_ppo.ppo.rollout_data import position_ids_from_mask
+from lightning_ppo.rollout.sampling import (
     cache_for,
     generate,
     hf_generation_config,
-    position_ids_from_mask,
     truncate_at_stop,
 )
 
@@ -166,8 +166,8 @@ def test_suppress_token_patterns_match_the_vocabulary_with_only_star_and_questio
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from lightning_ppo.errors import UsageError
-    from lightning_ppo.models import load_tokenizer, resolve_suppressed_tokens
+    from lightning_ppo.models.loading import load_tokenizer, resolve_suppressed_tokens
+    from lightning_ppo.runs.errors import UsageError
 
     unused = [f"[unused{i}]" for i in range(12)]
     words = ["[PAD]", "[UNK]", *unused, "u", "n", "s", "e", "d", "?", "*", "**", "a", "ab", "ba"]
@@ -201,7 +201,7 @@ def test_a_static_cache_samples_as_the_dynamic_one_at_each_call_s_own_length(arc
     longest call's length for every later call)."""
     from peft import LoraConfig, get_peft_model
 
-    import lightning_ppo.rollout as rollout_module
+    import lightning_ppo.rollout.sampling as rollout_module
 
     model = load_causal_lm(str(request.getfixturevalue("tiny_llama" if arch == "llama" else "tiny_gpt2")))
     if arch.endswith("lora"):

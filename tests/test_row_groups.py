@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM
 import lightning_ppo.module
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.data import PromptDataModule
-from lightning_ppo.microbatches import MicroBatch, Share
+from lightning_ppo.models.roles import LoraSettings
+from lightning_ppo.ppo.microbatches import MicroBatch, Share
+from lightning_ppo.ppo.row_groups import equal_groups, forward_groups, plan_row_groups, row_extents
 from lightning_ppo.rewards import RewardModel, at_last_real_token
-from lightning_ppo.roles import LoraSettings
-from lightning_ppo.row_groups import equal_groups, forward_groups, plan_row_groups, row_extents
 from tests.helpers import CountCharReward, quiet_trainer
 from tests.test_trimming import PROMPTS, TOLERANCE
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from lightning_ppo.sharded_checkpoint import remove_stale_folders
+from lightning_ppo.distributed.sharded_checkpoint import remove_stale_folders
 from tests.helpers import cli_process, quickstart_fit_args, saver, start_cli, two_cpu_ranks
 
 ROOT = Path(__file__).resolve().parents[1]

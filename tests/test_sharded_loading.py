@@ -1,4 +1,4 @@
-"""Sharded loading (lightning_ppo.sharded_loading) on 2 CPU processes (gloo): the roles built as
+"""Sharded loading (lightning_ppo.distributed.sharded_loading) on 2 CPU processes (gloo): the roles built as
 skeletons, sharded with the FSDP2 plan, then each rank reading its rows of the checkpoint files, hold
 exactly the weights ``from_pretrained`` gives today, bit for bit, in every layout."""
 
@@ -24,8 +24,8 @@ LAYOUTS = {
 
 
 def _build(paths: dict[str, str], layout: dict) -> nn.Module:
+    from lightning_ppo.models.roles import Roles
     from lightning_ppo.rewards import RewardModel
-    from lightning_ppo.roles import Roles
 
     module = nn.Module()
     frozen = layout.get("frozen_dtype")
@@ -57,8 +57,8 @@ def _load_both_ways(rank: int, port: int, paths: dict[str, str], out: str) -> No
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_ppo.sharded_loading import deferred_loading, load_deferred
-    from lightning_ppo.sharding import role_models, shard_model
+    from lightning_ppo.distributed.sharded_loading import deferred_loading, load_deferred
+    from lightning_ppo.distributed.sharding import role_models, shard_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

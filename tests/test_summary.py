@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_ppo.callbacks import summarise
-from lightning_ppo.metrics import TrailingMean
+from lightning_ppo.watch.metrics import TrailingMean
 
 
 def test_the_summary_reports_the_best_window_a_run_lost_again():

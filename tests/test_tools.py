@@ -10,11 +10,11 @@ from transformers import AutoTokenizer
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.config import EpisodeConfig
-from lightning_ppo.episodes import StepResult, Turn
-from lightning_ppo.errors import UsageError
+from lightning_ppo.rollout.episodes import StepResult, Turn
+from lightning_ppo.rollout.tools import ToolEnvironment
+from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.arithmetic import AnswerReward, ArithmeticDataModule, calculator
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
-from lightning_ppo.tools import ToolEnvironment
 
 CHATML = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"

@@ -7,7 +7,7 @@ import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.data import PromptDataModule
-from lightning_ppo.experience import make_experience
+from lightning_ppo.ppo.experience import make_experience
 from tests.helpers import CountCharReward
 
 # prompts of 2 to 9 characters: every batch has left padding, short prompts more of it

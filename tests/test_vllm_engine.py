@@ -20,14 +20,14 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule  # noqa: E402
-from lightning_ppo import functional as F  # noqa: E402
 from lightning_ppo.callbacks import summarise  # noqa: E402
 from lightning_ppo.config import EpisodeConfig  # noqa: E402
-from lightning_ppo.engines.vllm import VLLMEngine  # noqa: E402
-from lightning_ppo.episodes import Environment, EpisodeRunner, StepResult  # noqa: E402
-from lightning_ppo.models import load_causal_lm, response_logits  # noqa: E402
-from lightning_ppo.roles import LoraSettings, apply_lora  # noqa: E402
-from lightning_ppo.rollout import generate, hf_generation_config  # noqa: E402
+from lightning_ppo.models.loading import load_causal_lm, response_logits  # noqa: E402
+from lightning_ppo.models.roles import LoraSettings, apply_lora  # noqa: E402
+from lightning_ppo.ppo import functional as F  # noqa: E402
+from lightning_ppo.rollout.engines.vllm import VLLMEngine  # noqa: E402
+from lightning_ppo.rollout.episodes import Environment, EpisodeRunner, StepResult  # noqa: E402
+from lightning_ppo.rollout.sampling import generate, hf_generation_config  # noqa: E402
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
 from tests.helpers import prompt_data, quiet_trainer  # noqa: E402
 
@@ -174,7 +174,7 @@ def test_lora_policy_is_pushed_merged_and_left_unmerged(module, policy_dir):
     assert not any(getattr(m, "merged", False) for m in policy.modules())
 
 
-# vLLM's messages about this package's own choices (lightning_ppo.quiet): none may reach the log.
+# vLLM's messages about this package's own choices (lightning_ppo.runs.quiet): none may reach the log.
 OURS = ("Failed to load weights", "Chat template warmup failed", "The global random seed is set to")
 
 

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from lightning_ppo.cli import main
-from lightning_ppo.samples import find_latest_samples, read_samples
-from lightning_ppo.wandb_offline import read_history
+from lightning_ppo.watch.samples import find_latest_samples, read_samples
+from lightning_ppo.watch.wandb_offline import read_history
 
 # What users watch, named as TRL names them (see the README's "Watching training").
 EXPECTED_KEYS = (

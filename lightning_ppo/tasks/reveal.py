@@ -14,7 +14,7 @@ from typing import Any
 
 import datasets
 
-from lightning_ppo.episodes import Environment, StepResult, Turn
+from lightning_ppo.rollout.episodes import Environment, StepResult, Turn
 from lightning_ppo.tasks.digits import DigitsDataModule, digits_score
 
 

@@ -24,7 +24,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from lightning_ppo.file_modes import save_pretrained
+from lightning_ppo.runs.file_modes import save_pretrained
 
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 DEFAULT_ALPHABET = "0123456789=+-*/:;,.?! abcdefghijklmnopqrstuvwxyz"

@@ -1,0 +1,115 @@
+"""Module paths from before the package had folders keep importing, as the module they became.
+
+Until version 0.1 every module sat directly in ``lightning_ppo/``; configs, notebooks and user code
+name them (``lightning_ppo.episodes.Environment``, ``lightning_ppo.sharding.shard_model``), and
+checkpoints written then pickle a few objects under those names. :class:`OldPaths`, installed on
+``sys.meta_path`` when ``lightning_ppo`` is imported, answers an old name with the new module
+itself (not a copy: classes stay identical, ``isinstance`` and pickling hold) and a
+``DeprecationWarning`` naming the new path. ``tests/test_layout.py`` imports every old path.
+
+Two old modules are folders now, ``rollout`` and ``models``: their packages forward the old names
+with :func:`forwarding`, importing each one on first use so the folders stay cheap to import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+# old module (under lightning_ppo.) -> new module (under lightning_ppo.)
+MOVED = {
+    "functional": "ppo.functional",
+    "kl": "ppo.kl",
+    "experience": "ppo.experience",
+    "microbatches": "ppo.microbatches",
+    "row_groups": "ppo.row_groups",
+    "optim": "ppo.optim",
+    "engines": "rollout.engines",
+    "episodes": "rollout.episodes",
+    "tools": "rollout.tools",
+    "chat": "rollout.chat",
+    "vocab": "rollout.vocab",
+    "environment": "rollout.environment",
+    "sharding": "distributed.sharding",
+    "sharded_loading": "distributed.sharded_loading",
+    "sharded_checkpoint": "distributed.sharded_checkpoint",
+    "roles": "models.roles",
+    "placement": "models.placement",
+    "checkpoint_io": "runs.checkpoint_io",
+    "resume": "runs.resume",
+    "run_lock": "runs.run_lock",
+    "log_continuity": "runs.log_continuity",
+    "writable": "runs.writable",
+    "file_modes": "runs.file_modes",
+    "ctrl_c": "runs.ctrl_c",
+    "quiet": "runs.quiet",
+    "run_length": "runs.run_length",
+    "preflight": "runs.preflight",
+    "errors": "runs.errors",
+    "typos": "runs.typos",
+    "processes": "runs.processes",
+    "data_files": "runs.data_files",
+    "metrics": "watch.metrics",
+    "guardrails": "watch.guardrails",
+    "plot": "watch.plot",
+    "samples": "watch.samples",
+    "wandb_offline": "watch.wandb_offline",
+}
+PACKAGE = "lightning_ppo"
+
+
+def new_name(fullname: str) -> str | None:
+    """``lightning_ppo.engines.vllm`` -> ``lightning_ppo.rollout.engines.vllm``; None if not moved."""
+    head, _, rest = fullname.removeprefix(PACKAGE + ".").partition(".")
+    if not fullname.startswith(PACKAGE + ".") or head not in MOVED:
+        return None
+    return f"{PACKAGE}.{MOVED[head]}" + (f".{rest}" if rest else "")
+
+
+class _Alias(importlib.abc.Loader):
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        warnings.warn(
+            f"{spec.name} moved to {self.target}; the old path keeps working for now",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """The target module ran when it was imported."""
+
+
+class OldPaths(importlib.abc.MetaPathFinder):
+    """Finds ``lightning_ppo.<old module>[.<submodule>]`` as its new module."""
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        moved_to = new_name(fullname)
+        return None if moved_to is None else importlib.util.spec_from_loader(fullname, _Alias(moved_to))
+
+
+def install() -> None:
+    if not any(isinstance(finder, OldPaths) for finder in sys.meta_path):
+        sys.meta_path.insert(0, OldPaths())
+
+
+def forwarding(package: str, homes: dict[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``package`` that imports ``name`` from ``homes[name]`` on first use."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in homes:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(homes[name]), name)
+
+    return __getattr__

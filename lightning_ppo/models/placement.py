@@ -1,0 +1,85 @@
+"""The roles' weights are read where they run: on the Trainer's root device, in their final dtype.
+
+``PPOLightningModule.__init__`` builds every role whose checkpoint is plain safetensors holding all of
+its parameters as a skeleton (``lightning_ppo.distributed.sharded_loading``: parameters on the meta
+device, each mapped to its tensor in the files) in the dtype it keeps: trained roles fp32, frozen roles
+``frozen_dtype``. No weight is read or initialised then. ``configure_model``, which Lightning calls
+under every strategy (single device, DDP, FSDP2) once the root device is known, reads them straight
+into memory on that device (under FSDP2 into each rank's shards), one tensor at a time through a
+host buffer of that tensor's size: no role is whole on the host first, nor initialised at random and
+then overwritten. What cannot be a skeleton (``.bin`` checkpoints, renamed keys, a LoRA base, a
+reward model passed in loaded) is loaded whole on the CPU as before and moved by the strategy.
+
+A module used without a Trainer (in Python, in tests) reads its weights onto the CPU the first time
+one of its models is reached (an attribute such as ``module.policy``, ``parameters()``,
+``state_dict``, ``load_state_dict``, ``.to()``), so it behaves as one built whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ppo.distributed.sharded_loading import deferred_loading, load_deferred
+from lightning_ppo.distributed.sharding import role_models
+
+
+class LoadsWhereItRuns(nn.Module):
+    """Mixin for a LightningModule whose role models are built inside :meth:`building_roles`."""
+
+    @contextmanager
+    def building_roles(self) -> Iterator[None]:
+        """Models loaded inside are skeletons, read later by :meth:`load_weights`."""
+        with deferred_loading():
+            yield
+        # Set only now: models reached while the roles are being built must not trigger the read.
+        self.__dict__["_weights_pending"] = True
+
+    def load_weights(self, device: torch.device | str | None = None) -> None:
+        """Read every skeleton role's weights onto ``device`` (default: the CPU); a no-op once read."""
+        self.__dict__["_weights_pending"] = False
+        load_deferred(self, role_models(self), torch.device(device or "cpu"))
+
+    def _loads_lazily(self) -> bool:
+        # Read through __dict__: this runs inside __getattr__, where a missing name would recurse.
+        return self.__dict__.get("_weights_pending", False) and self.__dict__.get("_trainer") is None
+
+    def __getattr__(self, name: str) -> Any:
+        # Submodules (roles, reward_model, ...) live in ``_modules`` and are reached through here.
+        value = super().__getattr__(name)
+        if self._loads_lazily() and name in self.__dict__.get("_modules", {}):
+            self.load_weights()
+        return value
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
+        # Behind parameters(), named_parameters(), buffers() and modules(): what they yield is real.
+        if self._loads_lazily():
+            self.load_weights()
+        return super().named_modules(*args, **kwargs)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> LoadsWhereItRuns:
+        if self._loads_lazily():  # .to()/.cuda()/.double() on meta parameters would fail or do nothing
+            self.load_weights()
+        elif self.__dict__.get("_weights_pending", False):
+            # Under a Trainer, before configure_model (a teardown after setup failed): nothing is read
+            # yet to move, and reading it only to move it would waste the time it takes.
+            return super()._apply(lambda t: t if t.is_meta else fn(t), recurse)
+        return super()._apply(fn, recurse)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if self._loads_lazily():
+            self.load_weights()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        # Copying into a meta parameter does nothing: the weights must be real first, or a checkpoint's
+        # trained weights would be silently replaced by the initial ones when read later.
+        if self._loads_lazily():
+            self.load_weights()
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)

@@ -1,0 +1,331 @@
+"""Multi-turn episodes: the policy acts, an environment answers, the policy acts again.
+
+An :class:`Environment` is a small Python class named in the config by ``class_path``
+(``model.environment``). Each episode runs on its own copy of it (``copy.deepcopy`` of the
+configured instance, so it may keep the episode's state in ``self``): :meth:`Environment.reset`
+receives the dataset row, :meth:`Environment.step` each turn of the policy, and answers with a
+:class:`StepResult`: an observation to append, an optional reward for that turn, and whether the
+episode is done.
+
+:class:`EpisodeRunner` advances the episodes of one batch together: one batched ``generate`` per
+turn over the episodes still running, with whichever engine samples (``hf`` or ``vllm``). The
+policy's tokens are kept exactly as sampled, never decoded and re-encoded; only observations are
+tokenized. The result is one :class:`~lightning_ppo.ppo.rollout_data.Rollout` whose response region holds
+every turn and observation in order, so the rest of PPO runs unchanged on it: the observations
+are context (``context_mask``), never actions, and each turn's reward sits on the turn's last
+token (``turn_rewards``). An episode whose environment is done after the first reply is exactly
+today's single-turn rollout (the same tensors, bit for bit).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_ppo.config import EpisodeConfig
+from lightning_ppo.ppo import functional as F
+from lightning_ppo.ppo.rollout_data import Rollout
+from lightning_ppo.rollout.chat import MessageRenderer
+from lightning_ppo.rollout.engines import GenerationEngine
+from lightning_ppo.rollout.environment import Environment, StepFunction, StepResult, Turn
+from lightning_ppo.rollout.prompts import PromptBatch
+from lightning_ppo.runs.errors import UsageError
+
+# The environment protocol lives in lightning_ppo.rollout.environment (tools.py builds on it without the
+# runner); configs and the docs name it here, as lightning_ppo.rollout.episodes.Environment.
+__all__ = ["Environment", "EpisodeRunner", "StepFunction", "StepResult", "Turn", "make_episode_runner"]
+
+# How sample tables mark an environment's observation inside an episode's text.
+OBSERVATION_OPEN, OBSERVATION_CLOSE = " [env: ", "] "
+
+
+@dataclass
+class _Episode:
+    """One episode under construction: its tokens after the prompt, and what each one is."""
+
+    environment: Environment
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    is_action: list[bool] = field(default_factory=list)
+    engine_logprobs: list[float] = field(default_factory=list)
+    rewards: dict[int, float] = field(default_factory=dict)  # token index -> turn reward
+    turns: int = 0
+    transcript: list[str] = field(default_factory=list)  # replies as text, observations marked
+    ended: bool = False  # the last reply emitted the stop token
+    truncated: bool = False  # cut by the token budget
+    failed: bool = False  # its environment raised (episode.on_error: drop): nothing to learn from it
+    done: bool = False
+
+
+@dataclass
+class EpisodeStats:
+    """What the runner counted in one batch (this rank's episodes)."""
+
+    turns: Tensor  # (B,) policy turns per episode
+    tokens: Tensor  # (B,) tokens after the prompt, observations included
+    truncated: Tensor  # (B,) bool: cut by episode.max_tokens
+    failed: Tensor  # (B,) bool: the environment raised and the episode was dropped
+    tool_calls: Tensor  # (B,) tool calls per episode (model.tools)
+    tool_errors: Tensor  # (B,) of which failed: malformed, unknown tool, or the tool raised
+
+    def metrics(self, reduce: F.Reduce | None = None) -> dict[str, Tensor]:
+        """Turns and tokens per episode (means); truncated and failed episodes, tool calls and failed
+        tool calls (counts), over every rank's episodes when ``reduce`` sums over the ranks."""
+        sums = torch.stack(
+            [
+                self.turns.float().sum(),
+                self.tokens.float().sum(),
+                self.truncated.float().sum(),
+                self.failed.float().sum(),
+                self.tool_calls.float().sum(),
+                self.tool_errors.float().sum(),
+                torch.tensor(float(len(self.turns)), dtype=torch.float32, device=self.turns.device),
+            ]
+        )
+        if reduce is not None:
+            sums = reduce(sums)
+        turns, tokens, truncated, failed, calls, errors, count = sums
+        return {
+            "episode/turns_mean": turns / count,
+            "episode/tokens_mean": tokens / count,
+            "episode/truncated": truncated,
+            "episode/env_errors": failed,
+            "episode/tool_calls": calls,
+            "episode/tool_errors": errors,
+        }
+
+
+class EpisodeRunner:
+    """Runs the batch's episodes turn by turn with a generation engine.
+
+    Args:
+        environment: The configured environment; every episode runs on a deep copy.
+        config: Turns and token budget.
+        tokenizer: Decodes the policy's turns for the environment and tokenizes observations.
+        pad_token_id: Fills the response region past each episode's end.
+        seed: The run's seed; with the iteration, rank and episode it seeds each episode's ``rng``.
+        stop_token: The text of the token that ends a reply (``generation.stop_token``; ``None``: EOS),
+            where a chat message observation starts.
+    """
+
+    def __init__(
+        self,
+        environment: Environment,
+        config: EpisodeConfig,
+        tokenizer: Any,
+        pad_token_id: int,
+        seed: int,
+        stop_token: str | None = None,
+    ) -> None:
+        if not callable(getattr(environment, "step", None)):
+            raise UsageError(
+                f"model.environment: {type(environment).__name__} has no step(turn) method; subclass "
+                "lightning_ppo.rollout.episodes.Environment"
+            )
+        self.environment, self.config = environment, config
+        self.tokenizer, self.pad_token_id, self.seed = tokenizer, pad_token_id, seed
+        self.last_stats: EpisodeStats | None = None
+        # The last batch's episodes as text, observations between OBSERVATION_OPEN and _CLOSE: what
+        # the sample tables show (rewards get the plain text, as the policy read it).
+        self.transcripts: list[str] = []
+        self._engine_logprobs = False
+        self.render_message = MessageRenderer(tokenizer, stop_token)
+
+    def metrics(self, reduce: Any = None) -> dict[str, Tensor]:
+        """``episode/*`` metrics of the last batch (over every rank's episodes with ``reduce``)."""
+        if self.last_stats is None:
+            return {}
+        return self.last_stats.metrics(reduce)
+
+    def run(
+        self,
+        engine: GenerationEngine,
+        batch: PromptBatch,
+        iteration: int,
+        rank: int,
+        any_rank: Callable[[bool], bool] = bool,
+    ) -> Rollout:
+        """Sample every episode of ``batch`` to its end; one ``engine.generate`` per turn.
+
+        ``any_rank`` says whether a flag is true on any rank (an all-reduce under several ranks): all
+        ranks take the same number of turns, because a sharded policy (FSDP2) gathers its weights in
+        every forward, with every rank. A rank whose episodes have all ended generates a throw-away
+        reply on one of its contexts while another rank still needs the turn.
+        """
+        episodes = [self._start(batch, i, iteration, rank) for i in range(len(batch))]
+        for turn in range(self.config.max_turns):
+            running = [i for i, episode in enumerate(episodes) if not episode.done]
+            if not any_rank(bool(running)):
+                break
+            if turn == 0:  # the batch's own tensors: one turn is today's rollout exactly
+                rollout = engine.generate(batch.prompt_ids, batch.prompt_mask)
+            elif not running:
+                engine.generate(*self._contexts(episodes[:1], batch))  # in step with the other ranks
+                continue
+            else:
+                rollout = engine.generate(*self._contexts([episodes[i] for i in running], batch))
+            self._engine_logprobs = rollout.engine_logprobs is not None
+            for row, i in enumerate(running):
+                try:
+                    self._advance(episodes[i], rollout, row, turn, batch.prompts[i])
+                except EnvironmentFailure:
+                    if self.config.on_error == "error":
+                        raise
+                    episodes[i].failed = episodes[i].done = True
+        return self._rollout(episodes, batch)
+
+    def _start(self, batch: PromptBatch, i: int, iteration: int, rank: int) -> _Episode:
+        environment = copy.deepcopy(self.environment)
+        episode = _Episode(environment, batch.prompt_ids[i][batch.prompt_mask[i]].tolist())
+        rng = random.Random(f"{self.seed}/{iteration}/{rank}/{i}")
+        row = {name: values[i] for name, values in batch.extras.items()}
+        try:
+            self._call(environment.reset, "reset", 0, batch.prompts[i], batch.prompts[i], row, rng)
+        except EnvironmentFailure:
+            if self.config.on_error == "error":
+                raise
+            episode.failed = episode.done = True
+        return episode
+
+    def _contexts(self, episodes: list[_Episode], batch: PromptBatch) -> tuple[Tensor, Tensor]:
+        """Prompt plus everything so far of each episode, left padded (generation continues it)."""
+        contexts = [episode.prompt + episode.tokens for episode in episodes]
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(contexts), width), dtype=torch.bool)
+        for row, context in enumerate(contexts):
+            ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
+            mask[row, width - len(context) :] = True
+        return ids.to(batch.prompt_ids.device), mask.to(batch.prompt_mask.device)
+
+    def _advance(self, episode: _Episode, rollout: Rollout, row: int, turn: int, prompt: str) -> None:
+        """Append the policy's reply (cut at the budget), ask the environment, append its observation."""
+        keep = rollout.response_mask[row]
+        reply = rollout.response_ids[row][keep].tolist()
+        logprobs = rollout.engine_logprobs[row][keep].tolist() if rollout.engine_logprobs is not None else []
+        room = self.config.max_tokens - len(episode.tokens)
+        episode.truncated = len(reply) > room
+        reply, logprobs = reply[:room], logprobs[:room]
+        episode.ended = bool(rollout.ended[row]) and not episode.truncated
+        self._append(episode, reply, True, logprobs)
+        episode.turns += 1
+        text = self.tokenizer.decode(reply, skip_special_tokens=True)
+        episode.transcript.append(text)
+        result = self._call(
+            episode.environment.step, "step", turn, prompt, Turn(turn, text, reply, episode.ended)
+        )
+        if not isinstance(result, StepResult):
+            raise UsageError(
+                f"model.environment: {type(episode.environment).__name__}.step must return a StepResult, "
+                f"got {type(result).__name__}"
+            )
+        if result.reward is not None and reply:
+            episode.rewards[len(episode.tokens) - 1] = float(result.reward)
+        episode.done = result.done or episode.truncated or turn + 1 >= self.config.max_turns
+        if not episode.done and result.observation:
+            text = self._observation_text(result.observation)
+            observation = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            room = self.config.max_tokens - len(episode.tokens)
+            episode.truncated = len(observation) >= room  # no room left for another reply
+            episode.done = episode.truncated
+            self._append(episode, observation[:room], False, [0.0] * min(room, len(observation)))
+            episode.transcript.append(f"{OBSERVATION_OPEN}{_shown(result.observation)}{OBSERVATION_CLOSE}")
+
+    def _observation_text(self, observation: str | dict[str, str]) -> str:
+        """The text appended: the observation itself, or a chat message as the template writes it."""
+        return observation if isinstance(observation, str) else self.render_message(observation)
+
+    @staticmethod
+    def _append(episode: _Episode, tokens: list[int], action: bool, logprobs: list[float]) -> None:
+        episode.tokens += tokens
+        episode.is_action += [action] * len(tokens)
+        episode.engine_logprobs += logprobs if logprobs else [0.0] * len(tokens)
+
+    def _call(self, method: Any, name: str, turn: int, prompt: str, *args: Any) -> Any:
+        """Call the environment; its exception becomes an error naming the class, turn and prompt."""
+        try:
+            return method(*args)
+        except Exception as err:
+            owner = type(getattr(method, "__self__", method)).__name__
+            raise EnvironmentFailure(
+                f"model.environment: {owner}.{name} raised {type(err).__name__}: {err} (turn {turn}, "
+                f"prompt {prompt[:60]!r})"
+            ) from err
+
+    def _rollout(self, episodes: list[_Episode], batch: PromptBatch) -> Rollout:
+        """The episodes as one rollout: every turn and observation in the response region."""
+        width = max(max(len(e.tokens) for e in episodes), 1)
+        device = batch.prompt_ids.device
+        ids = torch.full((len(episodes), width), self.pad_token_id, dtype=torch.long)
+        action = torch.zeros((len(episodes), width), dtype=torch.bool)
+        context = torch.zeros_like(action)
+        # fp32 by choice, not the default dtype (the low one under a true-precision plugin)
+        rewards = torch.zeros((len(episodes), width), dtype=torch.float32)
+        logprobs = torch.zeros((len(episodes), width), dtype=torch.float32)
+        for row, e in enumerate(episodes):
+            n = len(e.tokens)
+            ids[row, :n] = torch.tensor(e.tokens, dtype=torch.long)
+            action[row, :n] = torch.tensor(e.is_action) & (not e.failed)
+            context[row, :n] = ~torch.tensor(e.is_action)
+            logprobs[row, :n] = torch.tensor(e.engine_logprobs, dtype=torch.float32)
+            for index, reward in e.rewards.items():
+                rewards[row, index] = reward
+        self.transcripts = ["".join(e.transcript) for e in episodes]
+        self.last_stats = EpisodeStats(
+            turns=torch.tensor([e.turns for e in episodes], device=device),
+            tokens=torch.tensor([len(e.tokens) for e in episodes], device=device),
+            truncated=torch.tensor([e.truncated for e in episodes], device=device),
+            failed=torch.tensor([e.failed for e in episodes], device=device),
+            tool_calls=torch.tensor([getattr(e.environment, "calls", 0) for e in episodes], device=device),
+            tool_errors=torch.tensor([getattr(e.environment, "errors", 0) for e in episodes], device=device),
+        )
+        return Rollout(
+            batch.prompt_ids,
+            batch.prompt_mask.bool(),
+            ids.to(device),
+            action.to(device),
+            torch.tensor([e.ended for e in episodes], device=device),
+            engine_logprobs=logprobs.to(device) if self._engine_logprobs else None,
+            context_mask=context.to(device) if context.any() else None,
+            turn_rewards=rewards.to(device) if any(e.rewards for e in episodes) else None,
+        )
+
+
+def _shown(observation: str | dict[str, str]) -> str:
+    """An observation as the sample tables show it: the text, or ``role: content``."""
+    return (
+        observation
+        if isinstance(observation, str)
+        else f"{observation.get('role')}: {observation.get('content')}"
+    )
+
+
+class EnvironmentFailure(UsageError, RuntimeError):
+    """An environment's ``reset`` or ``step`` raised: named with its class, turn and prompt."""
+
+
+def make_episode_runner(
+    environment: Environment | Callable[..., StepResult] | None,
+    tools: list[Any] | None,
+    config: EpisodeConfig,
+    tokenizer: Any,
+    stop_token: str | None,
+    seed: int,
+) -> EpisodeRunner | None:
+    """The runner for ``model.environment`` and/or ``model.tools``; ``None`` (one reply per prompt,
+    today's path) with neither."""
+    if environment is not None and not hasattr(environment, "step") and callable(environment):
+        environment = StepFunction(environment)
+    if tools:
+        from lightning_ppo.rollout.tools import ToolEnvironment
+
+        environment = ToolEnvironment(tools, config.tool_format, tokenizer, stop_token, environment)
+    if environment is None:
+        return None
+    return EpisodeRunner(environment, config, tokenizer, tokenizer.pad_token_id, seed, stop_token)

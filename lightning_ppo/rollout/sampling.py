@@ -1,0 +1,154 @@
+"""Sampling responses from the policy with Hugging Face ``generate``, and the masks that say which
+response tokens are real. What it returns is a :class:`~lightning_ppo.ppo.rollout_data.Rollout`."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import transformers
+from torch import Tensor
+
+from lightning_ppo.config import GenerationConfig
+from lightning_ppo.ppo.rollout_data import Rollout
+from lightning_ppo.runs.quiet import quiet_generation
+
+
+def truncate_at_stop(
+    response_ids: Tensor, stop_token_id: int, pad_token_id: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Mask everything after the first stop token.
+
+    Returns:
+        ``(response_ids, response_mask, ended)``: ids with pad after the stop token, the positive
+        mask (stop token included) and whether each row emitted the stop token.
+    """
+    is_stop = response_ids == stop_token_id
+    ended = is_stop.any(dim=1)
+    last = response_ids.shape[1] - 1
+    stop_at = torch.where(ended, is_stop.int().argmax(dim=1), torch.full_like(ended, last, dtype=torch.long))
+    positions = torch.arange(response_ids.shape[1], device=response_ids.device)
+    response_mask = positions[None, :] <= stop_at[:, None]
+    response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, pad_token_id))
+    return response_ids, response_mask, ended
+
+
+def hf_generation_config(
+    config: GenerationConfig,
+    stop_token_id: int,
+    pad_token_id: int,
+    do_sample: bool = True,
+    suppressed: list[int] | None = None,
+) -> transformers.GenerationConfig:
+    """An explicit HF generation config, so that no default from the checkpoint (top_k=50,
+    repetition penalty, ...) changes the distribution the log-probs are computed under.
+    ``do_sample=False`` gives greedy decoding (validation). ``suppressed`` ids are never generated
+    (their logits are set to -inf; the trainer's log-probs mask the same ids). ``generate`` never
+    compiles itself (on a GPU it would for a static cache, again for every new batch shape)."""
+    shared = dict(
+        max_new_tokens=config.max_new_tokens,
+        eos_token_id=stop_token_id,
+        pad_token_id=pad_token_id,
+        suppress_tokens=list(suppressed) if suppressed else None,
+        use_cache=True,
+        disable_compile=True,
+    )
+    if not do_sample:
+        return transformers.GenerationConfig(do_sample=False, **shared)
+    return transformers.GenerationConfig(
+        do_sample=True, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, **shared
+    )
+
+
+@contextmanager
+def weights_cast_once(device_type: str) -> Iterator[None]:
+    """Under mixed precision, cast each weight to the low dtype once for a whole generation.
+
+    Lightning's autocast keeps no cast cache, because weights change between optimizer steps
+    inside one ``training_step``; without one, every decoding step casts every weight again
+    (measured: 3 % of a small model's generation on CPU). The weights are fixed while
+    generating, so a cache is safe there; it is dropped right after, before any update.
+    """
+    if not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    dtype = torch.get_autocast_dtype(device_type)
+    try:
+        with torch.autocast(device_type, dtype=dtype, cache_enabled=True):
+            yield
+    finally:
+        torch.clear_autocast_cache()
+
+
+def cache_for(
+    model: transformers.PreTrainedModel,
+    prompt_width: int,
+    generation_config: transformers.GenerationConfig,
+    kind: str,
+) -> dict[str, transformers.Cache]:
+    """``generate``'s ``cache`` argument: a static cache of exactly this call's length, or none
+    (HF's dynamic cache, which ``generate`` makes itself).
+
+    Not ``cache_implementation="static"``: HF then sizes every later cache of the same model to the
+    longest it ever made, so one long batch (or a validation pass) would make every shorter
+    generation after it attend over that whole length (measured: 2.2x the dynamic cache's time).
+    """
+    supported = getattr(model, "_supports_default_dynamic_cache", None)
+    argument = _cache_argument(model)
+    if kind == "dynamic" or supported is None or not supported() or argument is None:
+        return {}
+    length = prompt_width + generation_config.max_new_tokens
+    return {argument: OneDtypeStaticCache(config=model.config, max_cache_len=length)}
+
+
+class OneDtypeStaticCache(transformers.StaticCache):
+    """HF's static cache, with each layer's keys stored in the dtype of the values written with them.
+
+    Under autocast (bf16-mixed, 16-mixed) a RoPE model's keys leave the rotation in fp32 (its cos and
+    sin are fp32) while its values come out of their projection in the low dtype. transformers up
+    to 5.23 allocates both of a layer's tensors in the keys' dtype, and the values then fail to fit
+    (``index_copy_(): ... Float and ... BFloat16``); 5.24 keeps fp32 keys beside low values. Attention
+    under autocast casts the keys to the low dtype anyway, so casting them as they are stored changes
+    no result (a test compares the samples with the dynamic cache's), on every version, and halves
+    the keys' memory. Without autocast both already share one dtype and nothing is cast.
+    """
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        return super().update(key_states.to(value_states.dtype), value_states, layer_idx, *args, **kwargs)
+
+
+def _cache_argument(model: transformers.PreTrainedModel) -> str | None:
+    """The name ``generate`` takes a cache by, as the model's forward does: ``cache`` in newer
+    transformers, ``past_key_values`` before (5.19, which vLLM 0.32 pins); None for neither."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    parameters = inspect.signature(type(base).forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
+@torch.no_grad()
+def generate(
+    model: transformers.PreTrainedModel,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    generation_config: transformers.GenerationConfig,
+    cache: str = "static",
+) -> Rollout:
+    """Sample one response per left-padded prompt and mask it at the first stop token. ``cache``:
+    ``static`` or ``dynamic`` (``GenerationConfig.cache_implementation``)."""
+    was_training = model.training
+    # Generation runs in eval mode: with gradient checkpointing in train mode HF drops the KV cache.
+    model.eval()
+    with weights_cast_once(prompt_ids.device.type), quiet_generation():
+        sequences = model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask.long(),
+            generation_config=generation_config,
+            **cache_for(model, prompt_ids.shape[1], generation_config, cache),
+        )
+    model.train(was_training)
+    response_ids, response_mask, ended = truncate_at_stop(
+        sequences[:, prompt_ids.shape[1] :], generation_config.eos_token_id, generation_config.pad_token_id
+    )
+    return Rollout(prompt_ids, prompt_mask.bool(), response_ids, response_mask, ended)

@@ -1,0 +1,132 @@
+"""Tools: plain Python functions the policy calls inside a multi-turn episode.
+
+``model.tools: [my_pkg.calculator, ...]`` makes every episode a conversation with them. After each
+reply, :class:`ToolEnvironment` looks for a call; the function's result (or what went wrong)
+comes back as the observation and the policy goes on. A reply without a call ends the episode
+(or, with ``model.environment`` set as well, is that environment's turn). Two call formats:
+
+``hermes`` (for tokenizers with a chat template: the format Hugging Face chat templates that take
+``tools`` expect, as Qwen and Hermes models emit it)::
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>
+
+The result comes back as a ``tool`` message rendered by the tokenizer's own chat template.
+
+``text`` (any tokenizer; the tiny char-level ones have no braces or quotes)::
+
+    call calculator: 12*7
+
+The function receives the text after the colon as its one argument; the observation is
+``result: 84;``. In both formats a malformed call, an unknown name or a function that raises
+becomes an observation saying so (``error: ...;`` or a ``tool`` message), counted in
+``episode/tool_errors``: never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_ppo.rollout.chat import message_suffix
+from lightning_ppo.rollout.environment import Environment, StepResult, Turn
+from lightning_ppo.runs.errors import UsageError
+
+TOOL_FORMATS = ("auto", "hermes", "text")
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_TEXT = re.compile(r"call ([a-z_][a-z0-9_]*)\s*:\s*([^;]*)")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the policy wrote: the tool's name and its arguments (or why it could not be read)."""
+
+    name: str
+    arguments: dict[str, Any] | str
+    error: str | None = None
+
+
+class ToolEnvironment(Environment):
+    """Answers each tool call with the tool's result; a reply without one ends the episode.
+
+    Args:
+        tools: The functions, by their ``__name__``.
+        tool_format: ``hermes``, ``text``, or ``auto`` (``hermes`` when the tokenizer has a chat
+            template, else ``text``).
+        tokenizer: Renders ``tool`` messages with its chat template (``hermes``).
+        stop_token: The text of the token that ends a reply (where the template's rendering of an
+            assistant message ends and the tool message begins).
+        inner: An environment for the turns that call no tool (its rewards and ``done``).
+    """
+
+    def __init__(
+        self,
+        tools: list[Callable[..., Any]],
+        tool_format: str = "auto",
+        tokenizer: Any = None,
+        stop_token: str | None = None,
+        inner: Environment | None = None,
+    ) -> None:
+        if tool_format not in TOOL_FORMATS:
+            raise UsageError(f"model.episode.tool_format must be one of {TOOL_FORMATS}, got {tool_format!r}")
+        for tool in tools:
+            if not callable(tool) or not getattr(tool, "__name__", None):
+                raise UsageError(f"model.tools entries must be named functions, got {tool!r}")
+        self.tools = {tool.__name__: tool for tool in tools}
+        has_template = getattr(tokenizer, "chat_template", None) is not None
+        self.format = ("hermes" if has_template else "text") if tool_format == "auto" else tool_format
+        if self.format == "hermes" and not has_template:
+            raise UsageError("model.episode.tool_format hermes needs a tokenizer with a chat template")
+        self.tool_suffix = message_suffix(tokenizer, "tool", stop_token) if self.format == "hermes" else None
+        self.inner = inner
+        self.calls = self.errors = 0
+
+    def reset(self, prompt: str, row: dict[str, Any], rng: random.Random) -> None:
+        self.calls = self.errors = 0
+        if self.inner is not None:
+            self.inner.reset(prompt, row, rng)
+
+    def step(self, turn: Turn) -> StepResult:
+        call = self.parse(turn.text)
+        if call is None:
+            return self.inner.step(turn) if self.inner is not None else StepResult(done=True)
+        self.calls += 1
+        result, failed = self.run(call)
+        self.errors += failed
+        return StepResult(observation=self.render(call, result, failed))
+
+    def parse(self, text: str) -> ToolCall | None:
+        """The reply's first tool call, ``None`` if it makes none."""
+        if self.format == "text":
+            match = _TEXT.search(text)
+            return ToolCall(match.group(1), match.group(2).strip()) if match else None
+        match = _HERMES.search(text)
+        if match is None:
+            return None
+        try:
+            payload = json.loads(match.group(1))
+            return ToolCall(str(payload["name"]), dict(payload.get("arguments") or {}))
+        except (ValueError, KeyError, TypeError) as err:
+            return ToolCall("", {}, f"malformed tool call ({type(err).__name__}: {err})")
+
+    def run(self, call: ToolCall) -> tuple[str, bool]:
+        """``(text, failed)``: the tool's result as text, or what went wrong."""
+        if call.error is not None:
+            return call.error, True
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return f"unknown tool {call.name!r}; tools: {', '.join(sorted(self.tools))}", True
+        try:
+            value = tool(**call.arguments) if isinstance(call.arguments, dict) else tool(call.arguments)
+        except Exception as err:  # a tool's failure is the policy's observation, not a crash
+            return f"{call.name} raised {type(err).__name__}: {err}", True
+        return str(value), False
+
+    def render(self, call: ToolCall, result: str, failed: bool) -> str:
+        if self.format == "text":
+            return f" {'error' if failed else 'result'}: {result};"
+        content = json.dumps({"error": result} if failed else {"name": call.name, "content": result})
+        return self.tool_suffix.format(content=content)

@@ -1,0 +1,97 @@
+"""Resuming with a config that is not the checkpoint's: what differs, and whether it can work.
+
+A checkpoint records the module's settings (its hyper-parameters). The config given to the resumed
+run is the one that runs (LightningCLI would otherwise overwrite it with the checkpoint's, and only
+for checkpoints passed by path), so a changed value is either a deliberate change, said once as a
+warning, or one that cannot work with the saved weights: a different set of trained tensors
+(LoRA on or off, another critic layout, an estimator with or without a critic, another model),
+which is an error naming the settings that differ, before any optimizer state is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from lightning_ppo.runs.errors import UsageError
+
+
+@dataclass(frozen=True)
+class SettingChange:
+    """One setting whose value in the checkpoint differs from the resumed run's config."""
+
+    name: str  # dotted, as in the config: "model.ppo.num_minibatches"
+    saved: Any
+    now: Any
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.saved!r} in the checkpoint, {self.now!r} now"
+
+
+def setting_changes(
+    saved: Mapping[str, Any], now: Mapping[str, Any], prefix: str = "model"
+) -> list[SettingChange]:
+    """Settings that differ between two hyper-parameter dicts, nested dicts compared field by field.
+
+    A setting absent on one side (an older checkpoint, a new option) counts as ``None`` there; a
+    section set on one side only (``lora``) is one change, not one per field.
+    """
+    changes = []
+    for key in sorted(set(saved) | set(now)):
+        old, new, name = saved.get(key), now.get(key), f"{prefix}.{key}"
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            changes += setting_changes(old, new, name)
+        elif old != new:
+            changes.append(SettingChange(name, old, new))
+    return changes
+
+
+def weight_mismatch(saved: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> list[str]:
+    """Why the saved trained tensors cannot load into a model that trains ``expected``: a few lines."""
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    reshaped = sorted(
+        f"{name} {tuple(saved[name].shape)} -> {tuple(expected[name].shape)}"
+        for name in set(saved) & set(expected)
+        if saved[name].shape != expected[name].shape
+    )
+    lines = []
+    for label, names in (("not in the checkpoint", missing), ("not in this model", unexpected)):
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            lines.append(f"{len(names)} trained tensors {label}: {', '.join(names[:3])}{more}")
+    if reshaped:
+        lines.append(f"{len(reshaped)} with another shape: {', '.join(reshaped[:3])}")
+    return lines
+
+
+def check_resumable(
+    checkpoint: Mapping[str, Any], hparams: Mapping[str, Any], trained: Mapping[str, Tensor]
+) -> None:
+    """Error if the saved trained weights cannot load into a model that trains ``trained``; warn
+    about other setting changes.
+
+    Runs before Lightning loads weights and optimizer state (whose own errors name no setting;
+    frozen roles are left out of checkpoints, so the weights load non-strictly).
+    """
+    changes = setting_changes(checkpoint.get("hyper_parameters", {}), hparams)
+    # A sharded checkpoint's weights are not in ``checkpoint``: the strategy loaded them already
+    # (its distributed load fails on any missing or reshaped tensor).
+    mismatch = weight_mismatch(checkpoint["state_dict"], trained) if "state_dict" in checkpoint else []
+    if mismatch:
+        raise UsageError(
+            "the checkpoint's trained weights do not fit this model"
+            + (f" ({'; '.join(map(str, changes))})" if changes else "")
+            + ": "
+            + "; ".join(mismatch)
+            + ". Resume with the checkpoint's settings, or start a new run from its exported policy."
+        )
+    if changes:
+        rank_zero_warn(
+            "resuming with settings that differ from the checkpoint's; the run goes on with the "
+            "config's values: " + "; ".join(map(str, changes))
+        )

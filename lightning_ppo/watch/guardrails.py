@@ -1,0 +1,207 @@
+"""Guardrails: one-time warnings that speak before a run is wasted.
+
+Each check watches one symptom of a run going wrong, and says once which metric, its value and
+what to do, with advice that matches the configuration (it never suggests a setting that is
+already on). Pure Python on the iteration's statistics and decoded responses: the module passes
+them in and warns (on rank 0) with whatever comes back.
+
+The thresholds come from a user's collapsed run (a warm-started policy at torch's default lr
+1e-3: approxkl 4.5 and clipfrac 0.55 at iteration 1, every answer ``'admin.'``, then ``''``,
+kl_coef driven from 0.05 to 690) against the quickstart run, which stays below them throughout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_ppo.config import PPOConfig
+from lightning_ppo.watch.metrics import HostView, reward_drowned
+
+# PPO's trust region: approx-KL 0.5 (log r)^2 near 0.01-0.05 and clip fractions near 0.1-0.2 are
+# usual; a step that leaves these far behind in the first iterations is a learning rate too large.
+APPROX_KL_LIMIT = 1.0
+CLIPFRAC_LIMIT = 0.4
+EARLY_ITERATIONS = 10
+# Iterations in a row whose responses were all identical (or all empty) before warning.
+COLLAPSE_ITERATIONS = 3
+# How far the adaptive kl_coef may move from its start before the run is told.
+KL_COEF_FACTOR = 10.0
+# Iterations of score spread averaged before judging the reward's scale against kl_coef.
+SPREAD_ITERATIONS = 5
+# Entropy collapse: the per-token entropy, averaged over windows of this many iterations, below this
+# share of the first window's, while the score has not risen above the first window's.
+ENTROPY_WINDOW = 5
+ENTROPY_FLOOR = 0.1
+
+
+@dataclass
+class IterationView:
+    """What the guardrails read of one iteration (plain floats and the decoded responses)."""
+
+    iteration: int
+    completions: list[str]
+    approx_kl: float
+    clipfrac: float
+    kl: float
+    kl_coef: float
+    kl_coef_pinned: bool
+    # the adaptive controller's slow part (the coefficient without its answer to this iteration's KL)
+    kl_coef_base: float
+    scores_std: float | None  # batch std of the scores the update uses; None with fewer than 2
+    entropy: float = float("nan")  # the rollout policy's entropy per response token
+    score: float = float("nan")  # objective/scores
+
+    @classmethod
+    def of(cls, iteration: int, completions: list[str], host: HostView, kl_ctl: Any) -> IterationView:
+        """The view of an iteration from its statistics as the host read them, and the KL controller."""
+        stats = host.stats
+        return cls(
+            iteration=iteration,
+            completions=completions,
+            approx_kl=stats["policy/approxkl_avg"],
+            clipfrac=stats["policy/clipfrac_avg"],
+            kl=stats["objective/kl"],
+            kl_coef=kl_ctl.value,
+            kl_coef_pinned=kl_ctl.pinned,
+            kl_coef_base=getattr(kl_ctl, "integral", kl_ctl.value),
+            scores_std=host.scores_std,
+            entropy=stats["objective/entropy"] / max(stats["response/length_mean"], 1.0),
+            score=stats["objective/scores"],
+        )
+
+
+@dataclass
+class Guardrails:
+    """Watches the run; :meth:`observe` returns the warnings due this iteration (each at most once)."""
+
+    config: PPOConfig
+    lr: float
+    fired: set[str] = field(default_factory=set)
+    collapsed_in_a_row: int = 0
+    # A running sum, not a list of every iteration's spread: a run that never warns keeps no history.
+    spread_sum: float = 0.0
+    spread_count: int = 0
+    # (entropy per token, score) of the first ENTROPY_WINDOW iterations, and of the latest ones
+    early: list[tuple[float, float]] = field(default_factory=list)
+    recent: list[tuple[float, float]] = field(default_factory=list)
+
+    def observe(self, view: IterationView) -> list[str]:
+        checks = (self._trust_region, self._collapse, self._entropy, self._kl_coef, self._reward_drowned)
+        return [m for m in (check(view) for check in checks) if m is not None]
+
+    def _once(self, name: str, message: str) -> str | None:
+        if name in self.fired:
+            return None
+        self.fired.add(name)
+        return message
+
+    def _trust_region(self, view: IterationView) -> str | None:
+        if view.iteration > EARLY_ITERATIONS:
+            return None
+        if view.approx_kl <= APPROX_KL_LIMIT and view.clipfrac <= CLIPFRAC_LIMIT:
+            return None
+        return self._once(
+            "trust_region",
+            f"policy/approxkl_avg {view.approx_kl:.3g} and policy/clipfrac_avg {view.clipfrac:.3g} at "
+            f"iteration {view.iteration}: each optimizer step moves the policy far outside PPO's clip "
+            f"range ({self.config.clip_range}). The learning rate {self.lr:g} is too large for this "
+            "model: fine-tuning a pretrained model usually wants 1e-6 to 1e-5 (LoRA about 1e-4); set "
+            "model.optimizer.init_args.lr",
+        )
+
+    def _collapse(self, view: IterationView) -> str | None:
+        responses = view.completions
+        collapsed = len(responses) >= 4 and len(set(responses)) == 1
+        self.collapsed_in_a_row = self.collapsed_in_a_row + 1 if collapsed else 0
+        if self.collapsed_in_a_row < COLLAPSE_ITERATIONS:
+            return None
+        what = "empty" if responses[0] == "" else f"the same text {responses[0][:40]!r}"
+        return self._once(
+            "collapse",
+            f"response collapse: all {len(responses)} responses of each of the last "
+            f"{COLLAPSE_ITERATIONS} iterations were {what} (objective/kl {view.kl:.3g}). The policy has "
+            f"lost its variety and will not recover on its own: {self._restart_advice()}",
+        )
+
+    def _entropy(self, view: IterationView) -> str | None:
+        """The policy grows certain (entropy per token down to a tenth) without growing better: a
+        collapse onto a few answers that the reward does not explain. A run that learns also grows
+        certain, but its score rose."""
+        pair = (view.entropy, view.score)
+        if len(self.early) < ENTROPY_WINDOW:
+            self.early.append(pair)
+            return None
+        self.recent = [*self.recent, pair][-ENTROPY_WINDOW:]
+        if len(self.recent) < ENTROPY_WINDOW:
+            return None
+        start_entropy, start_score = (sum(x) / ENTROPY_WINDOW for x in zip(*self.early, strict=True))
+        entropy, score = (sum(x) / ENTROPY_WINDOW for x in zip(*self.recent, strict=True))
+        if not (entropy < ENTROPY_FLOOR * start_entropy and score <= start_score):
+            return None
+        return self._once(
+            "entropy",
+            f"objective/entropy fell to {entropy:.3g} nats per response token from {start_entropy:.3g} at "
+            f"the start while objective/scores did not rise ({start_score:.3g} -> {score:.3g}): the policy "
+            f"is collapsing onto a few answers the reward does not prefer. {self._restart_advice()}, or "
+            "set ppo.entropy_coef",
+        )
+
+    def _kl_coef(self, view: IterationView) -> str | None:
+        if self.config.kl_target is None:
+            return None
+        start = self.config.kl_coef
+        # The slow part, not the coefficient itself: its proportional part may triple it for an
+        # iteration (a KL three times the target) on a run that is fine.
+        base = view.kl_coef_base
+        grown = base > KL_COEF_FACTOR * start or base * KL_COEF_FACTOR < start
+        if not (view.kl_coef_pinned or grown):
+            return None
+        where = "at its bound" if view.kl_coef_pinned else f"{base / start:.3g}x its start"
+        return self._once(
+            "kl_coef",
+            f"kl_coef {base:.3g} is {where} ({start} at the start; bounds ppo.kl_coef_min "
+            f"{self.config.kl_coef_min}, ppo.kl_coef_max {self.config.kl_coef_max}) while objective/kl is "
+            f"{view.kl:.3g} against ppo.kl_target {self.config.kl_target}: "
+            + (
+                "the policy moves faster than the penalty can pull it back. " + self._restart_advice()
+                if view.kl > self.config.kl_target
+                else "the reward gives the policy too little reason to move: raise the reward's scale"
+                + ("" if self.config.score_norm else " or set ppo.score_norm: true")
+            ),
+        )
+
+    def _reward_drowned(self, view: IterationView) -> str | None:
+        """The scores vary by less than kl_coef: the KL-regularised optimum barely leaves the reference.
+
+        Only where the reward's scale competes with the KL term: a KL in the reward, or a KL in the
+        loss beside advantages that are not normalised (rloo, gae without whitening).
+        """
+        normalised = self.config.advantage_estimator in ("grpo", "reinforce_pp") or (
+            self.config.advantage_estimator == "gae" and self.config.whiten_advantages
+        )
+        if view.scores_std is None or (self.config.kl_placement == "loss" and normalised):
+            return None
+        self.spread_sum += view.scores_std
+        self.spread_count += 1
+        spread = self.spread_sum / self.spread_count
+        if self.spread_count < SPREAD_ITERATIONS or not reward_drowned(spread, view.kl_coef):
+            return None
+        remedies = ["scale the reward up"]
+        if not self.config.score_norm:
+            remedies.append("set ppo.score_norm: true")
+        remedies.append("lower ppo.kl_coef" if self.config.kl_target is None else "lower ppo.kl_target")
+        return self._once(
+            "reward_drowned",
+            f"the scores the update uses vary by {spread:.3g} (batch std, mean of {self.spread_count} "
+            f"iterations), less than the KL coefficient {view.kl_coef:.3g}: the KL-regularised optimum "
+            f"lies within about {spread**2 / view.kl_coef:.2g} of the reference's mean score, so the "
+            f"score will stay flat. {', '.join(remedies).capitalize()} (README: reward scale and KL)",
+        )
+
+    def _restart_advice(self) -> str:
+        return (
+            f"restart from an earlier checkpoint with a smaller learning rate (now {self.lr:g}; "
+            "model.optimizer.init_args.lr)"
+            + ("" if self.config.kl_target is not None else " or a larger ppo.kl_coef / a ppo.kl_target")
+        )
