@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 from pathlib import Path
@@ -55,3 +56,33 @@ def small_disk(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
     yield disk
     subprocess.run(["umount", str(disk)], check=True)
+
+
+# ----------------------------------------------------------------- running on several workers
+# `make test` runs the suite on pytest-xdist workers, one per core. A test marked `ranks` starts
+# several processes (DDP, FSDP2, two nodes); it runs alone, so its ranks get the cores they expect
+# and no timeout in it fires because another worker took a core. Every other test holds a shared
+# lock, a `ranks` test an exclusive one; a turnstile in front keeps a waiting `ranks` test from
+# being starved by the shared holders taking turns.
+_XDIST_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+
+
+@pytest.fixture(autouse=True)
+def _ranks_run_alone(request: pytest.FixtureRequest):
+    if _XDIST_RUN is None:
+        yield
+        return
+    alone = request.node.get_closest_marker("ranks") is not None
+    folder = Path(os.environ.get("TMPDIR", "/tmp"))
+    with open(folder / f"lightning_ppo-{_XDIST_RUN}.turnstile", "a") as turnstile:
+        with open(folder / f"lightning_ppo-{_XDIST_RUN}.lock", "a") as lock:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            finally:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+            os.environ["LIGHTNING_PPO_TEST_ALONE"] = "1" if alone else "0"
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)

@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import cli_process, quickstart_fit_args, two_cpu_ranks
+
+pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,6 +26,8 @@ from transformers import AutoModelForCausalLM
 from lightning_ppo.export import export_policy, load_trained_policy
 from tests.helpers import cli_process, quickstart_fit_args, two_cpu_ranks
 
+pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 FSDP2 = {
     "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
@@ -39,6 +41,7 @@ MAX_NEW_TOKENS = 24  # long enough that the two ranks' longest responses usually
 def run_cli(
     policy: Path, out: Path, strategy: str | dict, *extra: str, config: str = "quickstart.yaml"
 ) -> subprocess.CompletedProcess:
+
     recorder = {"class_path": "tests.helpers.TrainedWeightsRecorder", "init_args": {"out_dir": str(out)}}
     recorded = ("--model.init_args.generation.max_new_tokens", str(MAX_NEW_TOKENS))
     accumulated = ("--model.init_args.ppo.gradient_accumulation_steps", "2")

@@ -28,6 +28,8 @@ from transformers import AutoModelForCausalLM
 
 from tests.helpers import cli_process, quickstart_fit_args, saver, start_cli
 
+pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
+
 FSDP2 = {
     "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
     "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1},

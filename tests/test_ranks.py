@@ -12,6 +12,7 @@ import os
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -19,6 +20,9 @@ import torch.multiprocessing as mp
 from lightning_ppo.ppo import functional as F
 from lightning_ppo.rewards import RunningMoments
 from tests.helpers import cli_process, quickstart_fit_args, two_cpu_ranks
+
+pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
+
 
 WORLD = 2
 

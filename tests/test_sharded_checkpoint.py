@@ -19,6 +19,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from lightning_ppo.distributed.sharded_checkpoint import remove_stale_folders
 from tests.helpers import cli_process, quickstart_fit_args, saver, start_cli, two_cpu_ranks
 
+pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = 3
 FSDP2 = {
@@ -97,6 +99,7 @@ def test_kill_during_a_sharded_save_keeps_the_previous_last_ckpt_and_resumes(
 def test_full_disk_during_a_sharded_save_keeps_the_previous_last_ckpt_and_says_so(
     disk, tiny_digits, tmp_path, request
 ):
+
     if disk == "full-tmpfs":
         root = request.getfixturevalue("small_disk")
         fill = {"class_path": "tests.helpers.FillDisk", "init_args": {"folder": str(root), "at": 2}}

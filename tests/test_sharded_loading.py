@@ -9,9 +9,12 @@ import os
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+
+pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
 
 LAYOUTS = {
     # critic from the reward model's checkpoint: a classifier's backbone and score head
@@ -96,6 +99,7 @@ def _load_both_ways(rank: int, port: int, paths: dict[str, str], out: str) -> No
 def test_sharded_loading_gives_each_rank_todays_weights_in_every_layout(
     tiny_digits, tiny_llama, tiny_reward, tmp_path
 ):
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -107,6 +107,7 @@ def test_max_time_saves_the_iteration_it_stopped_at_and_counts_time_across_resum
     assert timer.time_elapsed() >= 3.0
 
 
+@pytest.mark.ranks
 def test_under_ddp_every_rank_saves_the_last_iteration_together(tiny_digits, tmp_path):
     # A save is a collective (the Trainer's barrier): a rank that skipped it would hang the other.
     ranks = ("--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu")
