@@ -19,7 +19,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_ppo.checkpoint import gather_rng_states, newest_checkpoint, restore_rng_states
+from lightning_ppo.checkpoint import PPO_STATE_KEY, PPOState, newest_checkpoint, without_frozen
 from lightning_ppo.config import EpisodeConfig, GenerationConfig, PPOConfig
 from lightning_ppo.distributed.sharded_checkpoint import install_sharded_checkpointing
 from lightning_ppo.distributed.sharding import (
@@ -770,42 +770,16 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}
 
-    def _frozen_names(self) -> set[str]:
-        return {n for n, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Frozen weights (reference, reward model, a LoRA base) are reloaded from their own
         # checkpoints when the run resumes: saving them would only copy what is on disk already.
         # A sharded (FSDP2) state dict is the strategy's: distributed/sharded_checkpoint's holds the
         # trained weights only and loads without the others (Lightning's own load asks for every key).
         if not is_sharded(self):
-            frozen = self._frozen_names()
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
-        checkpoint["ppo_state"] = {
-            "kl_coef": float(self.kl_ctl.value),
-            "kl_controller": self.kl_ctl.state_dict(),
-            "iteration": self.iteration,
-            "episodes": self.episodes,
-            "score_moments": self.score_moments.state_dict(),
-            "smoothed_score": self.smoothed_score.state_dict(),
-            "consecutive_skips": self.consecutive_skips,
-            "rng_states": gather_rng_states(self),
-        }
+            checkpoint["state_dict"] = without_frozen(checkpoint["state_dict"], self)
+        checkpoint[PPO_STATE_KEY] = PPOState.of(self).to_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        frozen = self._frozen_names()
-        check_resumable(
-            checkpoint, dict(self.hparams), {k: v for k, v in self.state_dict().items() if k not in frozen}
-        )
-        state = checkpoint.get("ppo_state", {})
-        saved_kl = state.get("kl_controller", {"value": state.get("kl_coef", self.kl_ctl.value)})
-        self.kl_ctl.load_state_dict(saved_kl)  # checkpoints before the controller had state: kl_coef
-        self.iteration = self._resumed_at = state.get("iteration", 0)
-        self.episodes = state.get("episodes", 0)
-        self.consecutive_skips = state.get("consecutive_skips", 0)
-        if "score_moments" in state:
-            self.score_moments.load_state_dict(state["score_moments"])
-        if "smoothed_score" in state:
-            self.smoothed_score.load_state_dict(state["smoothed_score"])
-        if "rng_states" in state and self._trainer is not None:
-            restore_rng_states(self, state["rng_states"])
+        check_resumable(checkpoint, dict(self.hparams), without_frozen(self.state_dict(), self))
+        PPOState.from_dict(checkpoint.get(PPO_STATE_KEY, {})).restore(self)
+        self._resumed_at = self.iteration
