@@ -54,16 +54,8 @@ from lightning_ppo.ppo.microbatches import (
 from lightning_ppo.ppo.optim import grad_norm, is_finite, prefer_fused, skips_on_device, step_unless_nonfinite
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.ppo.row_groups import forward_groups
-from lightning_ppo.rewards import (
-    AdapterReward,
-    RewardLike,
-    RewardModel,
-    RunningMoments,
-    ScoreInputs,
-    check_scores,
-    load_reward_models,
-    reward_calls,
-)
+from lightning_ppo.reward_setup import RewardSetup
+from lightning_ppo.rewards import RewardLike, RunningMoments, ScoreInputs, check_scores
 from lightning_ppo.rollout.engines import (
     GenerationEngine,
     engine_for_trainer,
@@ -197,12 +189,9 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.automatic_optimization = False
         # Frozen roles are left out of checkpoints, so loading one must not demand their keys.
         self.strict_loading = False
-        self.reward_fns = (
-            [] if reward_fn is None else list(reward_fn) if isinstance(reward_fn, list) else [reward_fn]
-        )
-        self._check_rewards(
-            reward_weights, [reward_model, reward_adapter], environment is not None or bool(tools)
-        )
+        scored_otherwise = environment is not None or bool(tools) or self._overrides_score
+        rewards = RewardSetup.check(reward_fn, reward_weights, reward_model, reward_adapter, scored_otherwise)
+        self.reward_fns, self.reward_calls, self.reward_weights = rewards.fns, rewards.calls, rewards.weights
         self.save_hyperparameters(
             {
                 "policy": policy,
@@ -242,42 +231,22 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         )
         # Skeletons where they can be: configure_model reads their weights on the device they run on.
         with self.building_roles():
-            self.reward_model = (
-                RewardModel.from_pretrained(
-                    reward_model,
-                    self.tokenizer,
-                    reward_tokenizer,
-                    trust_remote_code,
-                    reward_chat_template,
-                    frozen_dtype,
-                )
-                if reward_model
-                else None
+            self.reward_model = rewards.load_model(
+                self.tokenizer, reward_tokenizer, reward_chat_template, trust_remote_code, frozen_dtype
             )
-            load_reward_models(self.reward_calls, self.tokenizer, trust_remote_code, frozen_dtype)
-            for i, call in enumerate(self.reward_calls):  # children, as reward_model: moved, frozen, sharded
-                if call.model is not None:
-                    self.add_module(f"reward_fn_{i}", call.model)  # by its place in the reward_fn list
+            for name, model in rewards.load_listed(self.tokenizer, trust_remote_code, frozen_dtype).items():
+                self.add_module(name, model)  # children, as reward_model: moved, frozen, sharded
             self.roles = Roles(
                 policy,
                 reference=reference,
-                value=value or self._default_critic_source(policy, reward_model),
+                value=value or rewards.critic_source(policy, self.reward_model),
                 value_model=value_model if ppo.uses_critic else None,
                 lora=lora,
                 frozen_dtype=frozen_dtype,
                 gradient_checkpointing=gradient_checkpointing,
                 trust_remote_code=trust_remote_code,
             )
-        self.reward_adapter = None
-        if reward_adapter is not None:
-            if lora is None:
-                raise UsageError(
-                    "model.reward_adapter needs model.lora: it is a second adapter on the policy's LoRA base"
-                )
-            self.reward_adapter = AdapterReward(self.roles.policy, reward_adapter)
-        self.reward_weights = reward_weights or [1.0] * (
-            len(self.reward_fns) + (reward_model is not None) + (reward_adapter is not None)
-        )
+        self.reward_adapter = rewards.load_adapter(self.roles.policy, lora)
         self.kl_ctl = make_kl_controller(
             ppo.kl_coef, ppo.kl_target, ppo.kl_horizon, ppo.kl_coef_min, ppo.kl_coef_max
         )
@@ -293,27 +262,10 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self._warned_prompt_stop = False
         self.scorer = Scorer()
 
-    def _default_critic_source(self, policy: str, reward_model: str | None) -> str:
-        """The reward model when it reads the policy's tokens (InstructGPT, TRL), else the policy."""
-        if self.reward_model is not None and self.reward_model.tokenizer is None:
-            return reward_model
-        return policy
-
-    def _check_rewards(self, weights: list[float] | None, reward_paths: list[str | None], env: bool) -> None:
-        models = sum(path is not None for path in reward_paths)
-        count = len(self.reward_fns) + models
-        if count == 0 and not env and type(self).score is PPOLightningModule.score:
-            raise UsageError(
-                "no reward: set model.reward_fn, model.reward_model, model.reward_adapter or "
-                "model.environment, or override score() in a subclass"
-            )
-        # Decided once, here, before any model loads: a wrong signature fails now, not mid-run.
-        self.reward_calls = reward_calls(self.reward_fns)
-        if weights is not None and len(weights) != count:
-            raise UsageError(
-                f"model.reward_weights has {len(weights)} entries but there are {count} rewards "
-                f"({len(self.reward_fns)} model.reward_fn + {models} reward model or adapter)"
-            )
+    @property
+    def _overrides_score(self) -> bool:
+        """Whether a subclass scores by its own :meth:`score` (it then needs no configured reward)."""
+        return type(self).score is not PPOLightningModule.score
 
     def setup(self, stage: str) -> None:
         reject_fsdp1(self.trainer.strategy)
@@ -547,7 +499,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     @property
     def reward_label(self) -> str:
         """The reward's name in error messages."""
-        if type(self).score is not PPOLightningModule.score:
+        if self._overrides_score:
             return f"{type(self).__name__}.score"
         names = [call.name for call in self.reward_calls] + ["reward_model"] * (self.reward_model is not None)
         return " + ".join(names)
