@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
@@ -74,17 +74,7 @@ from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resu
 from lightning_ppo.scoring import Scorer
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
 from lightning_ppo.watch.metrics import HostView, TrailingMean, experience_metrics, score_metrics
-
-
-@dataclass
-class Samples:
-    """The latest iteration's text, for sample tables (one entry per sequence)."""
-
-    prompts: list[str]
-    completions: list[str]
-    scores: list[float]
-    kl: list[float]
-    extra: dict[str, list] = field(default_factory=dict)  # columns the rewards gave ``log_extra``
+from lightning_ppo.watch.samples import Samples
 
 
 @dataclass
