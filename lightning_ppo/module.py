@@ -63,7 +63,7 @@ from lightning_ppo.rollout.engines import (
     engine_mismatch,
 )
 from lightning_ppo.rollout.episodes import Environment, StepResult, make_episode_runner
-from lightning_ppo.rollout.prompts import PromptBatch
+from lightning_ppo.rollout.prompts import PromptBatch, PromptEndWarning
 from lightning_ppo.rollout.sampling import generate, hf_generation_config
 from lightning_ppo.runs.ctrl_c import training_started
 from lightning_ppo.runs.errors import UsageError
@@ -249,7 +249,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.guardrails: Guardrails | None = None
         budget = episode.max_tokens if self.episode_runner is not None else generation.max_new_tokens
         self.loss_aggregation = F.Aggregation(ppo.loss_aggregation, budget)  # constant: the length budget
-        self._warned_prompt_stop = False
+        self.prompt_end = PromptEndWarning(self.tokenizer, self.stop_token_id)
         self.scorer = Scorer()
 
     @property
@@ -409,7 +409,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     def generate(self, batch: PromptBatch) -> Rollout:
         """Sample one response (or, with an environment, one episode) per (repeated) prompt."""
-        self._warn_if_prompts_end_with_stop(batch)
+        self.prompt_end.check(batch)
         self.engine.sync_weights(self.policy)
         # FSDP2: one all-gather per block, not per token (unless generation.gather_for_generation is off)
         with gathered_for_generation(self.policy, self.generation_config.gather_for_generation):
@@ -438,18 +438,6 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
                 self.policy,
             )
         return self._engine
-
-    def _warn_if_prompts_end_with_stop(self, batch: PromptBatch) -> None:
-        """Once per run: a prompt ending with the stop token (a tokenizer's trailing ``[SEP]``) asks
-        the policy to continue after a stop, which nothing in training ever rewards."""
-        if self._warned_prompt_stop or not (batch.prompt_ids[:, -1] == self.stop_token_id).any():
-            return  # prompts are left padded: the last column holds every prompt's last token
-        self._warned_prompt_stop = True
-        token = self.tokenizer.convert_ids_to_tokens(self.stop_token_id)
-        rank_zero_warn(
-            f"prompts end with the stop token {token!r}, probably added by the tokenizer: set "
-            "`data.add_special_tokens: false`, or another `generation.stop_token`"
-        )
 
     def decode_responses(self, rollout: Rollout) -> list[str]:
         """Response text without the stop token or padding (a multi-turn episode: every turn and
