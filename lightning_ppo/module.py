@@ -51,7 +51,7 @@ from lightning_ppo.ppo.microbatches import (
     plan_minibatch,
     weighted,
 )
-from lightning_ppo.ppo.optim import grad_norm, is_finite, prefer_fused, skips_on_device, step_unless_nonfinite
+from lightning_ppo.ppo.optim import prefer_fused, step_if_finite
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.ppo.row_groups import forward_groups
 from lightning_ppo.reward_setup import RewardSetup
@@ -591,21 +591,11 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     def _step_if_finite(self, optimizer: Any) -> Tensor:
         """Clip, then step unless a gradient is NaN/inf; returns whether it stepped (a device bool).
-
-        Gradients are already all-reduced here, so every rank takes the same decision. Fused
-        Adam skips on the device; other optimizers need the host to read the norm first.
-        """
+        Gradients are already all-reduced here, so every rank takes the same decision."""
         if self._grad_scaler is not None:
             optimizer.step()  # 16-mixed: the grad scaler skips non-finite steps itself
             return torch.ones((), dtype=torch.bool, device=self.device)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        finite = is_finite(grad_norm(params, self.ppo.max_grad_norm))
-        inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
-        if skips_on_device(inner):
-            step_unless_nonfinite(inner, optimizer.step, finite)
-        elif finite:
-            optimizer.step()
-        return finite
+        return step_if_finite(optimizer, self.ppo.max_grad_norm)
 
     def _count_skips(self, stepped: list[bool]) -> None:
         """Track skipped steps in a row across iterations; stop after ``max_consecutive_skips``."""
