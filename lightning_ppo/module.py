@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_ppo.checkpoint import PPO_STATE_KEY, PPOState, newest_checkpoint, without_frozen
@@ -348,9 +347,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         """The guardrails' one-time warnings (lightning_ppo.watch.guardrails), spoken by rank 0."""
         if self.guardrails is None:  # the learning rate is known once the optimizer exists
             self.guardrails = Guardrails(self.ppo, float(self.optimizers().param_groups[0]["lr"]))
-        view = IterationView.of(self.iteration, completions, host, self.kl_ctl)
-        for message in self.guardrails.observe(view):
-            rank_zero_warn(message)
+        self.guardrails.heed(IterationView.of(self.iteration, completions, host, self.kl_ctl))
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""
