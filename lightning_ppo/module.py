@@ -34,7 +34,7 @@ from lightning_ppo.distributed.sharding import (
     shard_roles,
     uses_model_parallel,
 )
-from lightning_ppo.models.loading import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
+from lightning_ppo.models.loading import load_tokenizer
 from lightning_ppo.models.placement import LoadsWhereItRuns
 from lightning_ppo.models.roles import LoraSettings, Roles
 from lightning_ppo.ppo import functional as F
@@ -63,7 +63,7 @@ from lightning_ppo.rollout.engines import (
 )
 from lightning_ppo.rollout.episodes import Environment, StepResult, make_episode_runner
 from lightning_ppo.rollout.prompts import PromptBatch, PromptEndWarning
-from lightning_ppo.rollout.sampling import generate, hf_generation_config
+from lightning_ppo.rollout.sampling import SamplingSetup, generate
 from lightning_ppo.runs.ctrl_c import training_started
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.preflight import check_precision, check_sequence_fits, response_budget
@@ -204,17 +204,9 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.optimizer_factory = optimizer or partial(optim.default_optimizer, lora=lora is not None)
         self.scheduler_factory = lr_scheduler
         self.tokenizer = load_tokenizer(tokenizer or policy, trust_remote_code)
-        self.stop_token_id = resolve_stop_token(self.tokenizer, generation.stop_token)
-        self.suppressed_ids = resolve_suppressed_tokens(
-            self.tokenizer, generation.suppress_tokens, generation.stop_token
-        )
-        pad_id = self.tokenizer.pad_token_id
-        self.hf_generation = hf_generation_config(
-            generation, self.stop_token_id, pad_id, suppressed=self.suppressed_ids
-        )
-        self.hf_eval_generation = hf_generation_config(
-            generation, self.stop_token_id, pad_id, generation.eval_do_sample, self.suppressed_ids
-        )
+        sampling = SamplingSetup.of(generation, self.tokenizer)
+        self.stop_token_id, self.suppressed_ids = sampling.stop_token_id, sampling.suppressed_ids
+        self.hf_generation, self.hf_eval_generation = sampling.hf_generation, sampling.hf_eval_generation
         self.episode_runner = make_episode_runner(
             environment, tools, episode, self.tokenizer, generation.stop_token, seed
         )
