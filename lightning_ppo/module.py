@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lightning_ppo.checkpoint import PPO_STATE_KEY, PPOState, newest_checkpoint, without_frozen
 from lightning_ppo.config import EpisodeConfig, GenerationConfig, PPOConfig
+from lightning_ppo.distributed.ranks import no_backward_sync, over_ranks, seed_ranks_apart
 from lightning_ppo.distributed.sharded_checkpoint import install_sharded_checkpointing
 from lightning_ppo.distributed.sharding import (
     as_many_on_every_rank,
@@ -28,7 +29,6 @@ from lightning_ppo.distributed.sharding import (
     is_sharded,
     micro_batches_on_every_rank,
     mixed_precision_policy,
-    no_gradient_sync,
     reject_fsdp1,
     reshard,
     shard_roles,
@@ -263,10 +263,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             }
         )
         check_sequence_fits(self.policy.config, "model.policy", max_prompt_length, budget[1], budget[0])
-        # seed_everything gives every rank the same generator: offset it so ranks sample differently.
-        # A resumed run then overwrites this with each rank's saved state (on_load_checkpoint).
-        if self.trainer.world_size > 1:
-            torch.manual_seed(torch.initial_seed() + 1_000_003 * self.trainer.global_rank)
+        seed_ranks_apart(self.trainer)
 
     def on_train_start(self) -> None:
         check_training_plan(self.trainer, self.ppo)
@@ -363,17 +360,12 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     def sum_over_ranks(self) -> F.Reduce | None:
         """Sums a tensor over the data-parallel ranks (the strategy's all-reduce); ``None`` in one
         process. What steers training (whitening, score moments, the KL controller, skipping) uses it."""
-        return self._over_ranks("sum")
+        return over_ranks(self._trainer, "sum")
 
     @property
     def mean_over_ranks(self) -> F.Reduce | None:
         """Averages a tensor over the ranks, as ``log(sync_dist=True)`` averages a logged value."""
-        return self._over_ranks("mean")
-
-    def _over_ranks(self, op: str) -> F.Reduce | None:
-        if self._trainer is None or self.trainer.world_size == 1:
-            return None
-        return lambda x: self.trainer.strategy.reduce(x.clone(), reduce_op=op)
+        return over_ranks(self._trainer, "mean")
 
     def nothing_to_learn(self, dropped: Tensor) -> bool:
         """Whether every sample of every rank was dropped. Decided together: a rank that skipped alone
@@ -562,7 +554,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         for i, (micro, share) in enumerate(micro_batches):
             # Under DDP (FSDP2) only the last micro-batch of a minibatch all-reduces
             # (reduce-scatters) gradients.
-            with nullcontext() if i == len(micro_batches) - 1 else self._no_backward_sync():
+            last = i == len(micro_batches) - 1
+            with nullcontext() if last else no_backward_sync(self, self.trainer.strategy):
                 loss, stats = self.loss_pass(micro, share)
                 self.manual_backward(loss)
             if not share.idle:
@@ -645,12 +638,6 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     def _grad_scaler(self) -> Any:
         """The precision plugin's grad scaler (``16-mixed``), else ``None``."""
         return getattr(self.trainer.precision_plugin, "scaler", None)
-
-    def _no_backward_sync(self) -> Any:
-        if is_sharded(self):
-            return no_gradient_sync(self)
-        block = getattr(self.trainer.strategy, "block_backward_sync", None)
-        return block() if block is not None else nullcontext()
 
     # ----------------------------------------------------------------- logging
     def log_stats(self, stats: dict[str, float], batch_size: int) -> None:
