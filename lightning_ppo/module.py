@@ -254,15 +254,10 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         install_sharded_checkpointing(self.trainer.strategy)  # before a resume loads a folder
         silence_intended_warnings()  # e.g. the frozen roles are in eval mode on purpose
         # Before the first rollout: past the model's positions generation fails with an IndexError.
+        # response_budget reads a config's settings: an episode runner stands for environment or tools.
+        budget_field, budget = response_budget({**self.hparams, "environment": self.episode_runner})
         max_prompt_length = getattr(self.trainer.datamodule, "max_prompt_length", None)
-        budget = response_budget(
-            {
-                "environment": self.episode_runner,
-                "episode": self.hparams.episode,
-                "generation": self.hparams.generation,
-            }
-        )
-        check_sequence_fits(self.policy.config, "model.policy", max_prompt_length, budget[1], budget[0])
+        check_sequence_fits(self.policy.config, "model.policy", max_prompt_length, budget, budget_field)
         seed_ranks_apart(self.trainer)
 
     def on_train_start(self) -> None:
