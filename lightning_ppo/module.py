@@ -20,19 +20,16 @@ from torch import Tensor
 
 from lightning_ppo.checkpoint import PPO_STATE_KEY, PPOState, newest_checkpoint, without_frozen
 from lightning_ppo.config import EpisodeConfig, GenerationConfig, PPOConfig
-from lightning_ppo.distributed.ranks import no_backward_sync, over_ranks, seed_ranks_apart
+from lightning_ppo.distributed.ranks import any_rank, no_backward_sync, over_ranks, seed_ranks_apart
 from lightning_ppo.distributed.sharded_checkpoint import install_sharded_checkpointing
 from lightning_ppo.distributed.sharding import (
     as_many_on_every_rank,
-    data_parallel_mesh,
     gathered_for_generation,
     is_sharded,
     micro_batches_on_every_rank,
-    mixed_precision_policy,
     reject_fsdp1,
     reshard,
-    shard_roles,
-    uses_model_parallel,
+    shard_if_model_parallel,
 )
 from lightning_ppo.models.loading import load_tokenizer
 from lightning_ppo.models.placement import LoadsWhereItRuns
@@ -268,11 +265,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         explain_idle_resume(self.trainer, getattr(self, "_resumed_at", None), self.iteration)
 
     def configure_model(self) -> None:
-        # Only ModelParallelStrategy (FSDP2) asks the module to shard itself; Lightning calls this
-        # hook once per fit/validate, so an already sharded module is left as it is.
-        if uses_model_parallel(self.trainer.strategy) and not is_sharded(self):
-            mesh = data_parallel_mesh(self.device_mesh)
-            shard_roles(self, mesh, mixed_precision_policy(str(self.trainer.precision)))
+        shard_if_model_parallel(self, self.trainer.strategy, str(self.trainer.precision))  # FSDP2, once
         # The roles built as skeletons read their weights onto the device they run on (FSDP2: each rank
         # its shards), in their final dtype (lightning_ppo.models.placement).
         self.load_weights(self.trainer.strategy.root_device)
@@ -395,9 +388,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         """One engine call, or the episode runner's one per turn."""
         if self.episode_runner is not None:  # multi-turn: one generate per turn, the environment between
             # Every rank takes each turn while any rank has an episode running (FSDP2 gathers per forward).
-            strategy = self._trainer.strategy if self._trainer is not None else None
-            any_rank = bool if strategy is None else partial(strategy.reduce_boolean_decision, all=False)
-            return self.episode_runner.run(self.engine, batch, self.iteration, self.global_rank, any_rank)
+            on_any_rank = any_rank(self._trainer)
+            return self.episode_runner.run(self.engine, batch, self.iteration, self.global_rank, on_any_rank)
         return self.engine.generate(batch.prompt_ids, batch.prompt_mask)
 
     @property

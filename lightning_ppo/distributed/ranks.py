@@ -1,11 +1,13 @@
 """What the data-parallel ranks do together outside the FSDP2 plan, whatever the strategy (DDP or
-FSDP2): reductions over the ranks, gradients accumulated without a sync, and sampling generators
-that differ from rank to rank.
+FSDP2): reductions and decisions over the ranks, gradients accumulated without a sync, and
+sampling generators that differ from rank to rank.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,6 +24,14 @@ def over_ranks(trainer: Trainer | None, op: str) -> Reduce | None:
     if trainer is None or trainer.world_size == 1:
         return None
     return lambda x: trainer.strategy.reduce(x.clone(), reduce_op=op)
+
+
+def any_rank(trainer: Trainer | None) -> Callable[[bool], bool]:
+    """Whether a flag is true on any rank (the strategy's all-reduce); the flag itself in one process
+    (or outside a Trainer)."""
+    if trainer is None:
+        return bool
+    return partial(trainer.strategy.reduce_boolean_decision, all=False)
 
 
 def no_backward_sync(module: nn.Module, strategy: Any) -> AbstractContextManager:
