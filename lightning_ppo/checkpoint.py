@@ -1,9 +1,10 @@
-"""Exact resume: the random state a PPO run needs, and a checkpoint callback counted in iterations.
+"""Exact resume: the PPO state beyond Lightning's, and a checkpoint callback counted in iterations.
 
-Lightning saves weights, optimizer, scheduler and loop progress. A PPO iteration also consumes
-random numbers (sampling), so a run resumed without them samples different responses and
-drifts from the uninterrupted one. The sampling state of every rank is saved here, as plain
-tensors, so checkpoints still load with ``weights_only=True``.
+Lightning saves weights, optimizer, scheduler and loop progress. A PPO run also carries the KL
+controller, its counters and the score statistics from one iteration to the next (:class:`PPOState`),
+and each iteration consumes random numbers (sampling), so a run resumed without them samples
+different responses and drifts from the uninterrupted one. The sampling state of every rank is
+saved here, as plain tensors, so checkpoints still load with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,6 +68,98 @@ def restore_rng_states(module: LightningModule, states: Tensor) -> None:
         )
         return
     set_rng_state(states[rank], module.device)
+
+
+PPO_STATE_KEY = "ppo_state"  # the checkpoint's entry for PPOState
+
+
+@dataclass
+class PPOState:
+    """What a PPO run carries from one iteration to the next besides weights, optimizer and loop
+    progress: ``checkpoint["ppo_state"]``, a dict of plain values and tensors (:meth:`to_dict`).
+
+    Checkpoints written before a field existed lack its key: :meth:`from_dict` leaves it ``None``
+    (or 0), and :meth:`restore` leaves that part of the module as it is (or counts from 0).
+    """
+
+    kl_coef: float | None = None  # the coefficient alone: all that checkpoints before kl_controller kept
+    kl_controller: dict[str, Any] | None = None
+    iteration: int = 0
+    episodes: int = 0
+    score_moments: dict[str, float] | None = None
+    smoothed_score: dict[str, Any] | None = None
+    consecutive_skips: int = 0
+    rng_states: Tensor | None = None  # (world_size, S): every rank's sampling state
+
+    @classmethod
+    def of(cls, module: LightningModule) -> PPOState:
+        """A ``PPOLightningModule``'s state; every rank must call this (it gathers the RNG states)."""
+        return cls(
+            kl_coef=float(module.kl_ctl.value),
+            kl_controller=module.kl_ctl.state_dict(),
+            iteration=module.iteration,
+            episodes=module.episodes,
+            score_moments=module.score_moments.state_dict(),
+            smoothed_score=module.smoothed_score.state_dict(),
+            consecutive_skips=module.consecutive_skips,
+            rng_states=gather_rng_states(module),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The checkpoint's ``ppo_state``: these keys, in this order, as every checkpoint has had them."""
+        return {
+            "kl_coef": self.kl_coef,
+            "kl_controller": self.kl_controller,
+            "iteration": self.iteration,
+            "episodes": self.episodes,
+            "score_moments": self.score_moments,
+            "smoothed_score": self.smoothed_score,
+            "consecutive_skips": self.consecutive_skips,
+            "rng_states": self.rng_states,
+        }
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> PPOState:
+        """Inverse of :meth:`to_dict`, for checkpoints of any age (an empty dict: none saved)."""
+        return cls(
+            kl_coef=saved.get("kl_coef"),
+            kl_controller=saved.get("kl_controller"),
+            iteration=saved.get("iteration", 0),
+            episodes=saved.get("episodes", 0),
+            score_moments=saved.get("score_moments"),
+            smoothed_score=saved.get("smoothed_score"),
+            consecutive_skips=saved.get("consecutive_skips", 0),
+            rng_states=saved.get("rng_states"),
+        )
+
+    def restore(self, module: LightningModule) -> None:
+        """Give a ``PPOLightningModule`` this state back (each rank its own RNG state, under a Trainer)."""
+        saved_kl = self.kl_controller
+        if saved_kl is None:  # checkpoints before the controller had state: the coefficient alone
+            saved_kl = {"value": module.kl_ctl.value if self.kl_coef is None else self.kl_coef}
+        module.kl_ctl.load_state_dict(saved_kl)
+        module.iteration = self.iteration
+        module.episodes = self.episodes
+        module.consecutive_skips = self.consecutive_skips
+        if self.score_moments is not None:
+            module.score_moments.load_state_dict(self.score_moments)
+        if self.smoothed_score is not None:
+            module.smoothed_score.load_state_dict(self.smoothed_score)
+        if self.rng_states is not None and module._trainer is not None:
+            restore_rng_states(module, self.rng_states)
+
+
+def frozen_names(module: torch.nn.Module) -> set[str]:
+    """The names of ``module``'s frozen parameters (reference, reward models, a LoRA base), shared ones
+    under each of their names."""
+    return {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def without_frozen(state_dict: dict[str, Tensor], module: torch.nn.Module) -> dict[str, Tensor]:
+    """``state_dict`` without ``module``'s frozen weights: a resumed run reloads those from their own
+    checkpoints, so saving them would only copy what is on disk already."""
+    frozen = frozen_names(module)
+    return {k: v for k, v in state_dict.items() if k not in frozen}
 
 
 class PPOCheckpoint(ModelCheckpoint):

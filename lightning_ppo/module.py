@@ -9,33 +9,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_ppo.checkpoint import gather_rng_states, newest_checkpoint, restore_rng_states
+from lightning_ppo.checkpoint import PPO_STATE_KEY, PPOState, newest_checkpoint, without_frozen
 from lightning_ppo.config import EpisodeConfig, GenerationConfig, PPOConfig
+from lightning_ppo.distributed.ranks import any_rank, no_backward_sync, over_ranks, seed_ranks_apart
 from lightning_ppo.distributed.sharded_checkpoint import install_sharded_checkpointing
 from lightning_ppo.distributed.sharding import (
     as_many_on_every_rank,
-    data_parallel_mesh,
     gathered_for_generation,
     is_sharded,
     micro_batches_on_every_rank,
-    mixed_precision_policy,
-    no_gradient_sync,
     reject_fsdp1,
     reshard,
-    shard_roles,
-    uses_model_parallel,
+    shard_if_model_parallel,
 )
-from lightning_ppo.models.loading import load_tokenizer, resolve_stop_token, resolve_suppressed_tokens
+from lightning_ppo.models.loading import load_tokenizer
 from lightning_ppo.models.placement import LoadsWhereItRuns
 from lightning_ppo.models.roles import LoraSettings, Roles
 from lightning_ppo.ppo import functional as F
@@ -51,19 +47,11 @@ from lightning_ppo.ppo.microbatches import (
     plan_minibatch,
     weighted,
 )
-from lightning_ppo.ppo.optim import grad_norm, is_finite, prefer_fused, skips_on_device, step_unless_nonfinite
+from lightning_ppo.ppo.optim import prefer_fused, step_if_finite
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.ppo.row_groups import forward_groups
-from lightning_ppo.rewards import (
-    AdapterReward,
-    RewardLike,
-    RewardModel,
-    RunningMoments,
-    ScoreInputs,
-    check_scores,
-    load_reward_models,
-    reward_calls,
-)
+from lightning_ppo.reward_setup import RewardSetup
+from lightning_ppo.rewards import RewardLike, RunningMoments, ScoreInputs, check_scores
 from lightning_ppo.rollout.engines import (
     GenerationEngine,
     engine_for_trainer,
@@ -71,8 +59,8 @@ from lightning_ppo.rollout.engines import (
     engine_mismatch,
 )
 from lightning_ppo.rollout.episodes import Environment, StepResult, make_episode_runner
-from lightning_ppo.rollout.prompts import PromptBatch
-from lightning_ppo.rollout.sampling import generate, hf_generation_config
+from lightning_ppo.rollout.prompts import PromptBatch, PromptEndWarning
+from lightning_ppo.rollout.sampling import SamplingSetup, generate
 from lightning_ppo.runs.ctrl_c import training_started
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.preflight import check_precision, check_sequence_fits, response_budget
@@ -82,17 +70,7 @@ from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resu
 from lightning_ppo.scoring import Scorer
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
 from lightning_ppo.watch.metrics import HostView, TrailingMean, experience_metrics, score_metrics
-
-
-@dataclass
-class Samples:
-    """The latest iteration's text, for sample tables (one entry per sequence)."""
-
-    prompts: list[str]
-    completions: list[str]
-    scores: list[float]
-    kl: list[float]
-    extra: dict[str, list] = field(default_factory=dict)  # columns the rewards gave ``log_extra``
+from lightning_ppo.watch.samples import Samples
 
 
 @dataclass
@@ -197,12 +175,9 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.automatic_optimization = False
         # Frozen roles are left out of checkpoints, so loading one must not demand their keys.
         self.strict_loading = False
-        self.reward_fns = (
-            [] if reward_fn is None else list(reward_fn) if isinstance(reward_fn, list) else [reward_fn]
-        )
-        self._check_rewards(
-            reward_weights, [reward_model, reward_adapter], environment is not None or bool(tools)
-        )
+        scored_otherwise = environment is not None or bool(tools) or self._overrides_score
+        rewards = RewardSetup.check(reward_fn, reward_weights, reward_model, reward_adapter, scored_otherwise)
+        self.reward_fns, self.reward_calls, self.reward_weights = rewards.fns, rewards.calls, rewards.weights
         self.save_hyperparameters(
             {
                 "policy": policy,
@@ -226,58 +201,30 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.optimizer_factory = optimizer or partial(optim.default_optimizer, lora=lora is not None)
         self.scheduler_factory = lr_scheduler
         self.tokenizer = load_tokenizer(tokenizer or policy, trust_remote_code)
-        self.stop_token_id = resolve_stop_token(self.tokenizer, generation.stop_token)
-        self.suppressed_ids = resolve_suppressed_tokens(
-            self.tokenizer, generation.suppress_tokens, generation.stop_token
-        )
-        pad_id = self.tokenizer.pad_token_id
-        self.hf_generation = hf_generation_config(
-            generation, self.stop_token_id, pad_id, suppressed=self.suppressed_ids
-        )
-        self.hf_eval_generation = hf_generation_config(
-            generation, self.stop_token_id, pad_id, generation.eval_do_sample, self.suppressed_ids
-        )
+        sampling = SamplingSetup.of(generation, self.tokenizer)
+        self.stop_token_id, self.suppressed_ids = sampling.stop_token_id, sampling.suppressed_ids
+        self.hf_generation, self.hf_eval_generation = sampling.hf_generation, sampling.hf_eval_generation
         self.episode_runner = make_episode_runner(
             environment, tools, episode, self.tokenizer, generation.stop_token, seed
         )
         # Skeletons where they can be: configure_model reads their weights on the device they run on.
         with self.building_roles():
-            self.reward_model = (
-                RewardModel.from_pretrained(
-                    reward_model,
-                    self.tokenizer,
-                    reward_tokenizer,
-                    trust_remote_code,
-                    reward_chat_template,
-                    frozen_dtype,
-                )
-                if reward_model
-                else None
+            self.reward_model = rewards.load_model(
+                self.tokenizer, reward_tokenizer, reward_chat_template, trust_remote_code, frozen_dtype
             )
-            load_reward_models(self.reward_calls, self.tokenizer, trust_remote_code, frozen_dtype)
-            for i, call in enumerate(self.reward_calls):  # children, as reward_model: moved, frozen, sharded
-                if call.model is not None:
-                    self.add_module(f"reward_fn_{i}", call.model)  # by its place in the reward_fn list
+            for name, model in rewards.load_listed(self.tokenizer, trust_remote_code, frozen_dtype).items():
+                self.add_module(name, model)  # children, as reward_model: moved, frozen, sharded
             self.roles = Roles(
                 policy,
                 reference=reference,
-                value=value or self._default_critic_source(policy, reward_model),
+                value=value or rewards.critic_source(policy, self.reward_model),
                 value_model=value_model if ppo.uses_critic else None,
                 lora=lora,
                 frozen_dtype=frozen_dtype,
                 gradient_checkpointing=gradient_checkpointing,
                 trust_remote_code=trust_remote_code,
             )
-        self.reward_adapter = None
-        if reward_adapter is not None:
-            if lora is None:
-                raise UsageError(
-                    "model.reward_adapter needs model.lora: it is a second adapter on the policy's LoRA base"
-                )
-            self.reward_adapter = AdapterReward(self.roles.policy, reward_adapter)
-        self.reward_weights = reward_weights or [1.0] * (
-            len(self.reward_fns) + (reward_model is not None) + (reward_adapter is not None)
-        )
+        self.reward_adapter = rewards.load_adapter(self.roles.policy, lora)
         self.kl_ctl = make_kl_controller(
             ppo.kl_coef, ppo.kl_target, ppo.kl_horizon, ppo.kl_coef_min, ppo.kl_coef_max
         )
@@ -290,30 +237,13 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.guardrails: Guardrails | None = None
         budget = episode.max_tokens if self.episode_runner is not None else generation.max_new_tokens
         self.loss_aggregation = F.Aggregation(ppo.loss_aggregation, budget)  # constant: the length budget
-        self._warned_prompt_stop = False
+        self.prompt_end = PromptEndWarning(self.tokenizer, self.stop_token_id)
         self.scorer = Scorer()
 
-    def _default_critic_source(self, policy: str, reward_model: str | None) -> str:
-        """The reward model when it reads the policy's tokens (InstructGPT, TRL), else the policy."""
-        if self.reward_model is not None and self.reward_model.tokenizer is None:
-            return reward_model
-        return policy
-
-    def _check_rewards(self, weights: list[float] | None, reward_paths: list[str | None], env: bool) -> None:
-        models = sum(path is not None for path in reward_paths)
-        count = len(self.reward_fns) + models
-        if count == 0 and not env and type(self).score is PPOLightningModule.score:
-            raise UsageError(
-                "no reward: set model.reward_fn, model.reward_model, model.reward_adapter or "
-                "model.environment, or override score() in a subclass"
-            )
-        # Decided once, here, before any model loads: a wrong signature fails now, not mid-run.
-        self.reward_calls = reward_calls(self.reward_fns)
-        if weights is not None and len(weights) != count:
-            raise UsageError(
-                f"model.reward_weights has {len(weights)} entries but there are {count} rewards "
-                f"({len(self.reward_fns)} model.reward_fn + {models} reward model or adapter)"
-            )
+    @property
+    def _overrides_score(self) -> bool:
+        """Whether a subclass scores by its own :meth:`score` (it then needs no configured reward)."""
+        return type(self).score is not PPOLightningModule.score
 
     def setup(self, stage: str) -> None:
         reject_fsdp1(self.trainer.strategy)
@@ -321,19 +251,11 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         install_sharded_checkpointing(self.trainer.strategy)  # before a resume loads a folder
         silence_intended_warnings()  # e.g. the frozen roles are in eval mode on purpose
         # Before the first rollout: past the model's positions generation fails with an IndexError.
+        # response_budget reads a config's settings: an episode runner stands for environment or tools.
+        budget_field, budget = response_budget({**self.hparams, "environment": self.episode_runner})
         max_prompt_length = getattr(self.trainer.datamodule, "max_prompt_length", None)
-        budget = response_budget(
-            {
-                "environment": self.episode_runner,
-                "episode": self.hparams.episode,
-                "generation": self.hparams.generation,
-            }
-        )
-        check_sequence_fits(self.policy.config, "model.policy", max_prompt_length, budget[1], budget[0])
-        # seed_everything gives every rank the same generator: offset it so ranks sample differently.
-        # A resumed run then overwrites this with each rank's saved state (on_load_checkpoint).
-        if self.trainer.world_size > 1:
-            torch.manual_seed(torch.initial_seed() + 1_000_003 * self.trainer.global_rank)
+        check_sequence_fits(self.policy.config, "model.policy", max_prompt_length, budget, budget_field)
+        seed_ranks_apart(self.trainer)
 
     def on_train_start(self) -> None:
         check_training_plan(self.trainer, self.ppo)
@@ -343,11 +265,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         explain_idle_resume(self.trainer, getattr(self, "_resumed_at", None), self.iteration)
 
     def configure_model(self) -> None:
-        # Only ModelParallelStrategy (FSDP2) asks the module to shard itself; Lightning calls this
-        # hook once per fit/validate, so an already sharded module is left as it is.
-        if uses_model_parallel(self.trainer.strategy) and not is_sharded(self):
-            mesh = data_parallel_mesh(self.device_mesh)
-            shard_roles(self, mesh, mixed_precision_policy(str(self.trainer.precision)))
+        shard_if_model_parallel(self, self.trainer.strategy, str(self.trainer.precision))  # FSDP2, once
         # The roles built as skeletons read their weights onto the device they run on (FSDP2: each rank
         # its shards), in their final dtype (lightning_ppo.models.placement).
         self.load_weights(self.trainer.strategy.root_device)
@@ -406,9 +324,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         """The guardrails' one-time warnings (lightning_ppo.watch.guardrails), spoken by rank 0."""
         if self.guardrails is None:  # the learning rate is known once the optimizer exists
             self.guardrails = Guardrails(self.ppo, float(self.optimizers().param_groups[0]["lr"]))
-        view = IterationView.of(self.iteration, completions, host, self.kl_ctl)
-        for message in self.guardrails.observe(view):
-            rank_zero_warn(message)
+        self.guardrails.heed(IterationView.of(self.iteration, completions, host, self.kl_ctl))
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""
@@ -432,17 +348,12 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     def sum_over_ranks(self) -> F.Reduce | None:
         """Sums a tensor over the data-parallel ranks (the strategy's all-reduce); ``None`` in one
         process. What steers training (whitening, score moments, the KL controller, skipping) uses it."""
-        return self._over_ranks("sum")
+        return over_ranks(self._trainer, "sum")
 
     @property
     def mean_over_ranks(self) -> F.Reduce | None:
         """Averages a tensor over the ranks, as ``log(sync_dist=True)`` averages a logged value."""
-        return self._over_ranks("mean")
-
-    def _over_ranks(self, op: str) -> F.Reduce | None:
-        if self._trainer is None or self.trainer.world_size == 1:
-            return None
-        return lambda x: self.trainer.strategy.reduce(x.clone(), reduce_op=op)
+        return over_ranks(self._trainer, "mean")
 
     def nothing_to_learn(self, dropped: Tensor) -> bool:
         """Whether every sample of every rank was dropped. Decided together: a rank that skipped alone
@@ -467,7 +378,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     def generate(self, batch: PromptBatch) -> Rollout:
         """Sample one response (or, with an environment, one episode) per (repeated) prompt."""
-        self._warn_if_prompts_end_with_stop(batch)
+        self.prompt_end.check(batch)
         self.engine.sync_weights(self.policy)
         # FSDP2: one all-gather per block, not per token (unless generation.gather_for_generation is off)
         with gathered_for_generation(self.policy, self.generation_config.gather_for_generation):
@@ -477,9 +388,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         """One engine call, or the episode runner's one per turn."""
         if self.episode_runner is not None:  # multi-turn: one generate per turn, the environment between
             # Every rank takes each turn while any rank has an episode running (FSDP2 gathers per forward).
-            strategy = self._trainer.strategy if self._trainer is not None else None
-            any_rank = bool if strategy is None else partial(strategy.reduce_boolean_decision, all=False)
-            return self.episode_runner.run(self.engine, batch, self.iteration, self.global_rank, any_rank)
+            on_any_rank = any_rank(self._trainer)
+            return self.episode_runner.run(self.engine, batch, self.iteration, self.global_rank, on_any_rank)
         return self.engine.generate(batch.prompt_ids, batch.prompt_mask)
 
     @property
@@ -496,18 +406,6 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
                 self.policy,
             )
         return self._engine
-
-    def _warn_if_prompts_end_with_stop(self, batch: PromptBatch) -> None:
-        """Once per run: a prompt ending with the stop token (a tokenizer's trailing ``[SEP]``) asks
-        the policy to continue after a stop, which nothing in training ever rewards."""
-        if self._warned_prompt_stop or not (batch.prompt_ids[:, -1] == self.stop_token_id).any():
-            return  # prompts are left padded: the last column holds every prompt's last token
-        self._warned_prompt_stop = True
-        token = self.tokenizer.convert_ids_to_tokens(self.stop_token_id)
-        rank_zero_warn(
-            f"prompts end with the stop token {token!r}, probably added by the tokenizer: set "
-            "`data.add_special_tokens: false`, or another `generation.stop_token`"
-        )
 
     def decode_responses(self, rollout: Rollout) -> list[str]:
         """Response text without the stop token or padding (a multi-turn episode: every turn and
@@ -547,7 +445,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     @property
     def reward_label(self) -> str:
         """The reward's name in error messages."""
-        if type(self).score is not PPOLightningModule.score:
+        if self._overrides_score:
             return f"{type(self).__name__}.score"
         names = [call.name for call in self.reward_calls] + ["reward_model"] * (self.reward_model is not None)
         return " + ".join(names)
@@ -643,7 +541,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         for i, (micro, share) in enumerate(micro_batches):
             # Under DDP (FSDP2) only the last micro-batch of a minibatch all-reduces
             # (reduce-scatters) gradients.
-            with nullcontext() if i == len(micro_batches) - 1 else self._no_backward_sync():
+            last = i == len(micro_batches) - 1
+            with nullcontext() if last else no_backward_sync(self, self.trainer.strategy):
                 loss, stats = self.loss_pass(micro, share)
                 self.manual_backward(loss)
             if not share.idle:
@@ -661,21 +560,11 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     def _step_if_finite(self, optimizer: Any) -> Tensor:
         """Clip, then step unless a gradient is NaN/inf; returns whether it stepped (a device bool).
-
-        Gradients are already all-reduced here, so every rank takes the same decision. Fused
-        Adam skips on the device; other optimizers need the host to read the norm first.
-        """
+        Gradients are already all-reduced here, so every rank takes the same decision."""
         if self._grad_scaler is not None:
             optimizer.step()  # 16-mixed: the grad scaler skips non-finite steps itself
             return torch.ones((), dtype=torch.bool, device=self.device)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        finite = is_finite(grad_norm(params, self.ppo.max_grad_norm))
-        inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
-        if skips_on_device(inner):
-            step_unless_nonfinite(inner, optimizer.step, finite)
-        elif finite:
-            optimizer.step()
-        return finite
+        return step_if_finite(optimizer, self.ppo.max_grad_norm)
 
     def _count_skips(self, stepped: list[bool]) -> None:
         """Track skipped steps in a row across iterations; stop after ``max_consecutive_skips``."""
@@ -737,12 +626,6 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         """The precision plugin's grad scaler (``16-mixed``), else ``None``."""
         return getattr(self.trainer.precision_plugin, "scaler", None)
 
-    def _no_backward_sync(self) -> Any:
-        if is_sharded(self):
-            return no_gradient_sync(self)
-        block = getattr(self.trainer.strategy, "block_backward_sync", None)
-        return block() if block is not None else nullcontext()
-
     # ----------------------------------------------------------------- logging
     def log_stats(self, stats: dict[str, float], batch_size: int) -> None:
         # Plain floats, already averaged over the ranks where they differ (HostView: one collective
@@ -770,42 +653,16 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}
 
-    def _frozen_names(self) -> set[str]:
-        return {n for n, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Frozen weights (reference, reward model, a LoRA base) are reloaded from their own
         # checkpoints when the run resumes: saving them would only copy what is on disk already.
         # A sharded (FSDP2) state dict is the strategy's: distributed/sharded_checkpoint's holds the
         # trained weights only and loads without the others (Lightning's own load asks for every key).
         if not is_sharded(self):
-            frozen = self._frozen_names()
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
-        checkpoint["ppo_state"] = {
-            "kl_coef": float(self.kl_ctl.value),
-            "kl_controller": self.kl_ctl.state_dict(),
-            "iteration": self.iteration,
-            "episodes": self.episodes,
-            "score_moments": self.score_moments.state_dict(),
-            "smoothed_score": self.smoothed_score.state_dict(),
-            "consecutive_skips": self.consecutive_skips,
-            "rng_states": gather_rng_states(self),
-        }
+            checkpoint["state_dict"] = without_frozen(checkpoint["state_dict"], self)
+        checkpoint[PPO_STATE_KEY] = PPOState.of(self).to_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        frozen = self._frozen_names()
-        check_resumable(
-            checkpoint, dict(self.hparams), {k: v for k, v in self.state_dict().items() if k not in frozen}
-        )
-        state = checkpoint.get("ppo_state", {})
-        saved_kl = state.get("kl_controller", {"value": state.get("kl_coef", self.kl_ctl.value)})
-        self.kl_ctl.load_state_dict(saved_kl)  # checkpoints before the controller had state: kl_coef
-        self.iteration = self._resumed_at = state.get("iteration", 0)
-        self.episodes = state.get("episodes", 0)
-        self.consecutive_skips = state.get("consecutive_skips", 0)
-        if "score_moments" in state:
-            self.score_moments.load_state_dict(state["score_moments"])
-        if "smoothed_score" in state:
-            self.smoothed_score.load_state_dict(state["smoothed_score"])
-        if "rng_states" in state and self._trainer is not None:
-            restore_rng_states(self, state["rng_states"])
+        check_resumable(checkpoint, dict(self.hparams), without_frozen(self.state_dict(), self))
+        PPOState.from_dict(checkpoint.get(PPO_STATE_KEY, {})).restore(self)
+        self._resumed_at = self.iteration

@@ -13,6 +13,7 @@ import torch
 import yaml
 from transformers import AutoTokenizer
 
+from lightning_ppo.checkpoint import frozen_names
 from lightning_ppo.cli import main
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
 from tests.helpers import TRL_CALLS
@@ -409,7 +410,7 @@ def test_a_reward_model_path_and_a_loaded_model_in_the_list_are_weighted_in_list
         - by_model(rollout.input_ids, rollout.attention_mask, rollout.position_ids)
     )
     assert torch.allclose(scores, expected, atol=1e-5)
-    frozen = module._frozen_names()
+    frozen = frozen_names(module)
     assert any(name.startswith("reward_fn_2.") for name in frozen)  # left out of checkpoints
 
 

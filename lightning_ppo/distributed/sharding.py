@@ -146,6 +146,15 @@ def shard_roles(module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
         )
 
 
+def shard_if_model_parallel(module: Any, strategy: Strategy, precision: str) -> None:
+    """Shard a ``PPOLightningModule``'s roles when the strategy asks the module to shard itself (only
+    ``ModelParallelStrategy``, FSDP2, does). Lightning calls ``configure_model`` once per fit/validate,
+    so an already sharded module is left as it is."""
+    if uses_model_parallel(strategy) and not is_sharded(module):
+        mesh = data_parallel_mesh(module.device_mesh)
+        shard_roles(module, mesh, mixed_precision_policy(precision))
+
+
 def reshard(module: nn.Module) -> None:
     """Free the whole weights FSDP2 still holds after forwards that no backward follows.
 

@@ -77,6 +77,22 @@ def step_unless_nonfinite(optimizer: Optimizer, step: Callable[[], Any], finite:
         del optimizer.found_inf
 
 
+def step_if_finite(optimizer: Any, max_grad_norm: float | None) -> torch.Tensor:
+    """Clip to ``max_grad_norm``, then step unless a gradient is NaN/inf; returns whether it stepped
+    (a device bool). ``optimizer``: a torch optimizer, or Lightning's wrapper of one.
+
+    Fused Adam skips on the device; other optimizers need the host to read the norm first.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    finite = is_finite(grad_norm(params, max_grad_norm))
+    inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
+    if skips_on_device(inner):
+        step_unless_nonfinite(inner, optimizer.step, finite)
+    elif finite:
+        optimizer.step()
+    return finite
+
+
 def is_finite(x: torch.Tensor) -> torch.Tensor:
     """``torch.isfinite(x)`` in two ops instead of four (abs, ne, eq, mul): ``x - x`` is exactly 0
     for every finite float and NaN for inf and NaN. Called once per optimizer step."""

@@ -1,5 +1,6 @@
 """A batch of tokenized prompts: what :class:`~lightning_ppo.data.PromptDataModule` serves and what
-generation and the episodes start from (``lightning_ppo.data`` re-exports it)."""
+generation and the episodes start from (``lightning_ppo.data`` re-exports it); and the warning that
+its prompts end with the stop token."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -44,4 +47,25 @@ class PromptBatch:
             prompts=[p for p in self.prompts for _ in range(n)],
             extras={k: [v for v in values for _ in range(n)] for k, values in self.extras.items()},
             messages=None if self.messages is None else [m for m in self.messages for _ in range(n)],
+        )
+
+
+@dataclass
+class PromptEndWarning:
+    """Once per run: a prompt ending with the stop token (a tokenizer's trailing ``[SEP]``) asks the
+    policy to continue after a stop, which nothing in training ever rewards."""
+
+    tokenizer: PreTrainedTokenizerBase
+    stop_token_id: int
+    warned: bool = False
+
+    def check(self, batch: PromptBatch) -> None:
+        """Warn (rank 0) if this batch's prompts end with the stop token and no warning was given yet."""
+        if self.warned or not (batch.prompt_ids[:, -1] == self.stop_token_id).any():
+            return  # prompts are left padded: the last column holds every prompt's last token
+        self.warned = True
+        token = self.tokenizer.convert_ids_to_tokens(self.stop_token_id)
+        rank_zero_warn(
+            f"prompts end with the stop token {token!r}, probably added by the tokenizer: set "
+            "`data.add_special_tokens: false`, or another `generation.stop_token`"
         )

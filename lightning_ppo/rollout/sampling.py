@@ -6,12 +6,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import transformers
 from torch import Tensor
+from transformers import PreTrainedTokenizerBase
 
 from lightning_ppo.config import GenerationConfig
+from lightning_ppo.models.loading import resolve_stop_token, resolve_suppressed_tokens
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.runs.quiet import quiet_generation
 
@@ -60,6 +63,28 @@ def hf_generation_config(
     return transformers.GenerationConfig(
         do_sample=True, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, **shared
     )
+
+
+@dataclass
+class SamplingSetup:
+    """How a run samples, from ``generation`` and the policy's tokenizer (the module keeps each field)."""
+
+    stop_token_id: int
+    suppressed_ids: list[int]  # never sampled; the log-probs mask the same ids
+    hf_generation: transformers.GenerationConfig  # rollouts
+    hf_eval_generation: transformers.GenerationConfig  # validation: greedy unless generation.eval_do_sample
+
+    @classmethod
+    def of(cls, generation: GenerationConfig, tokenizer: PreTrainedTokenizerBase) -> SamplingSetup:
+        stop_token_id = resolve_stop_token(tokenizer, generation.stop_token)
+        suppressed = resolve_suppressed_tokens(tokenizer, generation.suppress_tokens, generation.stop_token)
+        pad_id = tokenizer.pad_token_id
+        return cls(
+            stop_token_id,
+            suppressed,
+            hf_generation_config(generation, stop_token_id, pad_id, suppressed=suppressed),
+            hf_generation_config(generation, stop_token_id, pad_id, generation.eval_do_sample, suppressed),
+        )
 
 
 @contextmanager

@@ -31,7 +31,6 @@ from lightning.pytorch import loggers as pl_loggers
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
-
 LOGS_KEY = "lightning_ppo_logs"  # the checkpoint's entry: a list of plain dicts (weights_only loads it)
 
 

@@ -3,7 +3,7 @@
 Each check watches one symptom of a run going wrong, and says once which metric, its value and
 what to do, with advice that matches the configuration (it never suggests a setting that is
 already on). Pure Python on the iteration's statistics and decoded responses: the module passes
-them in and warns (on rank 0) with whatever comes back.
+them in, and :meth:`Guardrails.heed` warns (on rank 0) with whatever comes back.
 
 The thresholds come from a user's collapsed run (a warm-started policy at torch's default lr
 1e-3: approxkl 4.5 and clipfrac 0.55 at iteration 1, every answer ``'admin.'``, then ``''``,
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_ppo.config import PPOConfig
 from lightning_ppo.watch.metrics import HostView, reward_drowned
@@ -85,6 +87,11 @@ class Guardrails:
     # (entropy per token, score) of the first ENTROPY_WINDOW iterations, and of the latest ones
     early: list[tuple[float, float]] = field(default_factory=list)
     recent: list[tuple[float, float]] = field(default_factory=list)
+
+    def heed(self, view: IterationView) -> None:
+        """Warn, on rank 0, with each warning due this iteration."""
+        for message in self.observe(view):
+            rank_zero_warn(message)
 
     def observe(self, view: IterationView) -> list[str]:
         checks = (self._trust_region, self._collapse, self._entropy, self._kl_coef, self._reward_drowned)

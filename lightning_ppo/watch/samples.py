@@ -10,11 +10,24 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 SAMPLES_FOLDER = "samples"
 COLUMNS = ("iteration", "prompt", "completion", "score", "kl")
+
+
+@dataclass
+class Samples:
+    """The latest iteration's text, for sample tables (one entry per sequence): the module's
+    ``last_samples``."""
+
+    prompts: list[str]
+    completions: list[str]
+    scores: list[float]
+    kl: list[float]
+    extra: dict[str, list] = field(default_factory=dict)  # columns the rewards gave ``log_extra``
 
 
 def sample_rows(

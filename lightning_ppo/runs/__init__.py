@@ -1,0 +1,6 @@
+"""Keeping a run safe: one-line errors for the user's mistakes (``errors``, ``typos``,
+``data_files``), checks before anything loads (``preflight``), atomic checkpoint files, locks and
+file modes (``checkpoint_io``, ``run_lock``, ``writable``, ``file_modes``, ``processes``), exact
+resume and its logs (``resume``, ``log_continuity``, ``run_length``), Ctrl-C and silenced noise
+(``ctrl_c``, ``quiet``). The bottom of the package: imports nothing of it but ``config``.
+"""
