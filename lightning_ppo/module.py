@@ -224,7 +224,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
                 gradient_checkpointing=gradient_checkpointing,
                 trust_remote_code=trust_remote_code,
             )
-        self.reward_adapter = rewards.load_adapter(self.roles.policy, lora)
+        self.reward_adapter = rewards.load_adapter(lambda: self.roles.policy, lora)
         self.kl_ctl = make_kl_controller(
             ppo.kl_coef, ppo.kl_target, ppo.kl_horizon, ppo.kl_coef_min, ppo.kl_coef_max
         )

@@ -10,6 +10,7 @@ LoRA adapter on the policy's own base.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -96,12 +97,17 @@ class RewardSetup:
             return self.model  # type: ignore[return-value]  # loaded: it has a path
         return policy
 
-    def load_adapter(self, policy: nn.Module, lora: LoraSettings | None) -> AdapterReward | None:
-        """``model.reward_adapter`` on the built policy's LoRA base (``None`` without one)."""
+    def load_adapter(
+        self, policy: Callable[[], nn.Module], lora: LoraSettings | None
+    ) -> AdapterReward | None:
+        """``model.reward_adapter`` on the built policy's LoRA base (``None`` without one).
+
+        ``policy`` is called only when there is an adapter: reaching the module's roles outside a
+        Trainer reads every skeleton's weights onto the CPU (``models/placement.py``)."""
         if self.adapter is None:
             return None
         if lora is None:
             raise UsageError(
                 "model.reward_adapter needs model.lora: it is a second adapter on the policy's LoRA base"
             )
-        return AdapterReward(policy, self.adapter)
+        return AdapterReward(policy(), self.adapter)
