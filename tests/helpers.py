@@ -444,8 +444,8 @@ def start_cli(
     checkout first on the path (Lightning's launcher re-runs that command for every rank); W&B
     disabled unless ``env`` says otherwise. ``popen``: the rest of ``subprocess.Popen``'s arguments."""
     root = Path(__file__).resolve().parents[1]
-    if _several_processes(args) and os.environ.get("LIGHTNING_PPO_TEST_ALONE") == "0":
-        pytest.fail("this test starts several ranks: mark it @pytest.mark.ranks (it then runs alone)")
+    if _several_processes(args) and os.environ.get("LIGHTNING_PPO_TEST_RANKS") == "0":
+        pytest.fail("this test starts several ranks: mark it @pytest.mark.ranks (tests/conftest.py)")
     full_env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(root), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", entry, *args], cwd=root, env=full_env, **popen)
 
