@@ -214,6 +214,7 @@ def _fit_in_a_process(
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 @pytest.mark.parametrize(
     "strategy",
     [
