@@ -382,16 +382,30 @@ class EpisodeConfig:
             chat-template ``tool`` messages), ``text`` (``call NAME: ARGUMENT``), or ``auto``:
             ``hermes`` when the tokenizer has a chat template, else ``text``
             (``lightning_ppo.rollout.tools``).
+        max_concurrency: How many of a batch's plain (``def``) environment calls run at once, each on
+            a thread of its own; ``async def`` ones are all awaited together (>= 1; 1: one by one).
+        step_timeout: Seconds an environment's ``reset`` or ``step`` may take (``None``: no limit).
+            One that takes longer is handled as one that raises (``on_error``), counted in
+            ``episode/timeouts``.
+        tool_timeout: Seconds a tool call may take (``None``: no limit); one that takes longer
+            answers the policy that it timed out, as a tool that raises does.
     """
 
     max_turns: int = 4
     max_tokens: int = 256
     on_error: str = "error"
     tool_format: str = "auto"
+    max_concurrency: int = 16
+    step_timeout: float | None = 300.0
+    tool_timeout: float | None = 60.0
 
     def __post_init__(self) -> None:
         _check(self.max_turns >= 1, "episode.max_turns", ">= 1", self.max_turns)
         _check(self.max_tokens >= 1, "episode.max_tokens", ">= 1", self.max_tokens)
+        _check(self.max_concurrency >= 1, "episode.max_concurrency", ">= 1", self.max_concurrency)
+        for name in ("step_timeout", "tool_timeout"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, f"episode.{name}", "> 0 or null", value)
         formats = ("auto", "hermes", "text")
         _check(self.tool_format in formats, "episode.tool_format", f"one of {formats}", self.tool_format)
         _check(

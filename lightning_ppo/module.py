@@ -205,7 +205,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.stop_token_id, self.suppressed_ids = sampling.stop_token_id, sampling.suppressed_ids
         self.hf_generation, self.hf_eval_generation = sampling.hf_generation, sampling.hf_eval_generation
         self.episode_runner = make_episode_runner(
-            environment, tools, episode, self.tokenizer, generation.stop_token, seed
+            environment, tools, episode, self.tokenizer, generation.stop_token, seed, ppo.on_bad_reward
         )
         # Skeletons where they can be: configure_model reads their weights on the device they run on.
         with self.building_roles():

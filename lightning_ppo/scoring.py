@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-import os
-import threading
 from collections import defaultdict
 from dataclasses import replace
 from functools import partial
@@ -32,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_ppo.rewards import ScoreInputs, TrainerState, check_scores
+from lightning_ppo.runs.bounded_calls import background_loop
 
 
 class Scorer:
@@ -209,18 +208,6 @@ def await_all(outputs: list[Any]) -> list[Any]:
     return done
 
 
-_LOOP: asyncio.AbstractEventLoop | None = None
-_LOOP_PID: int | None = None
-_LOOP_LOCK = threading.Lock()
-
-
-def reward_loop() -> asyncio.AbstractEventLoop:
-    """The event loop async rewards run on: one per process, in a daemon thread, started on first use
-    (and again in a forked child, where the parent's thread does not exist)."""
-    global _LOOP, _LOOP_PID
-    with _LOOP_LOCK:
-        if _LOOP is None or _LOOP_PID != os.getpid() or _LOOP.is_closed():
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="lightning-ppo-rewards", daemon=True).start()
-            _LOOP, _LOOP_PID = loop, os.getpid()
-        return _LOOP
+# The loop async rewards are awaited on: the process's one background loop (runs/bounded_calls.py),
+# which environments' and tools' async calls share.
+reward_loop = background_loop

@@ -122,7 +122,8 @@ def test_each_episode_runs_on_its_own_copy_and_reads_its_turns_as_sampled(tiny_d
     torch.manual_seed(1)
     template = Recorder()
     Recorder.log.clear()
-    module = _module(tiny_digits, template, EpisodeConfig(max_turns=2, max_tokens=40))
+    # one step at a time: the shared log is then in the episodes' order
+    module = _module(tiny_digits, template, EpisodeConfig(max_turns=2, max_tokens=40, max_concurrency=1))
     rollout = module.generate(_batch(module))
     assert template.seen == []  # the configured instance itself is never stepped
     first_turns = [turn for turn in Recorder.log if turn.index == 0]

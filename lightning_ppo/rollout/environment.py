@@ -44,6 +44,10 @@ class Environment:
     Each episode gets its own deep copy of the configured instance, so ``self`` can hold the
     episode's state. Randomness should come from the ``rng`` given to :meth:`reset`: it is seeded
     from the run's seed, the iteration, the rank and the episode, so runs (and resumed runs) repeat.
+
+    Both methods may be ``async def``. A batch's calls run together, each within
+    ``episode.step_timeout`` (``lightning_ppo.runs.bounded_calls``): plain ones on threads of their
+    own (``episode.max_concurrency`` at once), async ones on the run's event loop.
     """
 
     def reset(self, prompt: str, row: dict[str, Any], rng: random.Random) -> None:

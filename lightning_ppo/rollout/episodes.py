@@ -23,6 +23,7 @@ import copy
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,15 +32,31 @@ from torch import Tensor
 from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.ppo import functional as F
 from lightning_ppo.ppo.rollout_data import Rollout
+from lightning_ppo.rollout.answers import (
+    BadEnvironmentReward,
+    EnvironmentFailure,
+    EnvironmentTimeout,
+    step_result,
+    value_of,
+)
 from lightning_ppo.rollout.chat import MessageRenderer
 from lightning_ppo.rollout.engines import GenerationEngine
 from lightning_ppo.rollout.environment import Environment, StepFunction, StepResult, Turn
 from lightning_ppo.rollout.prompts import PromptBatch
+from lightning_ppo.runs.bounded_calls import Outcome, run_bounded
 from lightning_ppo.runs.errors import UsageError
 
 # The environment protocol lives in lightning_ppo.rollout.environment (tools.py builds on it without the
 # runner); configs and the docs name it here, as lightning_ppo.rollout.episodes.Environment.
-__all__ = ["Environment", "EpisodeRunner", "StepFunction", "StepResult", "Turn", "make_episode_runner"]
+__all__ = [
+    "Environment",
+    "EnvironmentFailure",
+    "EpisodeRunner",
+    "StepFunction",
+    "StepResult",
+    "Turn",
+    "make_episode_runner",
+]
 
 # How sample tables mark an environment's observation inside an episode's text.
 OBSERVATION_OPEN, OBSERVATION_CLOSE = " [env: ", "] "
@@ -56,10 +73,12 @@ class _Episode:
     engine_logprobs: list[float] = field(default_factory=list)
     rewards: dict[int, float] = field(default_factory=dict)  # token index -> turn reward
     turns: int = 0
+    last_reply: int = 0  # tokens of the latest reply as kept (0: cut away by the budget)
     transcript: list[str] = field(default_factory=list)  # replies as text, observations marked
     ended: bool = False  # the last reply emitted the stop token
     truncated: bool = False  # cut by the token budget
-    failed: bool = False  # its environment raised (episode.on_error: drop): nothing to learn from it
+    failed: bool = False  # dropped (episode.on_error or ppo.on_bad_reward: drop): nothing to learn from it
+    failure: str = ""  # why: "error", "timeout" or "bad_reward"
     done: bool = False
 
 
@@ -71,18 +90,23 @@ class EpisodeStats:
     tokens: Tensor  # (B,) tokens after the prompt, observations included
     truncated: Tensor  # (B,) bool: cut by episode.max_tokens
     failed: Tensor  # (B,) bool: the environment raised and the episode was dropped
+    timeouts: Tensor  # (B,) bool: a reset or step did not answer in time and the episode was dropped
+    bad_rewards: Tensor  # (B,) bool: a step's reward was NaN/inf and the episode was dropped
     tool_calls: Tensor  # (B,) tool calls per episode (model.tools)
     tool_errors: Tensor  # (B,) of which failed: malformed, unknown tool, or the tool raised
 
     def metrics(self, reduce: F.Reduce | None = None) -> dict[str, Tensor]:
-        """Turns and tokens per episode (means); truncated and failed episodes, tool calls and failed
-        tool calls (counts), over every rank's episodes when ``reduce`` sums over the ranks."""
+        """Turns and tokens per episode (means); episodes truncated and dropped (of those, the ones
+        that timed out and those with a NaN/inf reward), tool calls and failed tool calls (counts),
+        over every rank's episodes when ``reduce`` sums over the ranks."""
         sums = torch.stack(
             [
                 self.turns.float().sum(),
                 self.tokens.float().sum(),
                 self.truncated.float().sum(),
                 self.failed.float().sum(),
+                self.timeouts.float().sum(),
+                self.bad_rewards.float().sum(),
                 self.tool_calls.float().sum(),
                 self.tool_errors.float().sum(),
                 torch.tensor(float(len(self.turns)), dtype=torch.float32, device=self.turns.device),
@@ -90,12 +114,14 @@ class EpisodeStats:
         )
         if reduce is not None:
             sums = reduce(sums)
-        turns, tokens, truncated, failed, calls, errors, count = sums
+        turns, tokens, truncated, failed, timeouts, bad_rewards, calls, errors, count = sums
         return {
             "episode/turns_mean": turns / count,
             "episode/tokens_mean": tokens / count,
             "episode/truncated": truncated,
             "episode/env_errors": failed,
+            "episode/timeouts": timeouts,
+            "episode/bad_rewards": bad_rewards,
             "episode/tool_calls": calls,
             "episode/tool_errors": errors,
         }
@@ -112,6 +138,11 @@ class EpisodeRunner:
         seed: The run's seed; with the iteration, rank and episode it seeds each episode's ``rng``.
         stop_token: The text of the token that ends a reply (``generation.stop_token``; ``None``: EOS),
             where a chat message observation starts.
+        on_bad_reward: ``ppo.on_bad_reward``, for a step's NaN/inf reward: ``error`` or ``drop``.
+
+    The environments' ``reset`` and ``step`` calls of a batch run concurrently
+    (``episode.max_concurrency``, ``episode.step_timeout``: ``lightning_ppo.runs.bounded_calls``);
+    their answers are taken in the episodes' order, so a run repeats whatever order they finish in.
     """
 
     def __init__(
@@ -122,6 +153,7 @@ class EpisodeRunner:
         pad_token_id: int,
         seed: int,
         stop_token: str | None = None,
+        on_bad_reward: str = "error",
     ) -> None:
         if not callable(getattr(environment, "step", None)):
             raise UsageError(
@@ -130,6 +162,7 @@ class EpisodeRunner:
             )
         self.environment, self.config = environment, config
         self.tokenizer, self.pad_token_id, self.seed = tokenizer, pad_token_id, seed
+        self.on_bad_reward = on_bad_reward
         self.last_stats: EpisodeStats | None = None
         # The last batch's episodes as text, observations between OBSERVATION_OPEN and _CLOSE: what
         # the sample tables show (rewards get the plain text, as the policy read it).
@@ -158,7 +191,7 @@ class EpisodeRunner:
         every forward, with every rank. A rank whose episodes have all ended generates a throw-away
         reply on one of its contexts while another rank still needs the turn.
         """
-        episodes = [self._start(batch, i, iteration, rank) for i in range(len(batch))]
+        episodes = self._start(batch, iteration, rank)
         for turn in range(self.config.max_turns):
             running = [i for i, episode in enumerate(episodes) if not episode.done]
             if not any_rank(bool(running)):
@@ -171,27 +204,44 @@ class EpisodeRunner:
             else:
                 rollout = engine.generate(*self._contexts([episodes[i] for i in running], batch))
             self._engine_logprobs = rollout.engine_logprobs is not None
-            for row, i in enumerate(running):
+            turns = [self._reply(episodes[i], rollout, row, turn) for row, i in enumerate(running)]
+            steps = [partial(episodes[i].environment.step, t) for i, t in zip(running, turns, strict=True)]
+            for i, outcome in zip(running, self._bounded(steps), strict=True):
                 try:
-                    self._advance(episodes[i], rollout, row, turn, batch.prompts[i])
-                except EnvironmentFailure:
-                    if self.config.on_error == "error":
-                        raise
-                    episodes[i].failed = episodes[i].done = True
+                    self._answer(episodes[i], outcome, turn, batch.prompts[i])
+                except EnvironmentFailure as failure:
+                    self._drop_or_raise(episodes[i], failure)
         return self._rollout(episodes, batch)
 
-    def _start(self, batch: PromptBatch, i: int, iteration: int, rank: int) -> _Episode:
-        environment = copy.deepcopy(self.environment)
-        episode = _Episode(environment, batch.prompt_ids[i][batch.prompt_mask[i]].tolist())
-        rng = random.Random(f"{self.seed}/{iteration}/{rank}/{i}")
-        row = {name: values[i] for name, values in batch.extras.items()}
-        try:
-            self._call(environment.reset, "reset", 0, batch.prompts[i], batch.prompts[i], row, rng)
-        except EnvironmentFailure:
-            if self.config.on_error == "error":
-                raise
-            episode.failed = episode.done = True
-        return episode
+    def _bounded(self, calls: list[Callable[[], Any]]) -> list[Outcome]:
+        return run_bounded(calls, self.config.step_timeout, self.config.max_concurrency)
+
+    def _drop_or_raise(self, episode: _Episode, failure: EnvironmentFailure) -> None:
+        """Stop the run with ``failure`` (``episode.on_error``, ``ppo.on_bad_reward``), or drop the
+        episode: out of the update, counted by why."""
+        bad_reward = isinstance(failure, BadEnvironmentReward)
+        if (self.on_bad_reward if bad_reward else self.config.on_error) == "error":
+            raise failure
+        episode.failed = episode.done = True
+        episode.failure = (
+            "bad_reward" if bad_reward else "timeout" if isinstance(failure, EnvironmentTimeout) else "error"
+        )
+
+    def _start(self, batch: PromptBatch, iteration: int, rank: int) -> list[_Episode]:
+        """The batch's episodes, each on its own copy of the environment, reset together."""
+        episodes, resets = [], []
+        for i in range(len(batch)):
+            environment = copy.deepcopy(self.environment)
+            episodes.append(_Episode(environment, batch.prompt_ids[i][batch.prompt_mask[i]].tolist()))
+            rng = random.Random(f"{self.seed}/{iteration}/{rank}/{i}")
+            row = {name: values[i] for name, values in batch.extras.items()}
+            resets.append(partial(environment.reset, batch.prompts[i], row, rng))
+        for i, (episode, outcome) in enumerate(zip(episodes, self._bounded(resets), strict=True)):
+            try:
+                value_of(outcome, _owner(episode), "reset", 0, batch.prompts[i], self.config.step_timeout)
+            except EnvironmentFailure as failure:
+                self._drop_or_raise(episode, failure)
+        return episodes
 
     def _contexts(self, episodes: list[_Episode], batch: PromptBatch) -> tuple[Tensor, Tensor]:
         """Prompt plus everything so far of each episode, left padded (generation continues it)."""
@@ -204,8 +254,8 @@ class EpisodeRunner:
             mask[row, width - len(context) :] = True
         return ids.to(batch.prompt_ids.device), mask.to(batch.prompt_mask.device)
 
-    def _advance(self, episode: _Episode, rollout: Rollout, row: int, turn: int, prompt: str) -> None:
-        """Append the policy's reply (cut at the budget), ask the environment, append its observation."""
+    def _reply(self, episode: _Episode, rollout: Rollout, row: int, turn: int) -> Turn:
+        """Append the policy's reply (cut at the budget); what the environment is asked about."""
         keep = rollout.response_mask[row]
         reply = rollout.response_ids[row][keep].tolist()
         logprobs = rollout.engine_logprobs[row][keep].tolist() if rollout.engine_logprobs is not None else []
@@ -214,19 +264,16 @@ class EpisodeRunner:
         reply, logprobs = reply[:room], logprobs[:room]
         episode.ended = bool(rollout.ended[row]) and not episode.truncated
         self._append(episode, reply, True, logprobs)
-        episode.turns += 1
+        episode.turns, episode.last_reply = episode.turns + 1, len(reply)
         text = self.tokenizer.decode(reply, skip_special_tokens=True)
         episode.transcript.append(text)
-        result = self._call(
-            episode.environment.step, "step", turn, prompt, Turn(turn, text, reply, episode.ended)
-        )
-        if not isinstance(result, StepResult):
-            raise UsageError(
-                f"model.environment: {type(episode.environment).__name__}.step must return a StepResult, "
-                f"got {type(result).__name__}"
-            )
-        if result.reward is not None and reply:
-            episode.rewards[len(episode.tokens) - 1] = float(result.reward)
+        return Turn(turn, text, reply, episode.ended)
+
+    def _answer(self, episode: _Episode, outcome: Outcome, turn: int, prompt: str) -> None:
+        """The environment's checked answer: the turn's reward, whether it is done, its observation."""
+        result = step_result(outcome, _owner(episode), turn, prompt, self.config.step_timeout)
+        if result.reward is not None and episode.last_reply:  # on the reply's last token
+            episode.rewards[len(episode.tokens) - 1] = result.reward
         episode.done = result.done or episode.truncated or turn + 1 >= self.config.max_turns
         if not episode.done and result.observation:
             text = self._observation_text(result.observation)
@@ -246,17 +293,6 @@ class EpisodeRunner:
         episode.tokens += tokens
         episode.is_action += [action] * len(tokens)
         episode.engine_logprobs += logprobs if logprobs else [0.0] * len(tokens)
-
-    def _call(self, method: Any, name: str, turn: int, prompt: str, *args: Any) -> Any:
-        """Call the environment; its exception becomes an error naming the class, turn and prompt."""
-        try:
-            return method(*args)
-        except Exception as err:
-            owner = type(getattr(method, "__self__", method)).__name__
-            raise EnvironmentFailure(
-                f"model.environment: {owner}.{name} raised {type(err).__name__}: {err} (turn {turn}, "
-                f"prompt {prompt[:60]!r})"
-            ) from err
 
     def _rollout(self, episodes: list[_Episode], batch: PromptBatch) -> Rollout:
         """The episodes as one rollout: every turn and observation in the response region."""
@@ -282,6 +318,8 @@ class EpisodeRunner:
             tokens=torch.tensor([len(e.tokens) for e in episodes], device=device),
             truncated=torch.tensor([e.truncated for e in episodes], device=device),
             failed=torch.tensor([e.failed for e in episodes], device=device),
+            timeouts=torch.tensor([e.failure == "timeout" for e in episodes], device=device),
+            bad_rewards=torch.tensor([e.failure == "bad_reward" for e in episodes], device=device),
             tool_calls=torch.tensor([getattr(e.environment, "calls", 0) for e in episodes], device=device),
             tool_errors=torch.tensor([getattr(e.environment, "errors", 0) for e in episodes], device=device),
         )
@@ -306,8 +344,8 @@ def _shown(observation: str | dict[str, str]) -> str:
     )
 
 
-class EnvironmentFailure(UsageError, RuntimeError):
-    """An environment's ``reset`` or ``step`` raised: named with its class, turn and prompt."""
+def _owner(episode: _Episode) -> str:
+    return type(episode.environment).__name__
 
 
 def make_episode_runner(
@@ -317,6 +355,7 @@ def make_episode_runner(
     tokenizer: Any,
     stop_token: str | None,
     seed: int,
+    on_bad_reward: str = "error",
 ) -> EpisodeRunner | None:
     """The runner for ``model.environment`` and/or ``model.tools``; ``None`` (one reply per prompt,
     today's path) with neither."""
@@ -325,7 +364,11 @@ def make_episode_runner(
     if tools:
         from lightning_ppo.rollout.tools import ToolEnvironment
 
-        environment = ToolEnvironment(tools, config.tool_format, tokenizer, stop_token, environment)
+        environment = ToolEnvironment(
+            tools, config.tool_format, tokenizer, stop_token, environment, config.tool_timeout
+        )
     if environment is None:
         return None
-    return EpisodeRunner(environment, config, tokenizer, tokenizer.pad_token_id, seed, stop_token)
+    return EpisodeRunner(
+        environment, config, tokenizer, tokenizer.pad_token_id, seed, stop_token, on_bad_reward
+    )

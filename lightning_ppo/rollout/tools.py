@@ -29,10 +29,12 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from lightning_ppo.rollout.chat import message_suffix
 from lightning_ppo.rollout.environment import Environment, StepResult, Turn
+from lightning_ppo.runs.bounded_calls import run_bounded
 from lightning_ppo.runs.errors import UsageError
 
 TOOL_FORMATS = ("auto", "hermes", "text")
@@ -60,6 +62,9 @@ class ToolEnvironment(Environment):
         stop_token: The text of the token that ends a reply (where the template's rendering of an
             assistant message ends and the tool message begins).
         inner: An environment for the turns that call no tool (its rewards and ``done``).
+        timeout: Seconds a tool call may take (``episode.tool_timeout``; ``None``: no limit). A tool
+            that takes longer answers the policy that it timed out, as one that raises does; an
+            ``async def`` tool is awaited on the run's background loop.
     """
 
     def __init__(
@@ -69,6 +74,7 @@ class ToolEnvironment(Environment):
         tokenizer: Any = None,
         stop_token: str | None = None,
         inner: Environment | None = None,
+        timeout: float | None = None,
     ) -> None:
         if tool_format not in TOOL_FORMATS:
             raise UsageError(f"model.episode.tool_format must be one of {TOOL_FORMATS}, got {tool_format!r}")
@@ -81,13 +87,13 @@ class ToolEnvironment(Environment):
         if self.format == "hermes" and not has_template:
             raise UsageError("model.episode.tool_format hermes needs a tokenizer with a chat template")
         self.tool_suffix = message_suffix(tokenizer, "tool", stop_token) if self.format == "hermes" else None
-        self.inner = inner
+        self.inner, self.timeout = inner, timeout
         self.calls = self.errors = 0
 
-    def reset(self, prompt: str, row: dict[str, Any], rng: random.Random) -> None:
+    def reset(self, prompt: str, row: dict[str, Any], rng: random.Random) -> Any:
         self.calls = self.errors = 0
-        if self.inner is not None:
-            self.inner.reset(prompt, row, rng)
+        # an async inner reset returns its awaitable, which the runner awaits
+        return self.inner.reset(prompt, row, rng) if self.inner is not None else None
 
     def step(self, turn: Turn) -> StepResult:
         call = self.parse(turn.text)
@@ -119,11 +125,14 @@ class ToolEnvironment(Environment):
         tool = self.tools.get(call.name)
         if tool is None:
             return f"unknown tool {call.name!r}; tools: {', '.join(sorted(self.tools))}", True
-        try:
-            value = tool(**call.arguments) if isinstance(call.arguments, dict) else tool(call.arguments)
-        except Exception as err:  # a tool's failure is the policy's observation, not a crash
-            return f"{call.name} raised {type(err).__name__}: {err}", True
-        return str(value), False
+        arguments = call.arguments
+        invoke = partial(tool, **arguments) if isinstance(arguments, dict) else partial(tool, arguments)
+        outcome = run_bounded([invoke], self.timeout, max_concurrency=1)[0]
+        if outcome.timed_out:
+            return f"{call.name} did not answer within {self.timeout} s", True
+        if outcome.error is not None:  # a tool's failure is the policy's observation, not a crash
+            return f"{call.name} raised {type(outcome.error).__name__}: {outcome.error}", True
+        return str(outcome.value), False
 
     def render(self, call: ToolCall, result: str, failed: bool) -> str:
         if self.format == "text":

@@ -1,0 +1,245 @@
+"""Environments and tools that take time: their calls run together, each within a time limit, and
+what they answer is checked as a reward function's answer is (runs/bounded_calls, rollout/answers)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import threading
+import time
+from functools import partial
+
+import pytest
+import torch
+
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+from lightning_ppo.config import EpisodeConfig
+from lightning_ppo.rollout.answers import BadEnvironmentReward, EnvironmentTimeout
+from lightning_ppo.rollout.episodes import Environment, StepResult, Turn
+from lightning_ppo.runs.bounded_calls import run_bounded
+from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
+
+# ----------------------------------------------------------------- run_bounded
+
+
+def test_plain_calls_run_together_up_to_the_bound_and_answer_in_order():
+    together = threading.Barrier(4, timeout=10)  # passes only when 4 calls run at once
+
+    def call(i: int) -> int:
+        together.wait()
+        time.sleep(0.01 * (4 - i))  # the last call finishes first
+        return i * i
+
+    outcomes = run_bounded([partial(call, i) for i in range(4)], timeout=30, max_concurrency=4)
+    assert [o.value for o in outcomes] == [0, 1, 4, 9]
+    assert not any(o.timed_out or o.error for o in outcomes)
+
+
+def test_one_at_a_time_keeps_the_calls_apart():
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def call() -> None:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.01)
+        with lock:
+            running[0] -= 1
+
+    run_bounded([call] * 6, timeout=30, max_concurrency=1)
+    assert most[0] == 1
+
+
+def test_async_calls_are_awaited_together():
+    started = []
+
+    async def call(i: int) -> int:
+        started.append(i)
+        for _ in range(1000):  # every call waits until all have started: only together can they end
+            if len(started) == 3:
+                return i
+            await asyncio.sleep(0.01)
+        raise TimeoutError("the calls did not run together")
+
+    outcomes = run_bounded([partial(call, i) for i in range(3)], timeout=30, max_concurrency=1)
+    assert [o.value for o in outcomes] == [0, 1, 2]
+
+
+def test_a_call_past_its_time_is_a_timeout_and_an_exception_an_error():
+    def slow() -> str:
+        time.sleep(3)
+        return "late"
+
+    async def slow_async() -> str:
+        await asyncio.sleep(3)
+        return "late"
+
+    def broken() -> None:
+        raise KeyError("gone")
+
+    late, late_async, error, fine = run_bounded(
+        [slow, slow_async, broken, lambda: "ok"], timeout=0.2, max_concurrency=4
+    )
+    assert late.timed_out and late_async.timed_out and late.value is None
+    assert isinstance(error.error, KeyError) and not error.timed_out
+    assert fine.value == "ok"
+
+
+# ----------------------------------------------------------------- episodes
+
+
+class Sleepy(Environment):
+    """Answers after a random pause (so the calls finish out of order) with an observation and a
+    reward drawn from the episode's rng: episodes that depend on which copy got which answer."""
+
+    def __init__(self, most: float = 0.02) -> None:
+        self.most = most
+
+    def reset(self, prompt, row, rng: random.Random) -> None:
+        self.rng = rng
+
+    def step(self, turn: Turn) -> StepResult:
+        time.sleep(random.random() * self.most)
+        digit = self.rng.randrange(10)
+        return StepResult(observation=f"={digit}=", reward=digit / 10)
+
+
+class AsyncSleepy(Sleepy):
+    async def reset(self, prompt, row, rng: random.Random) -> None:
+        await asyncio.sleep(0.001)
+        self.rng = rng
+
+    async def step(self, turn: Turn) -> StepResult:
+        await asyncio.sleep(random.random() * self.most)
+        digit = self.rng.randrange(10)
+        return StepResult(observation=f"={digit}=", reward=digit / 10)
+
+
+def _module(path, environment, on_bad_reward: str = "error", **episode) -> PPOLightningModule:
+    return PPOLightningModule(
+        policy=str(path),
+        reward_fn=DigitsReward(),
+        environment=environment,
+        episode=EpisodeConfig(**{"max_turns": 3, "max_tokens": 40, **episode}),
+        ppo=PPOConfig(ppo_epochs=1, num_minibatches=1, on_bad_reward=on_bad_reward),
+        generation=GenerationConfig(max_new_tokens=6),
+    )
+
+
+def _batch(module: PPOLightningModule):
+    data = DigitsDataModule(num_prompts=64, batch_size=8, max_prompt_length=16)
+    data.set_tokenizer(module.tokenizer)
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+def _episodes(module: PPOLightningModule, seed: int = 0):
+    torch.manual_seed(seed)
+    return module.generate(_batch(module))
+
+
+@pytest.mark.parametrize("environment", [Sleepy, AsyncSleepy], ids=["def", "async def"])
+def test_concurrent_steps_give_the_episodes_serial_steps_give(environment, tiny_digits):
+    serial = _episodes(_module(tiny_digits, environment(), max_concurrency=1))
+    together = _episodes(_module(tiny_digits, environment(), max_concurrency=16))
+    for name in ("response_ids", "response_mask", "context_mask", "turn_rewards"):
+        torch.testing.assert_close(getattr(together, name), getattr(serial, name), rtol=0, atol=0)
+    assert serial.context_mask.any() and serial.turn_rewards.any()  # observations and rewards came
+
+
+class Stalls(Environment):
+    def step(self, turn: Turn) -> StepResult:
+        if turn.index == 1:
+            time.sleep(5)
+        return StepResult(observation="7=")
+
+
+def test_a_step_past_the_timeout_is_named_or_its_episode_dropped_and_counted(tiny_digits):
+    module = _module(tiny_digits, Stalls(), step_timeout=0.2)
+    with pytest.raises(
+        EnvironmentTimeout,
+        match=r"^model.environment: Stalls.step did not answer within 0.2 s \(episode.step_timeout\) "
+        r"\(turn 1, prompt '\d+='\)$",
+    ):
+        _episodes(module)
+    dropping = _module(tiny_digits, Stalls(), step_timeout=0.2, on_error="drop")
+    rollout = _episodes(dropping)
+    stats = dropping.episode_runner.last_stats
+    assert stats.timeouts.all() and stats.failed.all() and not rollout.response_mask.any()
+    metrics = stats.metrics()
+    assert metrics["episode/timeouts"].item() == metrics["episode/env_errors"].item() == 8
+
+
+class Rewards(Environment):
+    """Rewards the first turn with ``value``, then ends the episode."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(reward=self.value, done=True)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("0.5", r"returned the reward '0.5' \(str\) \(turn 0, prompt '\d+='\): expected a number or None"),
+        (torch.ones(2), r"returned the reward tensor\(\[1., 1.\]\) \(Tensor of shape \(2,\)\)"),
+        ([1.0], r"returned the reward \[1.0\] \(list\)"),
+    ],
+    ids=["string", "tensor-shape", "list"],
+)
+def test_a_reward_that_is_not_a_number_is_one_line_naming_the_class_and_turn(value, expected, tiny_digits):
+    with pytest.raises(UsageError, match=r"^model.environment: Rewards.step " + expected):
+        _episodes(_module(tiny_digits, Rewards(value)))
+
+
+def test_numbers_of_every_kind_are_rewards(tiny_digits):
+    import numpy as np
+
+    for value in (1, 0.25, np.float32(0.5), torch.tensor(0.75), torch.tensor([2.0])):
+        rollout = _episodes(_module(tiny_digits, Rewards(value)))
+        assert torch.allclose(rollout.turn_rewards.sum(1), torch.full((8,), float(value)))
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+def test_a_nan_or_inf_reward_stops_in_one_line_or_drops_the_episode(value, tiny_digits):
+    with pytest.raises(BadEnvironmentReward, match=rf"returned the reward {value} \(turn 0, prompt"):
+        _episodes(_module(tiny_digits, Rewards(value)))
+    dropping = _module(tiny_digits, Rewards(value), on_bad_reward="drop")
+    rollout = _episodes(dropping)
+    stats = dropping.episode_runner.last_stats
+    assert stats.bad_rewards.all() and not rollout.response_mask.any()
+    assert rollout.turn_rewards is None or torch.isfinite(rollout.turn_rewards).all()  # no NaN into the loss
+    assert dropping.episode_runner.metrics()["episode/bad_rewards"].item() == 8
+
+
+class Answers42(Environment):
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(observation=42)
+
+
+def test_an_observation_of_the_wrong_type_names_the_class_turn_and_what_was_expected(tiny_digits):
+    with pytest.raises(
+        UsageError,
+        match=r"^model.environment: Answers42.step returned the observation 42 \(int\) \(turn 0, prompt "
+        r"'\d+='\): expected text, a chat message",
+    ):
+        _episodes(_module(tiny_digits, Answers42()))
+
+
+def slow_lookup(key: str) -> str:
+    time.sleep(5)
+    return key
+
+
+def test_a_tool_past_its_timeout_answers_the_policy_that_it_timed_out():
+    from lightning_ppo.rollout.tools import ToolCall, ToolEnvironment
+
+    tools = ToolEnvironment([slow_lookup], "text", timeout=0.2)
+    assert tools.run(ToolCall("slow_lookup", "x")) == ("slow_lookup did not answer within 0.2 s", True)
+    step = tools.step(Turn(0, "call slow_lookup: x;", [], True))
+    assert step.observation == " error: slow_lookup did not answer within 0.2 s;" and tools.errors == 1
