@@ -10,11 +10,19 @@ round, each run in a process of its own. Responses stop where the policy samples
 so the tokens each variant computes differ: the table reports them, and the seconds per 1,000 tokens after the
 prompt, which is what "multi-turn costs no more than the tokens it adds" compares. Each turn
 re-reads the whole context (no KV cache across turns), which the last column prices.
+
+    .venv/bin/python -m benchmarks.episodes --slow         # environments that take 50 / 500 ms a step
+
+``--slow``: one rollout of 64 episodes x 3 turns against an environment whose every ``step`` waits
+50 or 500 ms (a sandbox, a web tool), its calls one by one (``episode.max_concurrency: 1``), on
+threads (``max_concurrency: 64``), and as ``async def``: seconds per rollout, and the waiting a
+rollout cannot avoid (3 turns x one step) beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import subprocess
@@ -46,6 +54,51 @@ class Done(Environment):
 
     def step(self, turn: Turn) -> StepResult:
         return StepResult(done=True)
+
+
+class Waits(Environment):
+    """Every step takes ``seconds`` (a sandbox, an HTTP tool), then answers as :class:`Nudge`."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def step(self, turn: Turn) -> StepResult:
+        time.sleep(self.seconds)
+        return StepResult(observation="0=")
+
+
+class AsyncWaits(Waits):
+    async def step(self, turn: Turn) -> StepResult:
+        await asyncio.sleep(self.seconds)
+        return StepResult(observation="0=")
+
+
+def slow_table(policy: str) -> None:
+    """Seconds per rollout (64 episodes x 3 turns) against environments that wait 50 / 500 ms a step."""
+    data = DigitsDataModule(num_prompts=64, batch_size=64, max_prompt_length=16)
+    print("| step takes | calls | s / rollout | of which unavoidable waiting |")
+    print("| --- | --- | --- | --- |")
+    for seconds in (0.05, 0.5):
+        for name, environment, concurrency in (
+            ("one by one", Waits(seconds), 1),
+            ("threads (64)", Waits(seconds), 64),
+            ("async def", AsyncWaits(seconds), 64),
+        ):
+            module = PPOLightningModule(
+                policy=policy,
+                reward_fn=DigitsReward(),
+                environment=environment,
+                episode=EpisodeConfig(max_turns=3, max_tokens=22, max_concurrency=concurrency),
+                generation=GenerationConfig(max_new_tokens=6),
+            )
+            data.set_tokenizer(module.tokenizer)
+            data.setup("fit")
+            batch = next(iter(data.train_dataloader()))
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            module.generate(batch)
+            took = time.perf_counter() - start
+            print(f"| {1000 * seconds:.0f} ms | {name} | {took:.2f} | {3 * seconds:.2f} |", flush=True)
 
 
 class Clock(pl.Callback):
@@ -128,10 +181,14 @@ def main() -> None:
         choices=["hf", "vllm"],
         help="vllm: run with the vLLM environment's interpreter (.venv-vllm, `make test-vllm` builds it)",
     )
+    parser.add_argument("--slow", action="store_true", help="environments that wait 50 / 500 ms a step")
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: one variant
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ns = parser.parse_args()
     ns.policy = ns.policy or _policy(ns.engine)
+    if ns.slow:
+        slow_table(ns.policy)
+        return
     if ns.one is not None:
         clock = run(ns.policy, ns.one, ns.iterations, ns.seed, ns.engine)
         print(json.dumps({"seconds": clock.seconds, "tokens": clock.tokens}))

@@ -395,7 +395,7 @@ class EpisodeConfig:
     max_tokens: int = 256
     on_error: str = "error"
     tool_format: str = "auto"
-    max_concurrency: int = 16
+    max_concurrency: int = 64
     step_timeout: float | None = 300.0
     tool_timeout: float | None = 60.0
 
