@@ -188,6 +188,9 @@ class PPOConfig:
             ``objective/scores_normalized`` the ones the update uses.
         on_bad_reward: ``error`` stops on a NaN/inf score; ``drop`` leaves that sample out of
             the update and counts it (``reward/dropped``).
+        reward_timeout: Seconds an ``async def`` reward (an LLM judge, a reward server) may take for
+            a batch (``None``: no limit). One that takes longer is handled as ``on_bad_reward``
+            handles NaN: one line naming it, or its completions dropped and counted.
         max_consecutive_skips: An optimizer step with NaN/inf gradients is skipped and counted
             (``train/skipped_updates``); this many in a row (or this many iterations in a row whose
             every sample was dropped) stop training with an error.
@@ -228,6 +231,7 @@ class PPOConfig:
     score_clip: float | None = None
     score_norm: bool = False
     on_bad_reward: str = "error"
+    reward_timeout: float | None = 300.0
     max_consecutive_skips: int = 3
     torch_compile: bool = False
 
@@ -268,6 +272,12 @@ class PPOConfig:
         )
         _check(
             self.max_consecutive_skips >= 1, "ppo.max_consecutive_skips", ">= 1", self.max_consecutive_skips
+        )
+        _check(
+            self.reward_timeout is None or self.reward_timeout > 0,
+            "ppo.reward_timeout",
+            "> 0 or null",
+            self.reward_timeout,
         )
         _check(
             self.on_bad_reward in _BAD_REWARD_POLICIES,

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from lightning_ppo.rewards import ScoreInputs, TrainerState, check_scores
 from lightning_ppo.runs.bounded_calls import background_loop
+from lightning_ppo.runs.errors import UsageError
 
 
 class Scorer:
@@ -55,7 +56,9 @@ class Scorer:
             log_extra=partial(self._log_extra, n),
         )
         components = reward_components(module)
-        outputs = await_all(call_all([compute for _, compute in components], prompts, completions, batch))
+        outputs = call_all([compute for _, compute in components], prompts, completions, batch)
+        names = [name for name, _ in components]
+        outputs = await_all(outputs, module.ppo.reward_timeout, names, n, module.ppo.on_bad_reward == "drop")
         total = torch.zeros(n, device=module.device)
         scored = torch.zeros(n, dtype=torch.bool, device=module.device)
         allow_nonfinite = module.ppo.on_bad_reward == "drop"
@@ -192,20 +195,45 @@ def call_all(rewards: list[Any], prompts: list[str], completions: list[str], bat
     return outputs
 
 
-def await_all(outputs: list[Any]) -> list[Any]:
-    """``outputs`` with every awaitable replaced by its result, all awaited together on the reward loop."""
+def await_all(
+    outputs: list[Any],
+    timeout: float | None = None,
+    names: list[str] | None = None,
+    batch_size: int = 0,
+    drop: bool = False,
+) -> list[Any]:
+    """``outputs`` with every awaitable replaced by its result, all awaited together on the reward
+    loop, each within ``timeout`` seconds. One that takes longer is a one-line error, or, under
+    ``ppo.on_bad_reward: drop``, NaN for every completion (dropped and counted as NaN scores are)."""
     waiting = [i for i, output in enumerate(outputs) if inspect.isawaitable(output)]
     if not waiting:
         return outputs
 
+    async def within(output: Any) -> Any:
+        try:
+            return await asyncio.wait_for(output, timeout)
+        except asyncio.TimeoutError:
+            return _TIMED_OUT
+
     async def gather() -> list[Any]:
-        return await asyncio.gather(*(outputs[i] for i in waiting))
+        return await asyncio.gather(*(within(outputs[i]) for i in waiting))
 
     results = asyncio.run_coroutine_threadsafe(gather(), reward_loop()).result()
     done = list(outputs)
     for i, result in zip(waiting, results, strict=True):
+        if result is _TIMED_OUT:
+            name = names[i] if names is not None else f"reward {i}"
+            if not drop:
+                raise UsageError(
+                    f"reward {name!r} did not answer within {timeout} s (ppo.reward_timeout); "
+                    "ppo.on_bad_reward: drop leaves its completions out of the update instead"
+                )
+            result = [math.nan] * batch_size
         done[i] = result
     return done
+
+
+_TIMED_OUT = object()  # what an async reward that did not answer in time gave
 
 
 # The loop async rewards are awaited on: the process's one background loop (runs/bounded_calls.py),

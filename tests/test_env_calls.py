@@ -243,3 +243,37 @@ def test_a_tool_past_its_timeout_answers_the_policy_that_it_timed_out():
     assert tools.run(ToolCall("slow_lookup", "x")) == ("slow_lookup did not answer within 0.2 s", True)
     step = tools.step(Turn(0, "call slow_lookup: x;", [], True))
     assert step.observation == " error: slow_lookup did not answer within 0.2 s;" and tools.errors == 1
+
+
+# ----------------------------------------------------------------- rewards that call out
+
+
+async def slow_judge(prompts, completions, batch):
+    await asyncio.sleep(5)
+    return [1.0] * len(completions)
+
+
+async def quick_judge(prompts, completions, batch):
+    await asyncio.sleep(0.01)
+    return [0.5] * len(completions)
+
+
+def _scores(policy, on_bad_reward: str) -> torch.Tensor:
+    from lightning_ppo.rewards import ScoreInputs
+
+    module = PPOLightningModule(
+        policy=str(policy),
+        reward_fn=[slow_judge, quick_judge],
+        ppo=PPOConfig(reward_timeout=0.2, on_bad_reward=on_bad_reward),
+    )
+    prompts, completions = ["1=", "2="], ["1", "2"]
+    return module.score(prompts, completions, ScoreInputs({}, None, None))
+
+
+def test_an_async_reward_past_its_timeout_is_one_line_or_its_completions_dropped(tiny_digits):
+    with pytest.raises(
+        UsageError, match=r"^reward 'slow_judge' did not answer within 0.2 s \(ppo.reward_timeout\)"
+    ):
+        _scores(tiny_digits, "error")
+    scores = _scores(tiny_digits, "drop")
+    assert torch.isnan(scores).all()  # NaN + 0.5: dropped by the module as any NaN score is
