@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_ppo.rollout.prompts import PromptBatch
+from lightning_ppo.rollout.tools import PromptTools
 from lightning_ppo.rollout.vocab import check_representable
 from lightning_ppo.runs.data_files import RowOrigin, find_problem
 from lightning_ppo.runs.errors import MissingPathError, UsageError
@@ -244,6 +245,9 @@ class PromptDataModule(pl.LightningDataModule):
         seed: seed of the shuffling and of the ``val_size`` hold-out.
         drop_last: drop the last incomplete training batch, so PPO always sees full batches.
         trust_remote_code: allow custom tokenizer code (and, with ``datasets`` < 4, dataset scripts).
+        tool_preamble: with ``model.tools`` in the ``text`` format, write a line per tool and how to
+            call one before each text prompt (``PromptTools.preamble``). Tools in the ``hermes``
+            format are always described: the chat template writes their schemas.
     """
 
     def __init__(
@@ -268,6 +272,7 @@ class PromptDataModule(pl.LightningDataModule):
         seed: int = 0,
         drop_last: bool = True,
         trust_remote_code: bool = False,
+        tool_preamble: bool = False,
     ) -> None:
         super().__init__()
         # In-memory prompt lists would bloat checkpoints and logged configs.
@@ -284,6 +289,9 @@ class PromptDataModule(pl.LightningDataModule):
         self.chat_template = chat_template
         self.add_special_tokens = add_special_tokens
         self.system_prompt = system_prompt
+        self.tool_preamble = tool_preamble
+        # the module's tools (PPOLightningModule.prompt_tools), taken in setup as the tokenizer is
+        self.tools: PromptTools | None = None
         self.max_prompt_length = max_prompt_length
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -439,6 +447,8 @@ class PromptDataModule(pl.LightningDataModule):
             )
             if module_tokenizer is not None:
                 self.set_tokenizer(module_tokenizer)
+        if self.tools is None and self.trainer is not None:  # the module's tools, described in the prompts
+            self.tools = getattr(self.trainer.lightning_module, "prompt_tools", None)
         tokenizer = self.tokenizer
         if self.chat_template and not getattr(tokenizer, "chat_template", None):
             raise UsageError(
@@ -580,13 +590,23 @@ class PromptDataModule(pl.LightningDataModule):
         """
         if isinstance(prompt, str):
             if not self.chat_template:
-                return prompt
+                return self._preamble() + prompt
             messages = [{"role": "user", "content": prompt}]
         else:
             messages = list(prompt)
         if self.system_prompt is not None and (not messages or messages[0].get("role") != "system"):
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        hermes = self.tools is not None and self.tools.format == "hermes"
+        schemas = {"tools": self.tools.schemas()} if hermes else {}
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **schemas
+        )
+
+    def _preamble(self) -> str:
+        """``data.tool_preamble``: the text-format tools described before a text prompt."""
+        if not self.tool_preamble or self.tools is None or self.tools.format != "text":
+            return ""
+        return self.tools.preamble()
 
     def _special_tokens(self, templated: bool) -> bool:
         """Whether the tokenizer adds its special tokens: ``add_special_tokens``, or unless templated."""

@@ -61,6 +61,7 @@ from lightning_ppo.rollout.engines import (
 from lightning_ppo.rollout.episodes import Environment, StepResult, make_episode_runner
 from lightning_ppo.rollout.prompts import PromptBatch, PromptEndWarning
 from lightning_ppo.rollout.sampling import SamplingSetup, generate
+from lightning_ppo.rollout.tools import prompt_tools
 from lightning_ppo.runs.ctrl_c import training_started
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.preflight import check_precision, check_sequence_fits, response_budget
@@ -207,6 +208,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.episode_runner = make_episode_runner(
             environment, tools, episode, self.tokenizer, generation.stop_token, seed, ppo.on_bad_reward
         )
+        # what the data module writes into the prompts about the tools (rollout/tools.PromptTools)
+        self.prompt_tools = prompt_tools(self.episode_runner and self.episode_runner.environment)
         # Skeletons where they can be: configure_model reads their weights on the device they run on.
         with self.building_roles():
             self.reward_model = rewards.load_model(

@@ -106,3 +106,80 @@ def test_a_run_with_tools_counts_calls_in_its_metrics(tmp_path):
     metrics = module.episode_runner.metrics()
     assert metrics["episode/turns_mean"].item() >= 1.0
     assert metrics["episode/tool_calls"].item() >= metrics["episode/tool_errors"].item() >= 0
+
+
+# ----------------------------------------------------------------- tools described in the prompt
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>{% for t in tools %}{{ t | tojson }}{% endfor %}<eos>{% endif %}" + CHATML
+)
+
+
+def lookup(key: str) -> str:
+    """look up a key.
+
+    Args:
+        key: the key to look up
+    """
+    return key[::-1]
+
+
+def no_docstring(key: str) -> str:
+    return key
+
+
+def nothing(prompts, completions, batch):
+    return [0.0] * len(completions)
+
+
+def test_hermes_tools_reach_the_prompt_through_the_chat_template(tmp_path):
+    from lightning_ppo import PromptDataModule
+    from tests.helpers import quiet_trainer
+
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyz <>{}[]\"':,._*+-/=?|"
+    path = make_tiny_checkpoint(tmp_path / "chat", TinyModelSpec(n_positions=512), alphabet=alphabet)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.save_pretrained(path)
+    module = PPOLightningModule(
+        policy=str(path),
+        reward_fn=nothing,
+        tools=[lookup],
+        episode=EpisodeConfig(max_turns=2, max_tokens=40, tool_format="hermes"),
+        ppo=PPOConfig(ppo_epochs=1, num_minibatches=1),
+        generation=GenerationConfig(max_new_tokens=8),
+    )
+    assert module.prompt_tools.format == "hermes" and module.prompt_tools.functions == (lookup,)
+    data = PromptDataModule(
+        prompts=["what is abc? "] * 8, batch_size=8, chat_template=True, max_prompt_length=400
+    )
+    quiet_trainer(tmp_path, 1).fit(module, datamodule=data)  # the data module takes the module's tools
+    prompt = data.format_prompt("what is abc? ")
+    assert prompt.startswith('<|system|>{"type": "function", "function": {"name": "lookup", ')
+    assert '"description": "look up a key."' in prompt and '"description": "the key to look up"' in prompt
+    assert prompt.endswith("<|user|>what is abc? <eos><|assistant|>")
+
+
+def test_a_tool_the_template_cannot_describe_is_one_line_naming_it():
+    from lightning_ppo.rollout.tools import PromptTools
+
+    with pytest.raises(
+        UsageError, match=r"^model.tools: no_docstring cannot be described to the chat template"
+    ):
+        PromptTools((no_docstring,), "hermes").schemas()
+
+
+def test_text_tools_get_a_preamble_when_asked(chat_tokenizer):
+    from lightning_ppo import PromptDataModule
+    from lightning_ppo.rollout.tools import PromptTools
+
+    tools = PromptTools((calculator, lookup), "text")
+    assert tools.preamble() == (
+        "Tools (write `call NAME: ARGUMENT;` to call one, its result comes back):\n"
+        "- calculator: Evaluate an arithmetic expression of numbers, +, -, * and / (no names, no calls).\n"
+        "- lookup: look up a key.\n"
+    )
+    data = PromptDataModule(prompts=["2*3="], tool_preamble=True)
+    data.tools = tools
+    assert data.format_prompt("2*3=") == tools.preamble() + "2*3="
+    data.tool_preamble = False
+    assert data.format_prompt("2*3=") == "2*3="

@@ -139,3 +139,49 @@ class ToolEnvironment(Environment):
             return f" {'error' if failed else 'result'}: {result};"
         content = json.dumps({"error": result} if failed else {"name": call.name, "content": result})
         return self.tool_suffix.format(content=content)
+
+
+@dataclass(frozen=True)
+class PromptTools:
+    """The tools a prompt should describe: what the data module renders into each prompt.
+
+    ``hermes``: the functions go to the tokenizer's chat template (``apply_chat_template(...,
+    tools=...)``), which writes their JSON schemas (read by transformers from each function's
+    signature and Google-style docstring) where the model was trained to read them. ``text``:
+    :meth:`preamble`, written before each prompt with ``data.tool_preamble: true``.
+    """
+
+    functions: tuple[Callable[..., Any], ...]
+    format: str
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """Each tool's JSON schema, as the chat template receives it; a function transformers cannot
+        describe (no docstring, an argument without a type or without its line under ``Args:``) is
+        one line naming it."""
+        from transformers.utils import get_json_schema
+
+        schemas = []
+        for function in self.functions:
+            try:
+                schemas.append(get_json_schema(function))
+            except Exception as err:  # transformers' TypeHintParsingException, DocstringParsingException
+                raise UsageError(
+                    f"model.tools: {function.__name__} cannot be described to the chat template: {err} "
+                    "(give it type hints and a Google-style docstring with an Args: section)"
+                ) from err
+        return schemas
+
+    def preamble(self) -> str:
+        """The text-format tools in one line per tool, and how to call one."""
+        lines = ["Tools (write `call NAME: ARGUMENT;` to call one, its result comes back):"]
+        for function in self.functions:
+            summary = (function.__doc__ or "").strip().splitlines()[:1]
+            lines.append(f"- {function.__name__}: {summary[0] if summary else ''}".rstrip(": "))
+        return "\n".join(lines) + "\n"
+
+
+def prompt_tools(environment: Environment | None) -> PromptTools | None:
+    """What the prompts should describe when ``environment`` is the tools' (``None`` otherwise)."""
+    if not isinstance(environment, ToolEnvironment):
+        return None
+    return PromptTools(tuple(environment.tools.values()), environment.format)
