@@ -17,6 +17,13 @@ re-reads the whole context (no KV cache across turns), which the last column pri
 50 or 500 ms (a sandbox, a web tool), its calls one by one (``episode.max_concurrency: 1``), on
 threads (``max_concurrency: 64``), and as ``async def``: seconds per rollout, and the waiting a
 rollout cannot avoid (3 turns x one step) beside it.
+
+    .venv/bin/python -m benchmarks.episodes --prefill      # what re-reading the context costs
+
+``--prefill``: 16 episodes x 4 turns of a 4 x 256 Llama (a 32-token observation between turns) with
+``hf``: each turn's ``generate`` beside one forward over the same contexts, which is what that
+generate spends re-reading the episode so far (its prefill), the most a KV cache kept across
+turns could save (it would still read the observation's tokens).
 """
 
 from __future__ import annotations
@@ -101,6 +108,61 @@ def slow_table(policy: str) -> None:
             print(f"| {1000 * seconds:.0f} ms | {name} | {took:.2f} | {3 * seconds:.2f} |", flush=True)
 
 
+class LongNudge(Environment):
+    """Answers every turn with a 32-token observation."""
+
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(observation="0123456789" * 3 + "0=")
+
+
+def prefill_table() -> None:
+    """Per turn: the engine's generate, and one forward over its contexts (the re-read)."""
+    from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+
+    policy = ROOT / "checkpoints" / "tiny-llama-256"
+    if not (policy / "config.json").exists():
+        spec = TinyModelSpec(arch="llama", n_layer=4, n_embd=256, n_head=4, n_positions=1024)
+        make_tiny_checkpoint(policy, spec, alphabet="0123456789=")
+    module = PPOLightningModule(
+        policy=str(policy),
+        reward_fn=DigitsReward(),
+        environment=LongNudge(),
+        episode=EpisodeConfig(max_turns=4, max_tokens=512),
+        generation=GenerationConfig(max_new_tokens=32),
+    )
+    data = DigitsDataModule(num_prompts=16, batch_size=16, max_prompt_length=16)
+    data.set_tokenizer(module.tokenizer)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    engine, rows = module.engine, []
+    generate = engine.generate
+
+    def timed(ids, mask):
+        start = time.perf_counter()
+        rollout = generate(ids, mask)
+        took = time.perf_counter() - start
+        with torch.no_grad():
+            start = time.perf_counter()
+            module.policy(input_ids=ids, attention_mask=mask.long())
+            rows.append((ids.shape[1], took, time.perf_counter() - start, int(rollout.response_mask.sum())))
+        return rollout
+
+    engine.generate = timed
+    torch.manual_seed(0)
+    module.generate(batch)  # warm-up
+    rows.clear()
+    module.generate(batch)
+    print(
+        "| turn | context width | generate s | of which re-reading the context (one forward) s | new tokens |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for turn, (width, took, prefill, tokens) in enumerate(rows):
+        print(f"| {turn} | {width} | {took:.3f} | {prefill:.3f} | {tokens} |")
+    later = rows[1:]
+    share = sum(p for _, _, p, _ in later) / sum(t for _, t, _, _ in rows)
+    print(f"re-reading after the first turn: {100 * share:.1f} % of the rollout's generate time")
+
+
 class Clock(pl.Callback):
     """Seconds and tokens after the prompt of every iteration."""
 
@@ -182,12 +244,16 @@ def main() -> None:
         help="vllm: run with the vLLM environment's interpreter (.venv-vllm, `make test-vllm` builds it)",
     )
     parser.add_argument("--slow", action="store_true", help="environments that wait 50 / 500 ms a step")
+    parser.add_argument("--prefill", action="store_true", help="what re-reading the context costs (hf)")
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: one variant
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ns = parser.parse_args()
     ns.policy = ns.policy or _policy(ns.engine)
     if ns.slow:
         slow_table(ns.policy)
+        return
+    if ns.prefill:
+        prefill_table()
         return
     if ns.one is not None:
         clock = run(ns.policy, ns.one, ns.iterations, ns.seed, ns.engine)
