@@ -30,18 +30,23 @@ class RunSummary:
     last_score: float
     final_kl: float
     wall_seconds: float
+    # diversity/top_share at the end: the share of prompts given the most common answer
+    top_share: float | None = None
 
     def __str__(self) -> str:
         start, end = self.best_window
+        answers = "" if self.top_share is None else f"; most common answer {self.top_share:.0%} of prompts"
         return (
             f"{self.iterations} PPO iterations in {self.wall_seconds:.0f} s: mean score "
             f"{self.start_score:.3f} (iteration 1), {self.first_score:.3f} (first 10 %), "
             f"{self.best_score:.3f} (best 10 %, iterations {start}-{end}), "
-            f"{self.last_score:.3f} (last 10 %); final KL {self.final_kl:.3f}"
+            f"{self.last_score:.3f} (last 10 %); final KL {self.final_kl:.3f}{answers}"
         )
 
 
-def summarise(scores: list[float], final_kl: float, wall_seconds: float) -> RunSummary:
+def summarise(
+    scores: list[float], final_kl: float, wall_seconds: float, top_share: float | None = None
+) -> RunSummary:
     """The first score, and the means over the first, best and last tenth (at least one
     iteration each) of ``scores``."""
     tenth = max(1, len(scores) // 10)
@@ -56,6 +61,7 @@ def summarise(scores: list[float], final_kl: float, wall_seconds: float) -> RunS
         last_score=windows[-1],
         final_kl=final_kl,
         wall_seconds=wall_seconds,
+        top_share=top_share,
     )
 
 
@@ -65,6 +71,7 @@ class TrainingSummary(Callback):
     def __init__(self) -> None:
         self.scores: list[float] = []
         self.final_kl = float("nan")
+        self.top_share: float | None = None
         self.summary: RunSummary | None = None
         self._start = 0.0
 
@@ -81,11 +88,14 @@ class TrainingSummary(Callback):
         if "objective/scores" in metrics:
             self.scores.append(float(metrics["objective/scores"]))
             self.final_kl = float(metrics["objective/kl"])
+        if "diversity/top_share" in metrics:
+            self.top_share = float(metrics["diversity/top_share"])
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.scores:
             return
-        self.summary = summarise(self.scores, self.final_kl, time.perf_counter() - self._start)
+        seconds = time.perf_counter() - self._start
+        self.summary = summarise(self.scores, self.final_kl, seconds, self.top_share)
         rank_zero_info(f"lightning_ppo summary: {self.summary}")
 
 

@@ -69,6 +69,7 @@ from lightning_ppo.runs.quiet import silence_intended_warnings
 from lightning_ppo.runs.resume import check_resumable
 from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.scoring import Scorer
+from lightning_ppo.watch.diversity import Diversity
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
 from lightning_ppo.watch.metrics import HostView, TrailingMean, experience_metrics, score_metrics
 from lightning_ppo.watch.samples import Samples
@@ -309,6 +310,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         stats.update(engine_mismatch(self.generation_config, rollout, forwards.logprobs))
         if self.episode_runner is not None:
             stats.update(self.episode_runner.metrics(reduce))
+        diversity = Diversity.of(batch.prompts, completions)  # text, on the host: no device read
+        stats.update({k: torch.tensor(v, device=self.device) for k, v in diversity.metrics().items()})
         # the iteration's one host read: what the host decides on and what it logs
         host = HostView.read(
             stats, stepped, raw, exp.kl.sum(1), scores.shaped, ~scores.dropped, self.mean_over_ranks
@@ -318,16 +321,16 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         logged["objective/scores_smoothed"] = self.smoothed_score.add(host.stats["objective/scores"])
         logged["kl_coef"] = kl_coef
         self.kl_ctl.update(host.stats["objective/kl"], len(batch) * self.trainer.world_size)
-        self.heed_guardrails(completions, host)
+        self.heed_guardrails(completions, host, diversity)
         self.log_stats(logged, len(batch))
         shown = completions if self.episode_runner is None else self.episode_runner.transcripts
         self.last_samples = Samples(batch.prompts, shown, host.scores, host.kl, self.scorer.columns)
 
-    def heed_guardrails(self, completions: list[str], host: HostView) -> None:
+    def heed_guardrails(self, completions: list[str], host: HostView, diversity: Diversity) -> None:
         """The guardrails' one-time warnings (lightning_ppo.watch.guardrails), spoken by rank 0."""
         if self.guardrails is None:  # the learning rate is known once the optimizer exists
             self.guardrails = Guardrails(self.ppo, float(self.optimizers().param_groups[0]["lr"]))
-        self.guardrails.heed(IterationView.of(self.iteration, completions, host, self.kl_ctl))
+        self.guardrails.heed(IterationView.of(self.iteration, completions, host, self.kl_ctl, diversity))
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""

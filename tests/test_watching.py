@@ -32,6 +32,10 @@ EXPECTED_KEYS = (
     "kl_coef",
     "lr",
     "episode",
+    "diversity/top_share",
+    "diversity/distinct_1",
+    "diversity/distinct_2",
+    "diversity/overlap",
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,6 +18,7 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_ppo.config import PPOConfig
+from lightning_ppo.watch.diversity import Diversity
 from lightning_ppo.watch.metrics import HostView, reward_drowned
 
 # PPO's trust region: approx-KL 0.5 (log r)^2 near 0.01-0.05 and clip fractions near 0.1-0.2 are
@@ -35,6 +36,16 @@ SPREAD_ITERATIONS = 5
 # share of the first window's, while the score has not risen above the first window's.
 ENTROPY_WINDOW = 5
 ENTROPY_FLOOR = 0.1
+# Converging answers: this share of a batch's distinct prompts (at least CONVERGE_PROMPTS of them)
+# given one answer, CONVERGE_ITERATIONS in a row, while the score is above the first window's.
+CONVERGE_SHARE = 0.5
+CONVERGE_PROMPTS = 4
+CONVERGE_ITERATIONS = 3
+# Steps too small to matter: from this iteration on, a policy still within this KL of the reference
+# per response, and PPO's own step (approx-KL) below this, while the scores vary.
+SMALL_STEP_ITERATIONS = 50
+SMALL_STEP_KL = 0.1
+SMALL_STEP_APPROX_KL = 1e-3
 
 
 @dataclass
@@ -53,13 +64,17 @@ class IterationView:
     scores_std: float | None  # batch std of the scores the update uses; None with fewer than 2
     entropy: float = float("nan")  # the rollout policy's entropy per response token
     score: float = float("nan")  # objective/scores
+    diversity: Diversity | None = None  # this rank's batch (watch/diversity.py)
 
     @classmethod
-    def of(cls, iteration: int, completions: list[str], host: HostView, kl_ctl: Any) -> IterationView:
+    def of(
+        cls, iteration: int, completions: list[str], host: HostView, kl_ctl: Any, diversity: Diversity | None
+    ) -> IterationView:
         """The view of an iteration from its statistics as the host read them, and the KL controller."""
         stats = host.stats
         return cls(
             iteration=iteration,
+            diversity=diversity,
             completions=completions,
             approx_kl=stats["policy/approxkl_avg"],
             clipfrac=stats["policy/clipfrac_avg"],
@@ -87,6 +102,7 @@ class Guardrails:
     # (entropy per token, score) of the first ENTROPY_WINDOW iterations, and of the latest ones
     early: list[tuple[float, float]] = field(default_factory=list)
     recent: list[tuple[float, float]] = field(default_factory=list)
+    converging_in_a_row: int = 0
 
     def heed(self, view: IterationView) -> None:
         """Warn, on rank 0, with each warning due this iteration."""
@@ -94,7 +110,15 @@ class Guardrails:
             rank_zero_warn(message)
 
     def observe(self, view: IterationView) -> list[str]:
-        checks = (self._trust_region, self._collapse, self._entropy, self._kl_coef, self._reward_drowned)
+        checks = (
+            self._trust_region,
+            self._collapse,
+            self._entropy,
+            self._kl_coef,
+            self._reward_drowned,
+            self._converging,
+            self._small_steps,
+        )
         return [m for m in (check(view) for check in checks) if m is not None]
 
     def _once(self, name: str, message: str) -> str | None:
@@ -204,6 +228,45 @@ class Guardrails:
             f"iterations), less than the KL coefficient {view.kl_coef:.3g}: the KL-regularised optimum "
             f"lies within about {spread**2 / view.kl_coef:.2g} of the reference's mean score, so the "
             f"score will stay flat. {', '.join(remedies).capitalize()} (README: reward scale and KL)",
+        )
+
+    def _converging(self, view: IterationView) -> str | None:
+        """Many different prompts get one answer while the score rises: the policy has found a phrase
+        the reward likes (reward hacking), which a rising score alone hides."""
+        d = view.diversity
+        early = [score for _, score in self.early]
+        converging = d is not None and d.prompts >= CONVERGE_PROMPTS and d.top_share >= CONVERGE_SHARE
+        self.converging_in_a_row = self.converging_in_a_row + 1 if converging else 0
+        if self.converging_in_a_row < CONVERGE_ITERATIONS or len(early) < ENTROPY_WINDOW:
+            return None
+        start = sum(early) / len(early)
+        if not view.score > start:
+            return None
+        return self._once(
+            "converging",
+            f"answers are converging: {d.top_share:.0%} of the batch's {d.prompts} different prompts got "
+            f"the same answer ({d.top_answer[:60]!r}) at iteration {view.iteration} while "
+            f"objective/scores rose from {start:.3g} to {view.score:.3g}: the policy may be exploiting the "
+            "reward rather than answering. Read the answers (lightning-ppo samples RUN_DIR); keep the "
+            "policy nearer the reference (a larger ppo.kl_coef or a ppo.kl_target), set "
+            "ppo.entropy_coef, or make the reward penalise repeated answers",
+        )
+
+    def _small_steps(self, view: IterationView) -> str | None:
+        """After a warm-up the policy has barely left the reference though the scores vary: steps
+        too small to matter, usually a learning rate meant for another kind of model."""
+        spread = self.spread_sum / self.spread_count if self.spread_count else (view.scores_std or 0.0)
+        if view.iteration < SMALL_STEP_ITERATIONS or not spread > 0:
+            return None
+        if view.kl >= SMALL_STEP_KL or view.approx_kl >= SMALL_STEP_APPROX_KL:
+            return None
+        return self._once(
+            "small_steps",
+            f"objective/kl {view.kl:.3g} and policy/approxkl_avg {view.approx_kl:.2g} at iteration "
+            f"{view.iteration} while the scores vary (std {spread:.3g}): the policy has barely moved "
+            f"from the reference. The learning rate {self.lr:g} is likely too small for this model: "
+            "random or tiny models usually want 1e-4 to 1e-3, pretrained models 1e-6 to 1e-5, LoRA "
+            "about 1e-4; set model.optimizer.init_args.lr",
         )
 
     def _restart_advice(self) -> str:

@@ -32,6 +32,7 @@ DEFAULT_KEYS = (
     FRONTIER,
     "kl_coef",
     "objective/entropy",
+    "diversity/top_share",
     "returns/mean",
     "policy/approxkl_avg",
     "loss/value_avg",

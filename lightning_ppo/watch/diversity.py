@@ -1,0 +1,88 @@
+"""How varied a batch's answers are: what a rising score alone does not show.
+
+A policy that finds one phrase the reward likes can answer every prompt with it while its score
+rises (reward hacking). These are read from the decoded responses, on the host, once per iteration:
+
+- ``diversity/top_share``: of the batch's distinct prompts, the share that got the most common
+  answer (answers compared after :func:`normalise`: case, punctuation and spacing ignored, so
+  near-copies count as one). Groups of one prompt (GRPO) count once per prompt.
+- ``diversity/distinct_1``, ``diversity/distinct_2``: distinct words and word pairs over all the
+  batch's responses, as a share of all (1.0: no word repeats anywhere).
+- ``diversity/overlap``: the mean word overlap (Jaccard) between responses to different prompts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from itertools import combinations
+
+# Pairs of responses the overlap averages at most (the first responses of the batch): enough for a
+# mean, and a batch of 512 would otherwise cost 130k set comparisons per iteration.
+MAX_OVERLAP_RESPONSES = 64
+_PUNCTUATION = re.compile(r"[^\w\s]")
+
+
+def normalise(text: str) -> str:
+    """An answer as the near-duplicate check compares it: lower case, no punctuation, single spaces."""
+    return " ".join(_PUNCTUATION.sub(" ", text.lower()).split())
+
+
+@dataclass(frozen=True)
+class Diversity:
+    """One batch's diversity, and its most common answer (for the guardrail's message)."""
+
+    top_share: float
+    distinct_1: float
+    distinct_2: float
+    overlap: float
+    prompts: int  # distinct prompts in the batch
+    top_answer: str  # an example of the most common answer, as the policy wrote it
+
+    @classmethod
+    def of(cls, prompts: list[str], completions: list[str]) -> Diversity:
+        words = [normalise(c).split() for c in completions]
+        top_share, top_answer = _top_answer(prompts, completions)
+        return cls(
+            top_share=top_share,
+            top_answer=top_answer,
+            distinct_1=_distinct([tuple(w[i : i + 1]) for w in words for i in range(len(w))]),
+            distinct_2=_distinct([tuple(w[i : i + 2]) for w in words for i in range(len(w) - 1)]),
+            overlap=_overlap(prompts, words),
+            prompts=len(set(prompts)),
+        )
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "diversity/top_share": self.top_share,
+            "diversity/distinct_1": self.distinct_1,
+            "diversity/distinct_2": self.distinct_2,
+            "diversity/overlap": self.overlap,
+        }
+
+
+def _top_answer(prompts: list[str], completions: list[str]) -> tuple[float, str]:
+    """The share of distinct prompts given the most common (normalised) answer, and that answer."""
+    given: dict[str, set[str]] = {}
+    example: dict[str, str] = {}
+    for prompt, completion in zip(prompts, completions, strict=True):
+        key = normalise(completion)
+        given.setdefault(key, set()).add(prompt)
+        example.setdefault(key, completion)
+    if not given:
+        return 0.0, ""
+    key = max(given, key=lambda k: len(given[k]))
+    return len(given[key]) / len(set(prompts)), example[key]
+
+
+def _distinct(grams: list[tuple[str, ...]]) -> float:
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def _overlap(prompts: list[str], words: list[list[str]]) -> float:
+    """Mean Jaccard overlap of the word sets of responses to different prompts (0 without a pair)."""
+    shown = list(zip(prompts, (set(w) for w in words), strict=True))[:MAX_OVERLAP_RESPONSES]
+    pairs = [(a, b) for (pa, a), (pb, b) in combinations(shown, 2) if pa != pb]
+    if not pairs:
+        return 0.0
+    return sum(len(a & b) / len(a | b) if a | b else 1.0 for a, b in pairs) / len(pairs)

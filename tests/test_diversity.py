@@ -1,0 +1,91 @@
+"""Diversity metrics against hand-counted batches, and the two guardrails they and the KL feed:
+answers converging on one phrase while the score rises, and steps too small to matter."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_ppo import PPOConfig
+from lightning_ppo.watch.diversity import Diversity, normalise
+from lightning_ppo.watch.guardrails import Guardrails, IterationView
+
+CALM = {"approx_kl": 0.02, "clipfrac": 0.1, "kl": 3.0, "kl_coef": 0.05, "kl_coef_pinned": False}
+
+
+def test_the_metrics_of_a_hand_counted_batch():
+    d = Diversity.of(["a", "a", "b", "c"], ["Yes!", "yes", "no  way", "Yes."])
+    # answers as compared: yes, yes, "no way", yes; "yes" went to prompts a and c of 3
+    assert d.top_share == pytest.approx(2 / 3) and d.top_answer == "Yes!" and d.prompts == 3
+    assert d.distinct_1 == pytest.approx(3 / 5)  # yes yes no way yes
+    assert d.distinct_2 == 1.0  # one pair of words in all: (no, way)
+    # pairs across prompts: a-b 0, a-c 1, a-b 0, a-c 1, b-c 0
+    assert d.overlap == pytest.approx(2 / 5)
+    assert set(d.metrics()) == {
+        "diversity/top_share",
+        "diversity/distinct_1",
+        "diversity/distinct_2",
+        "diversity/overlap",
+    }
+
+
+def test_a_varied_batch_and_an_empty_one():
+    varied = Diversity.of(["1=", "2=", "3=", "4="], ["11", "22", "33 44", "55"])
+    assert varied.top_share == 0.25 and varied.distinct_1 == 1.0 and varied.overlap == 0.0
+    empty = Diversity.of(["1=", "2="], ["", ""])
+    assert empty.top_share == 1.0 and empty.distinct_1 == 1.0 and empty.overlap == 1.0
+    assert normalise("  The AND, has paper!") == "the and has paper"
+
+
+def _view(iteration, score, completions, prompts=None, kl=3.0, approx_kl=0.02, scores_std=0.3):
+    prompts = prompts or [f"{i}=" for i in range(len(completions))]
+    stats = {**CALM, "kl": kl, "approx_kl": approx_kl}
+    return IterationView(
+        iteration,
+        list(completions),
+        scores_std=scores_std,
+        kl_coef_base=CALM["kl_coef"],
+        score=score,
+        entropy=1.0,
+        diversity=Diversity.of(prompts, list(completions)),
+        **stats,
+    )
+
+
+VARIED = ["11", "22", "33", "44", "55", "66", "77", "88"]
+STOCK = ["the and has paper, then restart it."] * 5 + ["11", "22", "33"]
+
+
+def test_converging_answers_warn_once_while_the_score_rises():
+    rails = Guardrails(PPOConfig(), lr=1e-5)
+    for i in range(1, 6):
+        assert rails.observe(_view(i, 0.1, VARIED)) == []
+    assert rails.observe(_view(6, 0.3, STOCK)) == [] and rails.observe(_view(7, 0.3, STOCK)) == []
+    (message,) = rails.observe(_view(8, 0.35, STOCK))
+    assert message.startswith(
+        "answers are converging: 62% of the batch's 8 different prompts got the same answer "
+        "('the and has paper, then restart it.') at iteration 8 while objective/scores rose from 0.1 to 0.35"
+    )
+    assert "lightning-ppo samples" in message and "ppo.kl_coef" in message and "entropy_coef" in message
+    assert rails.observe(_view(9, 0.4, STOCK)) == []  # once
+
+
+def test_converging_answers_stay_quiet_without_a_rising_score_or_with_one_prompt():
+    flat = Guardrails(PPOConfig(), lr=1e-5)
+    for i in range(1, 12):
+        assert flat.observe(_view(i, 0.1, VARIED if i <= 5 else STOCK)) == []  # the score did not rise
+    one_prompt = Guardrails(PPOConfig(), lr=1e-5)  # the reveal task: every prompt is "="
+    for i in range(1, 12):
+        assert one_prompt.observe(_view(i, 0.1 * i, STOCK, prompts=["="] * 8)) == []
+
+
+def test_steps_too_small_warn_once_after_the_warm_up_naming_the_learning_rate():
+    rails = Guardrails(PPOConfig(), lr=1e-7)
+    assert rails.observe(_view(49, 0.1, VARIED, kl=0.01, approx_kl=1e-6)) == []  # still warming up
+    (message,) = rails.observe(_view(50, 0.1, VARIED, kl=0.01, approx_kl=1e-6))
+    assert message.startswith("objective/kl 0.01 and policy/approxkl_avg 1e-06 at iteration 50 while the")
+    assert "learning rate 1e-07 is likely too small" in message and "1e-4 to 1e-3" in message
+    assert rails.observe(_view(51, 0.1, VARIED, kl=0.01, approx_kl=1e-6)) == []
+    moving = Guardrails(PPOConfig(), lr=1e-3)
+    assert moving.observe(_view(60, 0.1, VARIED, kl=0.5, approx_kl=1e-6)) == []  # it has moved
+    no_spread = Guardrails(PPOConfig(), lr=1e-7)
+    assert no_spread.observe(_view(60, 0.1, VARIED, kl=0.01, approx_kl=1e-6, scores_std=0.0)) == []
