@@ -4,10 +4,13 @@ answers converging on one phrase while the score rises, and steps too small to m
 from __future__ import annotations
 
 import pytest
+import torch
 
-from lightning_ppo import PPOConfig
+from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward, digits_score
 from lightning_ppo.watch.diversity import Diversity, normalise
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
+from tests.helpers import fit_warnings
 
 CALM = {"approx_kl": 0.02, "clipfrac": 0.1, "kl": 3.0, "kl_coef": 0.05, "kl_coef_pinned": False}
 
@@ -89,3 +92,41 @@ def test_steps_too_small_warn_once_after_the_warm_up_naming_the_learning_rate():
     assert moving.observe(_view(60, 0.1, VARIED, kl=0.5, approx_kl=1e-6)) == []  # it has moved
     no_spread = Guardrails(PPOConfig(), lr=1e-7)
     assert no_spread.observe(_view(60, 0.1, VARIED, kl=0.01, approx_kl=1e-6, scores_std=0.0)) == []
+
+
+# ----------------------------------------------------------------- end to end
+
+
+def pays_one_phrase(prompts, completions, batch):
+    """The quickstart's score against "12345" whatever the prompt: one phrase to exploit."""
+    return [digits_score(c, "12345", in_order=True) for c in completions]
+
+
+def _quickstart(policy, reward, lr: float) -> PPOLightningModule:
+    return PPOLightningModule(
+        policy=str(policy),
+        reward_fn=reward,
+        ppo=PPOConfig(kl_coef=0.01),
+        generation=GenerationConfig(max_new_tokens=8),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
+    )
+
+
+def test_a_reward_that_pays_one_phrase_is_said_to_make_the_answers_converge(tiny_digits):
+    torch.manual_seed(0)
+    module = _quickstart(tiny_digits, pays_one_phrase, lr=1e-3)
+    data = DigitsDataModule(num_prompts=4096, batch_size=32, max_prompt_length=8)
+    caught = fit_warnings(module, data, iterations=60)
+    assert "converging" in module.guardrails.fired, module.last_samples.completions
+    message = next(m for m in caught if m.startswith("answers are converging: "))
+    assert "got the same answer ('123" in message  # the phrase the reward pays, or its first digits
+
+
+def test_a_learning_rate_far_too_small_is_said_after_the_warm_up(tiny_digits):
+    torch.manual_seed(0)
+    module = _quickstart(tiny_digits, DigitsReward(), lr=1e-7)
+    data = DigitsDataModule(num_prompts=4096, batch_size=16, max_prompt_length=8)
+    caught = fit_warnings(module, data, iterations=52)
+    assert module.guardrails.fired == {"small_steps"}
+    message = next(m for m in caught if m.startswith("objective/kl "))
+    assert "at iteration 50 while the scores vary" in message and "learning rate 1e-07" in message
