@@ -37,6 +37,8 @@ GUARDRAIL_MARKS = {
     "collapse": "response collapse",
     "kl_coef bound": "the policy moves faster than the penalty",
     "reward drowned": "so the score will stay flat",
+    "converging answers": "answers are converging",
+    "steps too small": "the policy has barely moved from the reference",
 }
 
 
