@@ -23,7 +23,8 @@ rollout cannot avoid (3 turns x one step) beside it.
 ``--prefill``: 16 episodes x 4 turns of a 4 x 256 Llama (a 32-token observation between turns) with
 ``hf``: each turn's ``generate`` beside one forward over the same contexts, which is what that
 generate spends re-reading the episode so far (its prefill), the most a KV cache kept across
-turns could save (it would still read the observation's tokens).
+turns could save (it would still read the observation's tokens); then the whole rollout with and
+without ``episode.keep_cache``.
 """
 
 from __future__ import annotations
@@ -161,6 +162,19 @@ def prefill_table() -> None:
     later = rows[1:]
     share = sum(p for _, _, p, _ in later) / sum(t for _, t, _, _ in rows)
     print(f"re-reading after the first turn: {100 * share:.1f} % of the rollout's generate time")
+    engine.generate = generate
+    print("| episode.keep_cache | s / rollout (median of 3) | tokens after the prompt |")
+    print("| --- | --- | --- |")
+    for keep in (False, True):
+        module.episode_runner.config = EpisodeConfig(max_turns=4, max_tokens=512, keep_cache=keep)
+        times = []
+        for _ in range(3):
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            module.generate(batch)
+            times.append(time.perf_counter() - start)
+        tokens = int(module.episode_runner.last_stats.tokens.sum())
+        print(f"| {str(keep).lower()} | {statistics.median(times):.3f} | {tokens} |", flush=True)
 
 
 class Clock(pl.Callback):

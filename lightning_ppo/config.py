@@ -399,6 +399,10 @@ class EpisodeConfig:
             ``episode/timeouts``.
         tool_timeout: Seconds a tool call may take (``None``: no limit); one that takes longer
             answers the policy that it timed out, as a tool that raises does.
+        keep_cache: Under ``generation.engine: hf``, keep each episode's KV cache from one turn to
+            the next, so a turn reads only the observation's tokens, not the whole episode again
+            (``lightning_ppo.rollout.kept_cache``; HF's dynamic cache). ``vllm`` reuses the
+            episode's prefix on its own.
     """
 
     max_turns: int = 4
@@ -408,6 +412,7 @@ class EpisodeConfig:
     max_concurrency: int = 64
     step_timeout: float | None = 300.0
     tool_timeout: float | None = 60.0
+    keep_cache: bool = False
 
     def __post_init__(self) -> None:
         _check(self.max_turns >= 1, "episode.max_turns", ">= 1", self.max_turns)

@@ -73,9 +73,10 @@ def _turn_logprobs(module: PPOLightningModule, context: list[int], reply: list[i
     return module.token_logprobs(logits, torch.tensor([reply]))[0]
 
 
-def test_turns_keep_the_sampled_tokens_and_their_log_probs_across_turns(tiny_digits):
+@pytest.mark.parametrize("keep_cache", [False, True], ids=["re-read", "kept cache"])
+def test_turns_keep_the_sampled_tokens_and_their_log_probs_across_turns(keep_cache, tiny_digits):
     torch.manual_seed(0)
-    module = _module(tiny_digits, Echo())
+    module = _module(tiny_digits, Echo(), EpisodeConfig(max_turns=3, max_tokens=40, keep_cache=keep_cache))
     batch = _batch(module)
     rollout = module.generate(batch)
     observation = module.tokenizer("=12=", add_special_tokens=False)["input_ids"]
@@ -378,3 +379,34 @@ def test_an_environment_that_raises_stops_the_run_in_one_line_and_leaves_the_che
     )
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     assert saved["ppo_state"]["iteration"] == 1  # the first iteration's checkpoint, whole
+
+
+class Uneven(Environment):
+    """Observations of different lengths, and episodes that end after different turns (by rng)."""
+
+    def reset(self, prompt, row, rng) -> None:
+        self.rng = rng
+
+    def step(self, turn: Turn) -> StepResult:
+        length = self.rng.randrange(1, 6)
+        return StepResult(observation="7" * length + "=", reward=0.1, done=self.rng.random() < 0.3)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_a_kept_cache_gives_the_episodes_the_re_read_gives(sampling, tiny_digits):
+    """The cache kept across turns reads only each observation; every real token still sees what it
+    saw, at the same position, so greedy episodes are the re-read path's token for token (sampled
+    ones too here: the same draws over logits equal to float rounding)."""
+    rollouts = []
+    for keep_cache in (False, True):
+        module = _module(
+            tiny_digits, Uneven(), EpisodeConfig(max_turns=4, max_tokens=40, keep_cache=keep_cache)
+        )
+        if sampling == "greedy":
+            module.engine.generation_config = module.hf_eval_generation
+        torch.manual_seed(5)
+        rollouts.append(module.generate(_batch(module)))
+    reread, kept = rollouts
+    assert reread.context_mask.any() and module.episode_runner.last_stats.turns.unique().numel() > 1
+    for name in ("response_ids", "response_mask", "context_mask", "turn_rewards", "ended"):
+        assert torch.equal(getattr(kept, name), getattr(reread, name)), name

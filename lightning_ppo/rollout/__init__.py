@@ -2,8 +2,8 @@
 
 ``prompts`` (the batch it starts from), ``sampling`` (Hugging Face ``generate`` and the stop-token
 masks), ``engines/`` (``hf`` and the colocated ``vllm`` engine, and the weights they are given),
-``episodes`` (multi-turn episodes against an ``environment``, whose answers ``answers`` checks),
-``tools``, ``chat`` and ``vocab``.
+``episodes`` (multi-turn episodes against an ``environment``, whose answers ``answers`` checks;
+``kept_cache`` for ``hf``), ``tools``, ``chat`` and ``vocab``.
 May import ``ppo/``, ``distributed/``, ``runs/`` and ``config``; never ``watch/`` or the public face
 (episode metrics are ``EpisodeStats.metrics``, which ``watch/`` reads).
 

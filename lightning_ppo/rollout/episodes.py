@@ -41,7 +41,9 @@ from lightning_ppo.rollout.answers import (
 )
 from lightning_ppo.rollout.chat import MessageRenderer
 from lightning_ppo.rollout.engines import GenerationEngine
+from lightning_ppo.rollout.engines.hf import HFEngine
 from lightning_ppo.rollout.environment import Environment, StepFunction, StepResult, Turn
+from lightning_ppo.rollout.kept_cache import KeptCache
 from lightning_ppo.rollout.prompts import PromptBatch
 from lightning_ppo.runs.bounded_calls import Outcome, run_bounded
 from lightning_ppo.runs.errors import UsageError
@@ -74,6 +76,7 @@ class _Episode:
     rewards: dict[int, float] = field(default_factory=dict)  # token index -> turn reward
     turns: int = 0
     last_reply: int = 0  # tokens of the latest reply as kept (0: cut away by the budget)
+    cached: int = 0  # tokens after the prompt that a kept cache (episode.keep_cache) holds
     transcript: list[str] = field(default_factory=list)  # replies as text, observations marked
     ended: bool = False  # the last reply emitted the stop token
     truncated: bool = False  # cut by the token budget
@@ -192,17 +195,25 @@ class EpisodeRunner:
         reply on one of its contexts while another rank still needs the turn.
         """
         episodes = self._start(batch, iteration, rank)
+        kept = self._kept_cache(engine)
+        before: list[int] = []  # the episodes of the last turn's generate, in its rows
         for turn in range(self.config.max_turns):
             running = [i for i, episode in enumerate(episodes) if not episode.done]
             if not any_rank(bool(running)):
                 break
-            if turn == 0:  # the batch's own tensors: one turn is today's rollout exactly
+            if turn == 0 and kept is not None:
+                rollout = kept.first(batch.prompt_ids, batch.prompt_mask)
+            elif turn == 0:  # the batch's own tensors: one turn is today's rollout exactly
                 rollout = engine.generate(batch.prompt_ids, batch.prompt_mask)
             elif not running:
                 engine.generate(*self._contexts(episodes[:1], batch))  # in step with the other ranks
                 continue
+            elif kept is not None:  # each episode's tokens since its reply: the observation
+                segments = [episodes[i].tokens[episodes[i].cached :] for i in running]
+                rollout = kept.next([before.index(i) for i in running], segments)
             else:
                 rollout = engine.generate(*self._contexts([episodes[i] for i in running], batch))
+            before = running
             self._engine_logprobs = rollout.engine_logprobs is not None
             turns = [self._reply(episodes[i], rollout, row, turn) for row, i in enumerate(running)]
             steps = [partial(episodes[i].environment.step, t) for i, t in zip(running, turns, strict=True)]
@@ -212,6 +223,12 @@ class EpisodeRunner:
                 except EnvironmentFailure as failure:
                     self._drop_or_raise(episodes[i], failure)
         return self._rollout(episodes, batch)
+
+    def _kept_cache(self, engine: GenerationEngine) -> KeptCache | None:
+        """``episode.keep_cache`` under ``hf``: a cache kept across this batch's turns."""
+        if not self.config.keep_cache or not isinstance(engine, HFEngine) or engine.policy is None:
+            return None
+        return KeptCache(engine.policy, engine.generation_config)
 
     def _bounded(self, calls: list[Callable[[], Any]]) -> list[Outcome]:
         return run_bounded(calls, self.config.step_timeout, self.config.max_concurrency)
@@ -265,6 +282,7 @@ class EpisodeRunner:
         episode.ended = bool(rollout.ended[row]) and not episode.truncated
         self._append(episode, reply, True, logprobs)
         episode.turns, episode.last_reply = episode.turns + 1, len(reply)
+        episode.cached = len(episode.tokens)  # a kept cache holds everything up to here
         text = self.tokenizer.decode(reply, skip_special_tokens=True)
         episode.transcript.append(text)
         return Turn(turn, text, reply, episode.ended)

@@ -121,7 +121,7 @@ def cache_for(
     generation after it attend over that whole length (measured: 2.2x the dynamic cache's time).
     """
     supported = getattr(model, "_supports_default_dynamic_cache", None)
-    argument = _cache_argument(model)
+    argument = cache_argument(model)
     if kind == "dynamic" or supported is None or not supported() or argument is None:
         return {}
     length = prompt_width + generation_config.max_new_tokens
@@ -144,7 +144,7 @@ class OneDtypeStaticCache(transformers.StaticCache):
         return super().update(key_states.to(value_states.dtype), value_states, layer_idx, *args, **kwargs)
 
 
-def _cache_argument(model: transformers.PreTrainedModel) -> str | None:
+def cache_argument(model: transformers.PreTrainedModel) -> str | None:
     """The name ``generate`` takes a cache by, as the model's forward does: ``cache`` in newer
     transformers, ``past_key_values`` before (5.19, which vLLM 0.32 pins); None for neither."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT

@@ -1,0 +1,81 @@
+"""Multi-turn episodes under ``hf`` that keep their KV cache from one turn to the next.
+
+Without it each turn's ``generate`` reads the whole episode so far again (42 % of a 4-turn
+rollout's generate time in ``benchmarks/episodes.py --prefill``). With ``episode.keep_cache``,
+:class:`KeptCache` keeps what the last turn's ``generate`` left: its sequences, their attention
+mask and HF's ``DynamicCache``. The next turn appends only each episode's new tokens (the
+observation; the reply is in the cache already) and ``generate`` reads just those.
+
+The rows keep the layout of the first turn: a reply that stopped early leaves padding after its
+stop token, and observations of different lengths are left padded within their segment. Those
+gaps are masked out of attention and skipped by the positions (HF computes them from the mask),
+so every real token sees what it saw in the re-read path, at the same position. Episodes that end
+drop their rows (``DynamicCache.batch_select_indices``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import transformers
+from torch import Tensor, nn
+
+from lightning_ppo.ppo.rollout_data import Rollout
+from lightning_ppo.rollout.sampling import cache_argument, truncate_at_stop, weights_cast_once
+from lightning_ppo.runs.quiet import quiet_generation
+
+
+class KeptCache:
+    """The batch's episodes as one growing ``generate`` with a cache kept between turns."""
+
+    def __init__(self, policy: nn.Module, generation_config: transformers.GenerationConfig) -> None:
+        self.policy, self.config = policy, copy.deepcopy(generation_config)
+        self.config.return_dict_in_generate = True  # the sequences and the cache both come back
+        self.sequences: Tensor | None = None
+        self.mask: Tensor | None = None
+        self.cache: transformers.DynamicCache | None = None
+
+    def first(self, prompt_ids: Tensor, prompt_mask: Tensor) -> Rollout:
+        """The first turn: every episode's prompt, with a new cache."""
+        return self._generate(prompt_ids, prompt_mask.long(), transformers.DynamicCache())
+
+    def next(self, rows: list[int], segments: list[list[int]]) -> Rollout:
+        """A later turn: ``rows`` of the last call's batch go on, each after its ``segment`` of new
+        tokens (the observation since its reply)."""
+        if self.sequences is None or self.cache is None or self.mask is None:
+            raise RuntimeError("KeptCache.next before first")
+        if rows != list(range(len(self.sequences))):
+            self.cache.batch_select_indices(torch.tensor(rows, device=self.sequences.device))
+        width = max(max((len(s) for s in segments), default=0), 1)
+        new = torch.full((len(rows), width), self.config.pad_token_id, dtype=torch.long)
+        new_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, segment in enumerate(segments):
+            if segment:
+                new[row, width - len(segment) :] = torch.tensor(segment, dtype=torch.long)
+                new_mask[row, width - len(segment) :] = 1
+        device = self.sequences.device
+        ids = torch.cat([self.sequences[rows], new.to(device)], dim=1)
+        mask = torch.cat([self.mask[rows], new_mask.to(device)], dim=1)
+        return self._generate(ids, mask, self.cache)
+
+    @torch.no_grad()
+    def _generate(self, ids: Tensor, mask: Tensor, cache: transformers.DynamicCache) -> Rollout:
+        was_training = self.policy.training
+        self.policy.eval()  # with gradient checkpointing in train mode HF drops the KV cache
+        argument = cache_argument(self.policy) or "past_key_values"
+        with weights_cast_once(ids.device.type), quiet_generation():
+            out = self.policy.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=self.config,
+                **{argument: cache},
+            )
+        self.policy.train(was_training)
+        response_ids, response_mask, ended = truncate_at_stop(
+            out.sequences[:, ids.shape[1] :], self.config.eos_token_id, self.config.pad_token_id
+        )
+        # What the next turn continues: the padding after a stop token is masked out from now on.
+        self.sequences, self.cache = out.sequences, cache  # generate grew the cache in place
+        self.mask = torch.cat([mask, response_mask.long()], dim=1)
+        return Rollout(ids, mask.bool(), response_ids, response_mask, ended)
