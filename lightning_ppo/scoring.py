@@ -11,13 +11,13 @@ The module's rewards (the ``reward_fn`` list, functions and reward models alike,
 - A reward that returns an awaitable (an ``async def`` function) is awaited; several run
   concurrently (``asyncio.gather``) on one event loop that lives in a thread of its own for the
   whole process, so an async client a reward keeps between calls stays on its loop, and a run
-  started from inside a running loop (a notebook) works too.
+  started from inside a running loop (a notebook) works too; each within ``ppo.reward_timeout``
+  (``lightning_ppo.runs.bounded_calls``, which environments' calls share).
 - ``log_metric(name, value)`` and ``log_extra(column, values)``: see :class:`ScoreInputs`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
 from collections import defaultdict
@@ -30,7 +30,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_ppo.rewards import ScoreInputs, TrainerState, check_scores
-from lightning_ppo.runs.bounded_calls import background_loop
+from lightning_ppo.runs.bounded_calls import await_bounded
 from lightning_ppo.runs.errors import UsageError
 
 
@@ -206,36 +206,16 @@ def await_all(
     loop, each within ``timeout`` seconds. One that takes longer is a one-line error, or, under
     ``ppo.on_bad_reward: drop``, NaN for every completion (dropped and counted as NaN scores are)."""
     waiting = [i for i, output in enumerate(outputs) if inspect.isawaitable(output)]
-    if not waiting:
-        return outputs
-
-    async def within(output: Any) -> Any:
-        try:
-            return await asyncio.wait_for(output, timeout)
-        except asyncio.TimeoutError:
-            return _TIMED_OUT
-
-    async def gather() -> list[Any]:
-        return await asyncio.gather(*(within(outputs[i]) for i in waiting))
-
-    results = asyncio.run_coroutine_threadsafe(gather(), reward_loop()).result()
     done = list(outputs)
-    for i, result in zip(waiting, results, strict=True):
-        if result is _TIMED_OUT:
+    for i, outcome in zip(waiting, await_bounded([outputs[i] for i in waiting], timeout), strict=True):
+        if outcome.error is not None:
+            raise outcome.error  # the reward's own exception, as a plain reward's would propagate
+        if outcome.timed_out:
             name = names[i] if names is not None else f"reward {i}"
             if not drop:
                 raise UsageError(
                     f"reward {name!r} did not answer within {timeout} s (ppo.reward_timeout); "
                     "ppo.on_bad_reward: drop leaves its completions out of the update instead"
                 )
-            result = [math.nan] * batch_size
-        done[i] = result
+        done[i] = [math.nan] * batch_size if outcome.timed_out else outcome.value
     return done
-
-
-_TIMED_OUT = object()  # what an async reward that did not answer in time gave
-
-
-# The loop async rewards are awaited on: the process's one background loop (runs/bounded_calls.py),
-# which environments' and tools' async calls share.
-reward_loop = background_loop

@@ -22,7 +22,7 @@ import asyncio
 import inspect
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,19 +69,35 @@ def run_bounded(
     return asyncio.run_coroutine_threadsafe(run_all(), background_loop()).result()
 
 
-async def _bounded(call: Callable[[], Any], slots: asyncio.Semaphore, timeout: float | None) -> Outcome:
+def await_bounded(awaitables: Sequence[Awaitable[Any]], timeout: float | None) -> list[Outcome]:
+    """Await every awaitable together on the background loop, each within ``timeout`` seconds; their
+    outcomes in order (an async reward's batch, already called)."""
+    if not awaitables:
+        return []
+
+    async def run_all() -> list[Outcome]:
+        return list(await asyncio.gather(*(_within(awaitable, timeout) for awaitable in awaitables)))
+
+    return asyncio.run_coroutine_threadsafe(run_all(), background_loop()).result()
+
+
+async def _within(awaitable: Awaitable[Any], timeout: float | None) -> Outcome:
     try:
-        if _is_async(call):
-            return Outcome(value=await asyncio.wait_for(call(), timeout))
-        async with slots:
-            value = await asyncio.wait_for(_in_thread(call), timeout)
-        if inspect.isawaitable(value):
-            value = await asyncio.wait_for(value, timeout)
-        return Outcome(value=value)
+        return Outcome(value=await asyncio.wait_for(awaitable, timeout))
     except asyncio.TimeoutError:
         return Outcome(timed_out=True)
     except Exception as err:  # the caller says whose call it was
         return Outcome(error=err)
+
+
+async def _bounded(call: Callable[[], Any], slots: asyncio.Semaphore, timeout: float | None) -> Outcome:
+    if _is_async(call):
+        return await _within(call(), timeout)
+    async with slots:
+        outcome = await _within(_in_thread(call), timeout)
+    if outcome.error is not None or outcome.timed_out or not inspect.isawaitable(outcome.value):
+        return outcome
+    return await _within(outcome.value, timeout)  # a plain function that returned an awaitable
 
 
 def _is_async(call: Callable[[], Any]) -> bool:
