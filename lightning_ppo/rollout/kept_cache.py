@@ -15,30 +15,27 @@ drop their rows (``DynamicCache.batch_select_indices``).
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import transformers
 from torch import Tensor, nn
 
 from lightning_ppo.ppo.rollout_data import Rollout
-from lightning_ppo.rollout.sampling import cache_argument, truncate_at_stop, weights_cast_once
-from lightning_ppo.runs.quiet import quiet_generation
+from lightning_ppo.rollout.sampling import generate
 
 
 class KeptCache:
     """The batch's episodes as one growing ``generate`` with a cache kept between turns."""
 
     def __init__(self, policy: nn.Module, generation_config: transformers.GenerationConfig) -> None:
-        self.policy, self.config = policy, copy.deepcopy(generation_config)
-        self.config.return_dict_in_generate = True  # the sequences and the cache both come back
+        self.policy, self.config = policy, generation_config
         self.sequences: Tensor | None = None
         self.mask: Tensor | None = None
         self.cache: transformers.DynamicCache | None = None
 
     def first(self, prompt_ids: Tensor, prompt_mask: Tensor) -> Rollout:
         """The first turn: every episode's prompt, with a new cache."""
-        return self._generate(prompt_ids, prompt_mask.long(), transformers.DynamicCache())
+        self.cache = transformers.DynamicCache()
+        return self._generate(prompt_ids, prompt_mask.long())
 
     def next(self, rows: list[int], segments: list[list[int]]) -> Rollout:
         """A later turn: ``rows`` of the last call's batch go on, each after its ``segment`` of new
@@ -57,25 +54,12 @@ class KeptCache:
         device = self.sequences.device
         ids = torch.cat([self.sequences[rows], new.to(device)], dim=1)
         mask = torch.cat([self.mask[rows], new_mask.to(device)], dim=1)
-        return self._generate(ids, mask, self.cache)
+        return self._generate(ids, mask)
 
-    @torch.no_grad()
-    def _generate(self, ids: Tensor, mask: Tensor, cache: transformers.DynamicCache) -> Rollout:
-        was_training = self.policy.training
-        self.policy.eval()  # with gradient checkpointing in train mode HF drops the KV cache
-        argument = cache_argument(self.policy) or "past_key_values"
-        with weights_cast_once(ids.device.type), quiet_generation():
-            out = self.policy.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                generation_config=self.config,
-                **{argument: cache},
-            )
-        self.policy.train(was_training)
-        response_ids, response_mask, ended = truncate_at_stop(
-            out.sequences[:, ids.shape[1] :], self.config.eos_token_id, self.config.pad_token_id
-        )
-        # What the next turn continues: the padding after a stop token is masked out from now on.
-        self.sequences, self.cache = out.sequences, cache  # generate grew the cache in place
-        self.mask = torch.cat([mask, response_mask.long()], dim=1)
-        return Rollout(ids, mask.bool(), response_ids, response_mask, ended)
+    def _generate(self, ids: Tensor, mask: Tensor) -> Rollout:
+        """``generate`` on the kept cache (grown in place); what the next turn continues: the
+        sequences, with the padding after a stop token masked out from now on."""
+        rollout = generate(self.policy, ids, mask, self.config, self.cache)
+        self.sequences = torch.cat([ids, rollout.response_ids], dim=1)
+        self.mask = torch.cat([mask, rollout.response_mask.long()], dim=1)
+        return rollout

@@ -158,10 +158,16 @@ def generate(
     prompt_ids: Tensor,
     prompt_mask: Tensor,
     generation_config: transformers.GenerationConfig,
-    cache: str = "static",
+    cache: str | transformers.Cache = "static",
 ) -> Rollout:
     """Sample one response per left-padded prompt and mask it at the first stop token. ``cache``:
-    ``static`` or ``dynamic`` (``GenerationConfig.cache_implementation``)."""
+    ``static`` or ``dynamic`` (``GenerationConfig.cache_implementation``), or a cache to continue
+    (``rollout/kept_cache.py``: its tokens are the prompt's first ones, ``generate`` reads the rest
+    and grows it in place)."""
+    if isinstance(cache, str):
+        given_cache = cache_for(model, prompt_ids.shape[1], generation_config, cache)
+    else:
+        given_cache = {cache_argument(model) or "past_key_values": cache}
     was_training = model.training
     # Generation runs in eval mode: with gradient checkpointing in train mode HF drops the KV cache.
     model.eval()
@@ -170,7 +176,7 @@ def generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask.long(),
             generation_config=generation_config,
-            **cache_for(model, prompt_ids.shape[1], generation_config, cache),
+            **given_cache,
         )
     model.train(was_training)
     response_ids, response_mask, ended = truncate_at_stop(
