@@ -311,7 +311,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         if self.episode_runner is not None:
             stats.update(self.episode_runner.metrics(reduce))
         diversity = Diversity.of(batch.prompts, completions)  # text, on the host: no device read
-        stats.update({k: torch.tensor(v, device=self.device) for k, v in diversity.metrics().items()})
+        stats.update(diversity.on(self.device))
         # the iteration's one host read: what the host decides on and what it logs
         host = HostView.read(
             stats, stepped, raw, exp.kl.sum(1), scores.shaped, ~scores.dropped, self.mean_over_ranks

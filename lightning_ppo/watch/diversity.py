@@ -17,6 +17,9 @@ import re
 from dataclasses import dataclass
 from itertools import combinations
 
+import torch
+from torch import Tensor
+
 # Pairs of responses the overlap averages at most (the first responses of the batch): enough for a
 # mean, and a batch of 512 would otherwise cost 130k set comparisons per iteration.
 MAX_OVERLAP_RESPONSES = 64
@@ -59,6 +62,13 @@ class Diversity:
             "diversity/distinct_2": self.distinct_2,
             "diversity/overlap": self.overlap,
         }
+
+    def on(self, device: torch.device) -> dict[str, Tensor]:
+        """:meth:`metrics` as scalars on ``device``, in one non-blocking copy: a blocking copy of a
+        host value to a GPU waits for every kernel queued before it, as a host read does."""
+        metrics = self.metrics()
+        values = torch.tensor(list(metrics.values()), dtype=torch.float32)
+        return dict(zip(metrics, values.to(device, non_blocking=True).unbind(), strict=True))
 
 
 def _top_answer(prompts: list[str], completions: list[str]) -> tuple[float, str]:
