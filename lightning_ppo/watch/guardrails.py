@@ -234,7 +234,7 @@ class Guardrails:
         """Many different prompts get one answer while the score rises: the policy has found a phrase
         the reward likes (reward hacking), which a rising score alone hides."""
         d = view.diversity
-        early = [score for _, score in self.early]
+        early = [score for _, score in self.early]  # the first window, which _entropy records
         converging = d is not None and d.prompts >= CONVERGE_PROMPTS and d.top_share >= CONVERGE_SHARE
         self.converging_in_a_row = self.converging_in_a_row + 1 if converging else 0
         if self.converging_in_a_row < CONVERGE_ITERATIONS or len(early) < ENTROPY_WINDOW:
@@ -255,6 +255,7 @@ class Guardrails:
     def _small_steps(self, view: IterationView) -> str | None:
         """After a warm-up the policy has barely left the reference though the scores vary: steps
         too small to matter, usually a learning rate meant for another kind of model."""
+        # _reward_drowned's running spread where it keeps one (not beside a KL in the loss), else this batch's
         spread = self.spread_sum / self.spread_count if self.spread_count else (view.scores_std or 0.0)
         if view.iteration < SMALL_STEP_ITERATIONS or not spread > 0:
             return None
