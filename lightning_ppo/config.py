@@ -15,7 +15,7 @@ _KL_ESTIMATORS = ("k1", "k2", "k3")
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 _KL_PLACEMENTS = ("reward", "loss")
 _BAD_REWARD_POLICIES = ("error", "drop")
-_ENGINES = ("hf", "vllm")
+_ENGINES = ("hf", "vllm", "vllm_server")
 _CACHES = ("static", "dynamic")
 _IS_LEVELS = ("token", "sequence")
 
@@ -48,10 +48,12 @@ class GenerationConfig:
             no token is an error. Log-probs are computed under the same masked distribution.
         engine: What samples rollouts: ``hf`` (Hugging Face ``generate`` on the policy) or
             ``vllm`` (an in-process vLLM engine per rank, weights pushed from the policy every
-            iteration; needs the ``vllm`` extra). Validation always decodes with ``hf``.
+            iteration; needs the ``vllm`` extra) or ``vllm_server`` (running vLLM servers, started with
+            ``lightning-ppo serve``, at ``server_urls``; weights synced to every server every
+            iteration). Validation always decodes with ``hf``.
         engine_is_correction: Truncated importance sampling for the engine-vs-trainer log-prob
             mismatch: ``token`` or ``sequence`` weights min(exp(logp_trainer - logp_engine), C)
-            multiply the policy loss; ``null`` (default) applies none. Needs ``engine: vllm``.
+            multiply the policy loss; ``null`` (default) applies none. Needs a vLLM engine.
         engine_is_cap: The truncation C of those weights (> 0).
         gpu_memory_utilization: vLLM's share of the accelerator's memory for weights and KV cache
             (on CPU it sizes the KV cache from the machine's memory instead).
@@ -68,6 +70,14 @@ class GenerationConfig:
             (measured on CPU: a third of a 128-token generation from 8-256-token prompts). The
             samples are the same; a model without static-cache support falls back to ``dynamic``.
             Never compiled by ``generate`` itself (``disable_compile``).
+        server_urls: The ``vllm_server`` engine's servers (``http://HOST:PORT``, as ``lightning-ppo
+            serve`` prints it); each rank spreads its requests over all of them.
+        server_timeout: Seconds any one call to a server may take (a completion, a weight load, a
+            check) before the run stops with an error naming the server.
+        verify_sync: Check every weight sync against the trainer's weights (per-parameter checksums
+            of what each server holds); the first sync is always checked.
+        sync_dir: The folder the trainer writes the weights to for the servers to load (it must be
+            the same path on the servers' machines); ``null`` is the system's temporary folder.
     """
 
     max_new_tokens: int = 16
@@ -84,9 +94,14 @@ class GenerationConfig:
     gpu_memory_utilization: float = 0.3
     gather_for_generation: bool = True
     cache_implementation: str = "static"
+    server_urls: list[str] = field(default_factory=list)
+    server_timeout: float = 300.0
+    verify_sync: bool = False
+    sync_dir: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.engine in _ENGINES, "generation.engine", f"one of {_ENGINES}", self.engine)
+        self._check_servers()
         _check(
             self.engine_is_correction is None or self.engine_is_correction in _IS_LEVELS,
             "generation.engine_is_correction",
@@ -94,7 +109,7 @@ class GenerationConfig:
             self.engine_is_correction,
         )
         _check(
-            self.engine_is_correction is None or self.engine == "vllm",
+            self.engine_is_correction is None or self.engine != "hf",
             "generation.engine_is_correction",
             "null with generation.engine 'hf' (HF generate samples from the trained weights themselves)",
             self.engine_is_correction,
@@ -130,6 +145,24 @@ class GenerationConfig:
         for token in self.suppress_tokens:
             valid = isinstance(token, str) or (isinstance(token, int) and not isinstance(token, bool))
             _check(valid and token != "", "generation.suppress_tokens", "token strings or ids", token)
+
+    def _check_servers(self) -> None:
+        if self.engine != "vllm_server":
+            return
+        _check(
+            bool(self.server_urls),
+            "generation.server_urls",
+            "one URL or more with generation.engine 'vllm_server' (`lightning-ppo serve` starts a server)",
+            self.server_urls,
+        )
+        for url in self.server_urls:
+            _check(
+                isinstance(url, str) and url.startswith(("http://", "https://")),
+                "generation.server_urls",
+                "URLs like http://127.0.0.1:8000",
+                url,
+            )
+        _check(self.server_timeout > 0, "generation.server_timeout", "> 0 seconds", self.server_timeout)
 
 
 @dataclass

@@ -410,6 +410,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
                 self.policy_path,
                 self.seed,
                 self.policy,
+                self.tokenizer,
             )
         return self._engine
 

@@ -2,12 +2,15 @@
 
 ``hf`` (the default) is Hugging Face ``generate`` on the trained policy itself. ``vllm`` is an
 in-process vLLM engine colocated with training, whose weights are pushed from the policy once per
-iteration. Both return the same :class:`~lightning_ppo.ppo.rollout_data.Rollout`, so nothing downstream
+iteration. ``vllm_server`` samples on running vLLM servers (``server``), synced and checked every
+iteration (``server_sync``, ``server_worker``). All return the same
+:class:`~lightning_ppo.ppo.rollout_data.Rollout`, so nothing downstream
 knows which one sampled.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,7 +22,7 @@ from lightning_ppo.config import GenerationConfig
 from lightning_ppo.ppo import functional as F
 from lightning_ppo.ppo.rollout_data import Rollout
 
-ENGINES = ("hf", "vllm")
+ENGINES = ("hf", "vllm", "vllm_server")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,15 @@ class Placement:
     world_size: int = 1
     rank: int = 0
     local_rank: int = 0
+
+
+@dataclass(frozen=True)
+class ServerSide:
+    """What the server engine checks servers against, and how rank 0's sync verdict reaches the others."""
+
+    tokenizer: Any
+    vocab_size: int
+    from_rank_zero: Callable[[Any], Any]
 
 
 class GenerationEngine(Protocol):
@@ -62,9 +74,19 @@ def make_engine(
     placement: Placement,
     seed: int,
     dtype: torch.dtype = torch.float32,
+    servers: ServerSide | None = None,
 ) -> GenerationEngine:
     """The engine ``config.engine`` names, sampling as ``hf_generation`` says. vLLM (which loads
-    ``policy_path`` in ``dtype``) is imported only when asked for."""
+    ``policy_path`` in ``dtype``) is imported only when asked for; the server engine needs
+    ``servers``."""
+    if config.engine == "vllm_server":
+        from lightning_ppo.rollout.engines.server import VLLMServerEngine
+
+        if servers is None:
+            raise ValueError("generation.engine 'vllm_server' needs the tokenizer and vocabulary (servers)")
+        return VLLMServerEngine(
+            config, hf_generation, placement, servers.tokenizer, servers.vocab_size, servers.from_rank_zero
+        )
     if config.engine == "vllm":
         from lightning_ppo.rollout.engines.vllm import VLLMEngine
 
@@ -81,6 +103,7 @@ def engine_for_trainer(
     policy_path: str,
     seed: int,
     policy: nn.Module,
+    tokenizer: Any = None,
 ) -> GenerationEngine:
     """:func:`make_engine` placed among ``trainer``'s ranks (one process without a trainer), seeded
     per rank, sampling in the dtype the trainer computes in."""
@@ -91,7 +114,13 @@ def engine_for_trainer(
     )
     precision = str(trainer.precision) if trainer is not None else "32-true"
     dtype = compute_dtype(precision, policy.dtype)
-    return make_engine(config, hf_generation, policy_path, placement, seed + placement.rank, dtype)
+    several = trainer is not None and trainer.world_size > 1
+    servers = ServerSide(
+        tokenizer,
+        int(policy.config.vocab_size),
+        (lambda value: trainer.strategy.broadcast(value, src=0)) if several else (lambda value: value),
+    )
+    return make_engine(config, hf_generation, policy_path, placement, seed + placement.rank, dtype, servers)
 
 
 def engine_is_weights(config: GenerationConfig, rollout: Rollout, logprobs: Tensor) -> Tensor | None:

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from lightning_ppo.config import GenerationConfig
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rollout.engines import Placement
+from lightning_ppo.rollout.engines.completions import completions_to_rollout
 from lightning_ppo.rollout.engines.weights import hf_weights
-from lightning_ppo.rollout.sampling import truncate_at_stop
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.preflight import VLLM_INSTALL_HINT as INSTALL_HINT
 from lightning_ppo.runs.quiet import quiet_vllm
@@ -178,26 +178,13 @@ class VLLMEngine:
         return self.to_rollout(prompt_ids, prompt_mask, [o.outputs[0] for o in outputs])
 
     def to_rollout(self, prompt_ids: Tensor, prompt_mask: Tensor, completions: list[Any]) -> Rollout:
-        """Right-pad the completions to the longest one, as HF generate does, and mask at the stop."""
-        width = max(len(c.token_ids) for c in completions)
-        ids = torch.full((len(completions), width), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(len(completions), width, dtype=torch.float32)  # not the default dtype
-        for row, completion in enumerate(completions):
-            tokens = list(completion.token_ids)
-            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            logprobs[row, : len(tokens)] = torch.tensor(
-                [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)],
-                dtype=torch.float32,
-            )
-        ids, mask, ended = truncate_at_stop(ids, self.stop_token_id, self.pad_token_id)
-        device = prompt_ids.device
-        return Rollout(
-            prompt_ids,
-            prompt_mask.bool(),
-            ids.to(device),
-            mask.to(device),
-            ended.to(device),
-            engine_logprobs=logprobs.masked_fill(~mask, 0.0).to(device),
+        tokens = [list(c.token_ids) for c in completions]
+        logprobs = [
+            [step[token].logprob for step, token in zip(c.logprobs, row, strict=True)]
+            for c, row in zip(completions, tokens, strict=True)
+        ]
+        return completions_to_rollout(
+            prompt_ids, prompt_mask, tokens, logprobs, self.stop_token_id, self.pad_token_id
         )
 
 

@@ -1,0 +1,245 @@
+"""Generation on running vLLM servers (``generation.engine: vllm_server``).
+
+Each rank sends its prompts, as token ids, to the servers' OpenAI-compatible completions route,
+spread over all of them, one request per prompt with the seed drawn from torch's generator (so a
+run samples as the colocated ``vllm`` engine does, and resumes exactly). The sampled tokens and the
+engine's processed log-probs come back as the same :class:`~lightning_ppo.ppo.rollout_data.Rollout`.
+
+Before every rollout rank 0 syncs the policy's weights into every server (:mod:`.server_sync`);
+the first sync, and every one under ``generation.verify_sync``, is checked against the trainer's
+weights. Before the first, each server is checked to serve the policy's architecture, vocabulary
+and tokenizer, with the sampling settings this package needs. Every call is bounded by
+``generation.server_timeout`` (:mod:`.server_client`). Servers are started with ``lightning-ppo serve``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import Tensor, nn
+
+from lightning_ppo.config import GenerationConfig
+from lightning_ppo.ppo.rollout_data import Rollout
+from lightning_ppo.rollout.engines import Placement
+from lightning_ppo.rollout.engines.completions import completions_to_rollout
+from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
+from lightning_ppo.rollout.engines.server_sync import mismatch, write_weights
+from lightning_ppo.rollout.engines.weights import hf_weights
+from lightning_ppo.runs.bounded_calls import run_bounded
+
+# Letters, digits, punctuation, spaces and a few words: where two tokenizers usually part ways.
+_TOKENIZER_PROBE = "The quick brown fox, 0123456789 = 42; x+y*z? (a|b) [done] naïve\n\tend."
+# Requests in flight at once, per rank.
+_MAX_REQUESTS = 64
+
+
+class VLLMServerEngine:
+    """Samples on the vLLM servers at ``config.server_urls`` under ``hf_generation``'s settings."""
+
+    def __init__(
+        self,
+        config: GenerationConfig,
+        hf_generation: transformers.GenerationConfig,
+        placement: Placement,
+        tokenizer: Any,
+        vocab_size: int,
+        from_rank_zero: Callable[[Any], Any] = lambda value: value,
+    ) -> None:
+        self.servers = [ServerClient(url, config.server_timeout) for url in config.server_urls]
+        self.config = config
+        self.hf_generation = hf_generation
+        self.placement = placement
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.from_rank_zero = from_rank_zero
+        self.sync_dir = Path(config.sync_dir or tempfile.gettempdir())
+        self.served_names: list[str] = []
+        self.described: list[dict[str, Any]] = []
+        self.syncs = 0
+        self.last_sync_seconds = 0.0
+
+    # --- weights -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sync_weights(self, policy: nn.Module) -> None:
+        """Load ``policy``'s weights into every server (rank 0 writes and asks; every rank joins the
+        gathers of a sharded policy), then agree over the ranks on whether it worked."""
+        start = time.perf_counter()
+        weights = hf_weights(policy)
+        error = None
+        if self.placement.rank == 0:
+            try:
+                self._sync(weights, policy)
+            except GenerationServerError as err:
+                error = str(err)
+        else:
+            for _ in weights:  # FSDP2: every rank joins each gather
+                pass
+        error = self.from_rank_zero(error)
+        if error is not None:
+            raise GenerationServerError(error)
+        self.syncs += 1
+        self.last_sync_seconds = time.perf_counter() - start
+
+    def _sync(self, weights: Any, policy: nn.Module) -> None:
+        if not self.described:
+            self.described = [self._check_server(server, policy) for server in self.servers]
+        dtype = getattr(torch, self.described[0]["dtype"])
+        written = write_weights(weights, self.sync_dir, dtype)
+        verify = self.config.verify_sync or self.syncs == 0
+        try:
+            for server, described in zip(self.servers, self.described, strict=True):
+                held = server.rpc("lppo_load", str(written.path), "1" if verify else "0")
+                if verify:
+                    self._verify(server, written.checksums, held, described["packed_modules"])
+                server.post("/reset_prefix_cache")  # cached KV blocks came from the old weights
+                server.post("/update_weight_version", {"new_version": str(self.syncs + 1)})
+        finally:
+            written.path.unlink(missing_ok=True)
+
+    def _verify(self, server: ServerClient, written: dict, held: Any, packed: dict) -> None:
+        if not isinstance(held, dict):
+            raise server.error("/collective_rpc lppo_load", f"answered {str(held)[:200]!r}, not checksums")
+        problem = mismatch(written, held, packed)
+        if problem is not None:
+            raise server.error(
+                "weight sync",
+                f"after sync {self.syncs + 1} the server's weights are not the trainer's: {problem}",
+            )
+
+    # --- checks before the first rollout -------------------------------------------------------
+
+    def _check_server(self, server: ServerClient, policy: nn.Module) -> dict[str, Any]:
+        """What the server serves, refused (naming both sides) where it is not ``policy``."""
+        try:
+            described = server.rpc("lppo_describe")
+        except GenerationServerError as err:
+            raise server.error(
+                "/collective_rpc lppo_describe",
+                f"{err}. Start the server with `lightning-ppo serve`, which adds the worker extension "
+                "(--worker-extension-cls lightning_ppo.rollout.engines.server_worker.WeightSyncExtension) "
+                "and VLLM_SERVER_DEV_MODE=1",
+            ) from None
+        config = policy.config
+        ours = list(getattr(config, "architectures", None) or [])
+        if ours and described["architectures"] != ours:
+            raise server.error(
+                "model", f"serves {described['architectures']} ({described['model']}), the policy is {ours}"
+            )
+        if described["vocab_size"] != config.vocab_size:
+            raise server.error(
+                "model",
+                f"serves a vocabulary of {described['vocab_size']} ({described['model']}), the policy's "
+                f"has {config.vocab_size}",
+            )
+        for key, flag, wanted in (
+            ("logprobs_mode", "--logprobs-mode", "processed_logprobs"),
+            ("generation_config", "--generation-config", "vllm"),
+        ):
+            if described[key] != wanted:
+                raise server.error("settings", f"runs with {flag} {described[key]}; it needs {flag} {wanted}")
+        self._check_tokenizer(server)
+        return described
+
+    def _check_tokenizer(self, server: ServerClient) -> None:
+        ours = self.tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+        name = self._served_name(server)
+        answer = server.post(
+            "/tokenize", {"model": name, "prompt": _TOKENIZER_PROBE, "add_special_tokens": False}
+        )
+        theirs = answer.get("tokens") if isinstance(answer, dict) else None
+        if theirs != ours:
+            raise server.error(
+                "tokenizer",
+                f"tokenizes {_TOKENIZER_PROBE!r} as {str(theirs)[:80]}, the policy's tokenizer as "
+                f"{str(ours)[:80]}: it serves another tokenizer ({name})",
+            )
+
+    def _served_name(self, server: ServerClient) -> str:
+        answer = server.get("/v1/models")
+        try:
+            return str(answer["data"][0]["id"])
+        except (KeyError, IndexError, TypeError):
+            raise server.error("/v1/models", f"lists no model: {str(answer)[:200]!r}") from None
+
+    # --- sampling ------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor) -> Rollout:
+        if not self.served_names:
+            self.served_names = [self._served_name(server) for server in self.servers]
+        prompts = [row[mask].tolist() for row, mask in zip(prompt_ids, prompt_mask.bool(), strict=True)]
+        # As the colocated engine: one seed per request from torch's generator (seeded per rank).
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        first = self.placement.rank * len(prompts)  # spreads every rank's requests over the servers
+        calls = [
+            partial(self._complete, (first + i) % len(self.servers), prompt, seed)
+            for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))
+        ]
+        # Each request's socket waits at most server_timeout; a server trickling bytes is cut there too.
+        outcomes = run_bounded(calls, timeout=self.config.server_timeout, max_concurrency=_MAX_REQUESTS)
+        for i, outcome in enumerate(outcomes):
+            if outcome.timed_out:
+                server = self.servers[(first + i) % len(self.servers)]
+                raise server.error(
+                    "/v1/completions",
+                    f"no completion within {server.timeout:g} s (generation.server_timeout)",
+                )
+            if outcome.error is not None:
+                raise outcome.error
+        tokens = [o.value[0] for o in outcomes]
+        logprobs = [o.value[1] for o in outcomes]
+        pad = self.hf_generation.pad_token_id
+        return completions_to_rollout(prompt_ids, prompt_mask, tokens, logprobs, self._stop_id(), pad)
+
+    def _complete(self, index: int, prompt: list[int], seed: int) -> tuple[list[int], list[float]]:
+        server = self.servers[index]
+        answer = server.post("/v1/completions", self._request(self.served_names[index], prompt, seed))
+        try:
+            choice = answer["choices"][0]
+            tokens = list(choice["token_ids"])
+            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+        except (KeyError, IndexError, TypeError):
+            raise server.error(
+                "/v1/completions", f"answered without token ids or log-probs: {str(answer)[:200]!r}"
+            ) from None
+        if len(logprobs) != len(tokens):
+            raise server.error("/v1/completions", f"gave {len(tokens)} tokens but {len(logprobs)} log-probs")
+        return tokens, logprobs
+
+    def _stop_id(self) -> int | None:
+        return self.hf_generation.eos_token_id
+
+    def _request(self, model: str, prompt: list[int], seed: int) -> dict[str, Any]:
+        """One completion request under exactly ``hf_generation``'s settings (nothing from the server's
+        defaults: it runs with ``--generation-config vllm``)."""
+        gen = self.hf_generation
+        sampled = bool(gen.do_sample)
+        stop = self._stop_id()
+        vocab = self.vocab_size
+        suppressed = set(gen.suppress_tokens or ())
+        request: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": gen.max_new_tokens,
+            "temperature": gen.temperature if sampled else 0.0,
+            "top_k": (gen.top_k or -1) if sampled else -1,
+            "top_p": gen.top_p if sampled else 1.0,
+            "seed": seed,
+            # Only our stop token ends a response, as in HF generate with eos_token_id=stop.
+            "ignore_eos": True,
+            "stop_token_ids": [stop] if stop is not None and 0 <= stop < vocab else [],
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if suppressed:
+            request["allowed_token_ids"] = [i for i in range(vocab) if i not in suppressed]
+        return request

@@ -1,0 +1,95 @@
+"""One generation server, as the trainer talks to it: JSON over HTTP, every call bounded in time.
+
+A server that is down, dies mid-run, hangs, or answers with an error status gives one
+:class:`GenerationServerError` naming its URL and the route, within ``timeout`` seconds: peers'
+syncs that waited forever on a hung server without a word (trl#6796, trl#6797) are the reason.
+Only the standard library: the trainer needs no HTTP client package.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from typing import Any
+
+from lightning_ppo.runs.errors import UsageError
+
+
+class GenerationServerError(UsageError, RuntimeError):
+    """A generation server could not be reached, did not answer in time, refused a call, or serves
+    something the trainer cannot use. Printed as one line by ``lightning-ppo``."""
+
+
+class ServerClient:
+    """Calls to the vLLM server at ``url`` (``http://HOST:PORT``), each within ``timeout`` seconds."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def get(self, route: str) -> Any:
+        return self._call(urllib.request.Request(self.url + route), route)
+
+    def post(self, route: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body or {}).encode()
+        request = urllib.request.Request(
+            self.url + route, data=data, headers={"Content-Type": "application/json"}, method="POST"
+        )
+        return self._call(request, route)
+
+    def rpc(self, method: str, *args: str) -> Any:
+        """A call of the worker extension's ``method`` (:mod:`.server_worker`) on the server's one
+        worker (several under tensor parallelism: their answers must agree, the first is returned)."""
+        answer = self.post("/collective_rpc", {"method": method, "args": list(args), "timeout": self.timeout})
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not results:
+            raise self.error(f"/collective_rpc {method}", f"no result in {str(answer)[:200]!r}")
+        return results[0]
+
+    def error(self, route: str, what: str) -> GenerationServerError:
+        return GenerationServerError(f"generation server {self.url} ({route}): {what}")
+
+    def _call(self, request: urllib.request.Request, route: str) -> Any:
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                body = response.read()
+        except urllib.error.HTTPError as err:
+            raise self.error(route, f"HTTP {err.code}: {_message(err.read())}") from None
+        except TimeoutError:
+            raise self.error(
+                route, f"no answer within {self.timeout:g} s (generation.server_timeout)"
+            ) from None
+        except (urllib.error.URLError, ConnectionError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            if isinstance(reason, TimeoutError | socket.timeout):
+                raise self.error(
+                    route, f"no answer within {self.timeout:g} s (generation.server_timeout)"
+                ) from None
+            raise self.error(
+                route, f"unreachable ({reason}); is it running? Start one with `lightning-ppo serve`"
+            ) from None
+        if not body:
+            return None
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError:
+            raise self.error(route, f"answered with something other than JSON: {body[:200]!r}") from None
+
+
+def _message(body: bytes) -> str:
+    """The error message of a vLLM error answer (``{"error": {"message": ...}}`` or ``{"detail": ...}``)."""
+    try:
+        answer = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return body[:300].decode(errors="replace")
+    if isinstance(answer, dict):
+        error = answer.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])[:500]
+        if "detail" in answer:
+            return str(answer["detail"])[:500]
+        if error:
+            return str(error)[:500]
+    return str(answer)[:300]

@@ -1,0 +1,109 @@
+"""Moving the policy's weights into generation servers, and proving they arrived.
+
+The trainer writes the weights (Hugging Face names, the server's dtype) to one safetensors file,
+atomically (a server never reads a half-written file), and every server loads it in place
+(:class:`.server_worker.WeightSyncExtension`) and answers with per-parameter checksums of what its
+kernels now hold. :func:`mismatch` compares them with the trainer's own: a sync that moved nothing
+or moved the wrong tensors names the first parameter that differs. A "did the output change" test
+would pass a sync that moved nothing (vllm#57022); a checksum of the weights held does not.
+
+The checksums (sum and sum of squares in float64) do not depend on how the engine lays a tensor
+out: GPT-2's transposed Conv1D weights, Llama's q/k/v fused into one ``qkv_proj``, a vocabulary
+padded with zero rows all sum alike. They would not see two values swapped inside one parameter.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+Checksum = tuple[float, float]  # (sum, sum of squares) in float64
+
+# Relative to sqrt(numel x sum of squares) (which bounds |sum|): float64 sums of the same values in
+# another order differ by ~1e-13 of it; one weight moved by one float32 ulp changes it by more.
+_TOLERANCE = 1e-10
+
+
+@dataclass(frozen=True)
+class WrittenWeights:
+    """A weights file for the servers, and the checksums they must report after loading it."""
+
+    path: Path
+    checksums: dict[str, Checksum]
+    bytes: int
+
+
+def checksum(tensor: Tensor) -> Checksum:
+    values = tensor.detach().double()
+    return values.sum().item(), values.square().sum().item()
+
+
+def write_weights(weights: Iterable[tuple[str, Tensor]], folder: Path, dtype: torch.dtype) -> WrittenWeights:
+    """Write ``weights`` in ``dtype`` (the server's, so each rounds once, here) to a new file in
+    ``folder``: written under a temporary name and renamed, so the name appears only when whole."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: tensor.detach().to(device="cpu", dtype=dtype).contiguous() for name, tensor in weights}
+    name = f"lightning-ppo-weights-{uuid.uuid4().hex}"
+    partial, path = folder / f".{name}.partial", folder / f"{name}.safetensors"
+    save_file(tensors, str(partial))
+    os.replace(partial, path)
+    sums = {name: checksum(tensor) for name, tensor in tensors.items()}
+    return WrittenWeights(path, sums, sum(t.numel() * t.element_size() for t in tensors.values()))
+
+
+def expected_checksums(
+    written: Mapping[str, Checksum], held_names: Iterable[str], packed: Mapping[str, list[str]]
+) -> dict[str, Checksum]:
+    """What each of the server's parameters must sum to, from the trainer's tensors: its own name,
+    or (a fused parameter, vLLM's ``packed_modules_mapping``) the sum of the tensors fused into it.
+    A server parameter with no counterpart (a buffer-like parameter the checkpoint lacks) is left out."""
+    expected = {}
+    for name in held_names:
+        parts = _sources(name, written, packed)
+        if parts:
+            expected[name] = (sum(written[p][0] for p in parts), sum(written[p][1] for p in parts))
+    return expected
+
+
+def _sources(name: str, written: Mapping[str, Checksum], packed: Mapping[str, list[str]]) -> list[str]:
+    if name in written:
+        return [name]
+    module, _, leaf = name.rpartition(".")
+    parent, _, fused = module.rpartition(".")
+    for part in packed.get(fused, ()):
+        if f"{parent}.{part}.{leaf}" not in written:
+            return []
+    return [f"{parent}.{part}.{leaf}" for part in packed.get(fused, ())]
+
+
+def mismatch(
+    written: Mapping[str, Checksum], held: Mapping[str, list[float]], packed: Mapping[str, list[str]]
+) -> str | None:
+    """``None`` when every parameter the server holds sums as the trainer's weights do, else what
+    differs first (a name and both checksums). A sync that covered no parameter at all differs too."""
+    expected = expected_checksums(written, held, packed)
+    if not expected:
+        return f"none of its {len(held)} parameters matches a name of the {len(written)} written"
+    covered = {part for name in expected for part in _sources(name, written, packed)}
+    missing = sorted(set(written) - covered)
+    if missing:
+        return f"it holds no parameter for {missing[0]!r} ({len(missing)} written tensors unmatched)"
+    for name, (total, squares) in expected.items():
+        got_total, got_squares = held[name][0], held[name][1]
+        scale = math.sqrt(max(held[name][2], 1.0) * max(squares, got_squares)) + 1e-30
+        if abs(got_total - total) > _TOLERANCE * scale or abs(got_squares - squares) > _TOLERANCE * (
+            squares + 1e-30
+        ):
+            return (
+                f"parameter {name!r} holds sum {got_total:.9g} / sum of squares {got_squares:.9g}, "
+                f"the trainer's weights {total:.9g} / {squares:.9g}"
+            )
+    return None

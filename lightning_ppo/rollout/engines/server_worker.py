@@ -1,0 +1,113 @@
+"""What runs inside a vLLM generation server: the worker extension the trainer drives.
+
+``lightning-ppo serve`` starts ``vllm serve`` with ``--worker-extension-cls`` naming
+:class:`WeightSyncExtension`; vLLM mixes it into each of the server's workers, and the trainer calls
+its methods through the server's ``/collective_rpc`` route (``VLLM_SERVER_DEV_MODE=1``), whose
+arguments are strings and whose answers are JSON.
+
+vLLM 0.32 has no weight-transfer backend that moves bytes on CPU (its NCCL engine needs GPUs), so
+the weights travel as one safetensors file the trainer writes and every worker loads in place with
+vLLM's own reload. The same path works on GPUs wherever the trainer and the server share a disk.
+What a worker holds afterwards is reported back as per-parameter checksums, so a load that moved
+nothing, or moved the wrong tensors, is seen by the trainer (:mod:`.server_sync`).
+
+This module imports only torch and safetensors at the top: it is imported inside the server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+
+def checksums(model: torch.nn.Module) -> dict[str, list[float]]:
+    """``name: [sum, sum of squares, numel]`` of every parameter, in float64.
+
+    Both sums are unchanged by the ways an engine rearranges a checkpoint's tensor (transposed,
+    fused with its neighbours into one parameter, padded with zero rows), so the trainer can
+    compute the same numbers from its own tensors; see :func:`.server_sync.expected_checksums`.
+    """
+    sums = {}
+    for name, param in model.named_parameters():
+        values = held_weight(model, name, param).detach().double()
+        sums[name] = [values.sum().item(), values.square().sum().item(), float(values.numel())]
+    return sums
+
+
+@torch.no_grad()
+def held_weight(model: torch.nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
+    """The weight a layer computes with. vLLM's CPU backend packs a linear layer's weight into its
+    GEMM kernel's layout and empties the parameter (``cpu_linear``); the kernel applied to the
+    identity gives the weight back, exactly (each output is one weight times 1 plus zeros), and
+    proves what the kernel itself multiplies by, not what a parameter says."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf != "weight" or param.numel() > 0 or not hasattr(module, "cpu_linear"):
+        return param
+    inputs = int(getattr(module, "input_size_per_partition", 0) or module.input_size)
+    identity = torch.eye(inputs, dtype=_dtype(model), device=param.device)
+    return module.cpu_linear(identity, param, None)
+
+
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the model computes in (its first floating-point parameter's)."""
+    return next(p.dtype for p in model.parameters() if p.is_floating_point() and p.numel() > 0)
+
+
+class WeightSyncExtension:
+    """Methods vLLM adds to every worker of a ``lightning-ppo serve`` server."""
+
+    # Set by the skip-load fault in tests: the load answers as usual and moves nothing.
+    skip_loads = False
+
+    def lppo_describe(self) -> dict[str, Any]:
+        """What the trainer checks before the first rollout: the model, its vocabulary and the
+        settings that change what sampling returns; and how the model fuses checkpoint tensors."""
+        model_config = self.model_runner.model_config  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        hf_config = model_config.hf_config
+        return {
+            "model": str(model_config.model),
+            "architectures": list(getattr(hf_config, "architectures", None) or []),
+            "vocab_size": int(model_config.get_vocab_size()),
+            "dtype": str(model_config.dtype).removeprefix("torch."),
+            "logprobs_mode": str(model_config.logprobs_mode),
+            "generation_config": str(model_config.generation_config),
+            "packed_modules": {k: list(v) for k, v in getattr(model, "packed_modules_mapping", {}).items()},
+        }
+
+    def lppo_load(self, path: str, with_checksums: str = "1") -> dict[str, list[float]] | None:
+        """Load the safetensors file at ``path`` into the model in place; the checksums after
+        (``with_checksums`` ``"1"``: they cost about one forward over as many tokens as the
+        widest layer has inputs, on CPU)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        if not WeightSyncExtension.skip_loads:
+            self.reload_weights(weights_iterator=_tensors(path))  # type: ignore[attr-defined]
+            _repack_embedding_gemms(model)
+        return checksums(model) if with_checksums == "1" else None
+
+    def lppo_checksums(self) -> dict[str, list[float]]:
+        """The checksums of what the worker holds now."""
+        return checksums(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+    def lppo_skip_loads(self, skip: str) -> bool:
+        """Fault injection for tests: ``"1"`` makes every later load a no-op that still answers."""
+        WeightSyncExtension.skip_loads = skip == "1"
+        return WeightSyncExtension.skip_loads
+
+
+def _tensors(path: str) -> Any:
+    """The file's tensors one at a time, so the worker never holds two copies of the model."""
+    with safe_open(path, framework="pt", device="cpu") as file:
+        for name in file.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            yield name, file.get_tensor(name)
+
+
+def _repack_embedding_gemms(model: torch.nn.Module) -> None:
+    """vLLM 0.32's in-place reload leaves the CPU backend's packed tied LM head stale; see
+    :func:`lightning_ppo.rollout.engines.vllm.repack_embedding_gemms` (imported late: vLLM)."""
+    from lightning_ppo.rollout.engines.vllm import repack_embedding_gemms
+
+    repack_embedding_gemms(model)
