@@ -10,12 +10,9 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,59 +26,18 @@ from transformers import AutoTokenizer  # noqa: E402
 from lightning_ppo import GenerationConfig  # noqa: E402
 from lightning_ppo.models.loading import load_causal_lm  # noqa: E402
 from lightning_ppo.rollout.engines import Placement  # noqa: E402
+from lightning_ppo.rollout.engines.local_server import LocalServer  # noqa: E402
 from lightning_ppo.rollout.engines.server import VLLMServerEngine  # noqa: E402
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient  # noqa: E402
 from lightning_ppo.rollout.sampling import hf_generation_config  # noqa: E402
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-START_TIMEOUT = 240.0  # seconds for a server to answer /health (about 25 s measured on 2 cores)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """One ``lightning-ppo serve`` subprocess on 127.0.0.1, its log in ``log``."""
-
-    def __init__(self, policy: Path, log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # 1 GiB of KV cache
-        command = [sys.executable, "-m", "lightning_ppo.console", "serve", "--policy", str(policy)]
-        command += ["--port", str(self.port), "--dtype", "float32", "--", "--enforce-eager"]
-        with open(log, "w") as out:
-            self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return
-            except OSError:
-                time.sleep(1)
-        raise AssertionError(f"{self.url} not ready in {START_TIMEOUT} s: {self.log.read_text()[-3000:]}")
-
-    def completed(self) -> float:
-        """Requests the server has finished (its Prometheus counter)."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as answer:
-            lines = answer.read().decode().splitlines()
-        return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:request_success_total{"))
-
-    def stop(self) -> None:
-        """SIGKILL to the server's whole process group (its engine core and worker are children)."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=60)
+def Server(policy: Path, log: Path) -> LocalServer:  # noqa: N802 (reads as the class it makes)
+    """A fp32 server (the trainer's dtype: the runs compare to the last digit)."""
+    return LocalServer(policy, log, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +50,7 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(policy: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+def servers(policy: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalServer]]:
     logs = tmp_path_factory.mktemp("server_logs")
     started = [Server(policy, logs / f"server{i}.log") for i in range(2)]
     try:

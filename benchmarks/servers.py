@@ -1,0 +1,204 @@
+"""Generation on a vLLM server against the colocated vLLM engine, on 2 CPU cores.
+
+    .venv-vllm/bin/python -m benchmarks.servers                 # both tables
+    .venv-vllm/bin/python -m benchmarks.servers --iterations 3 --sizes 4x256   # a smoke run
+
+**Seconds per iteration.** The same PPO run (a 4 x 256 GPT-2, the quickstart's task, batch 64, 16
+new tokens, GAE, 2 epochs x 2 minibatches, fp32), each variant in a process of its own:
+``colocated`` (``generation.engine: vllm``, the engine inside the trainer, both on core 0) and
+``server`` (``vllm_server``: the trainer on core 0, one ``lightning-ppo serve`` server on core 1).
+Each gets one thread per process; the first iteration (vLLM's warm-up) is left out.
+
+**One weight sync against the model's size.** For GPT-2s of several sizes: the colocated engine's
+in-place reload, and the server's whole sync (write the safetensors file, the server's load,
+its checksums, the trainer's comparison), with and without the checksums (``verify_sync``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _spec(size: str):
+    from lightning_ppo.tasks.tiny import TinyModelSpec
+
+    layers, width = (int(x) for x in size.split("x"))
+    return TinyModelSpec(n_layer=layers, n_embd=width, n_head=width // 64, n_positions=128)
+
+
+def _module(policy: str, engine: str, url: str | None, verify: bool = False):
+    import torch
+
+    from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+    from lightning_ppo.tasks.digits import DigitsReward
+
+    servers = {"server_urls": [url], "verify_sync": verify} if url else {}
+    generation = GenerationConfig(
+        max_new_tokens=16, stop_token="=", engine=engine, gpu_memory_utilization=0.1, **servers
+    )
+    return PPOLightningModule(
+        policy=policy,
+        reward_fn=DigitsReward(),
+        ppo=PPOConfig(ppo_epochs=2, num_minibatches=2),
+        generation=generation,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
+    )
+
+
+def child_iterations(policy: str, engine: str, url: str | None, iterations: int) -> list[float]:
+    """Seconds of each PPO iteration of a run (this process: one thread, core 0)."""
+    import lightning.pytorch as pl
+
+    from lightning_ppo.tasks.digits import DigitsDataModule
+
+    times: list[float] = []
+
+    class Clock(pl.Callback):
+        def on_train_batch_start(self, *args) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *args) -> None:
+            times.append(time.perf_counter() - self.start)
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=iterations + 1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Clock()],
+    )
+    data = DigitsDataModule(num_prompts=64 * (iterations + 1), batch_size=64, max_prompt_length=16)
+    trainer.fit(_module(policy, engine, url), data)
+    return times[1:]
+
+
+def child_syncs(policy: str, engine: str, url: str | None, repeats: int) -> dict[str, float]:
+    """Median seconds of one sync (the first, with its one-off checks, left out)."""
+    import torch
+
+    results = {}
+    for verify in (False, True) if url else (False,):
+        module = _module(policy, engine, url, verify)
+        engine_ = module.engine
+        engine_.sync_weights(module.policy)
+        took = []
+        for _ in range(repeats):
+            with torch.no_grad():
+                next(module.policy.parameters()).add_(1e-3)
+            start = time.perf_counter()
+            engine_.sync_weights(module.policy)
+            took.append(time.perf_counter() - start)
+        results["verified" if verify else "plain"] = statistics.median(took)
+    return results
+
+
+def _start_server(policy: Path, log: Path):
+    from lightning_ppo.rollout.engines.local_server import LocalServer
+
+    # The server's one thread on core 1, fp32 as the trainer.
+    return LocalServer(policy, log, dtype="float32", env={"VLLM_CPU_OMP_THREADS_BIND": "1"}).wait_ready()
+
+
+def _child(args: list[str]) -> dict:
+    """Run this module as a child on core 0, one thread; its JSON answer."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    run = subprocess.run(
+        ["taskset", "-c", "0", sys.executable, "-m", "benchmarks.servers", "--child", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    if run.returncode != 0:
+        raise RuntimeError(run.stderr[-3000:])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--sizes", default="4x256,8x512,12x768")
+    parser.add_argument("--child", nargs="*")
+    args = parser.parse_args()
+    if args.child:
+        kind, policy, engine, url, count = args.child
+        url = None if url == "-" else url
+        if kind == "iterations":
+            print(json.dumps(child_iterations(policy, engine, url, int(count))))
+        else:
+            print(json.dumps(child_syncs(policy, engine, url, int(count))))
+        return
+    from lightning_ppo.tasks.tiny import make_tiny_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="bench-servers-"))
+    sizes = args.sizes.split(",")
+    policies = {s: make_tiny_checkpoint(work / s, _spec(s), alphabet="0123456789=") for s in sizes}
+    first = policies[sizes[0]]
+    server = _start_server(first, work / "server.log")
+    try:
+        per_variant: dict[str, list[float]] = {"colocated": [], "server": []}
+        for _ in range(args.rounds):
+            for name, engine, url in (("colocated", "vllm", "-"), ("server", "vllm_server", server.url)):
+                per_variant[name] += _child(["iterations", str(first), engine, url, str(args.iterations)])
+    finally:
+        server.stop()
+    print(
+        f"\n{sizes[0]} GPT-2, batch 64 x 16 new tokens, {args.rounds} rounds x {args.iterations} iterations"
+    )
+    print("| engine | s / iteration (median) | min | max |")
+    print("| --- | --- | --- | --- |")
+    base = statistics.median(per_variant["colocated"])
+    for name, times in per_variant.items():
+        median = statistics.median(times)
+        print(f"| {name} | {median:.3f} ({median / base:.2f}x) | {min(times):.3f} | {max(times):.3f} |")
+    sync_table(policies, work)
+
+
+def sync_table(policies: dict[str, Path], work: Path) -> None:
+    import torch
+
+    from lightning_ppo.models.loading import load_causal_lm
+
+    print(
+        "\n| model | parameters | fp32 MiB | colocated reload s | server sync s | server sync + checksums s |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for size, policy in policies.items():
+        params = sum(p.numel() for p in load_causal_lm(str(policy)).parameters())
+        colocated = _child(["syncs", str(policy), "vllm", "-", "5"])
+        server = _start_server(policy, work / f"server-{size}.log")
+        try:
+            served = _child(["syncs", str(policy), "vllm_server", server.url, "5"])
+        finally:
+            server.stop()
+        mib = params * torch.finfo(torch.float32).bits / 8 / 2**20
+        print(
+            f"| {size} | {params / 1e6:.1f} M | {mib:.0f} | {colocated['plain']:.3f} | "
+            f"{served['plain']:.3f} | {served['verified']:.3f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""A ``lightning-ppo serve`` server on this machine, as a child process: for notebooks, tests and
+benchmarks that want a generation server without a second terminal.
+
+    with LocalServer("checkpoints/tiny-digits") as server:
+        GenerationConfig(engine="vllm_server", server_urls=[server.url])
+
+It listens on 127.0.0.1 only, on a free port; :meth:`wait_ready` polls ``/health`` for at most
+``start_timeout`` seconds; :meth:`stop` kills its whole process group (the API server, its engine
+core and worker), so nothing outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalServer:
+    """``lightning-ppo serve --policy POLICY`` on 127.0.0.1; its output in ``log``.
+
+    ``env`` is added to the server's environment: on CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default
+    1 here: vLLM's own default takes most of the machine's memory and a minute to allocate).
+    """
+
+    def __init__(
+        self,
+        policy: str | Path,
+        log: str | Path | None = None,
+        dtype: str = "auto",
+        vllm_args: tuple[str, ...] = ("--enforce-eager",),
+        env: dict[str, str] | None = None,
+        start_timeout: float = 240.0,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(log) if log is not None else Path(os.devnull)
+        self.start_timeout = start_timeout
+        environment = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {})}
+        command = [sys.executable, "-m", "lightning_ppo.console", "serve", "--policy", str(policy)]
+        command += ["--port", str(self.port), "--dtype", dtype, "--", *vllm_args]
+        with open(self.log, "w") as out:
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+            )
+
+    def wait_ready(self) -> LocalServer:
+        """Return once the server answers ``/health``; an error with the log's end if it exits or
+        does not answer within ``start_timeout`` seconds."""
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server for {self.url} exited: {self._log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return self
+            except OSError:
+                time.sleep(1)
+        self.stop()
+        raise TimeoutError(
+            f"{self.url} did not answer /health in {self.start_timeout:g} s: {self._log_tail()}"
+        )
+
+    def completed(self) -> float:
+        """Requests the server has finished (its Prometheus counter)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as answer:
+            lines = answer.read().decode().splitlines()
+        return sum(
+            float(line.split()[-1]) for line in lines if line.startswith("vllm:request_success_total{")
+        )
+
+    def stop(self) -> None:
+        """SIGKILL to the server's process group; waits for the server to be gone."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=60)
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log.read_text()[-3000:]
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> LocalServer:
+        return self.wait_ready()
+
+    def __exit__(self, kind: type | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        self.stop()
