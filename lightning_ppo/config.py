@@ -227,6 +227,16 @@ class PPOConfig:
         max_consecutive_skips: An optimizer step with NaN/inf gradients is skipped and counted
             (``train/skipped_updates``); this many in a row (or this many iterations in a row whose
             every sample was dropped) stop training with an error.
+        max_staleness: Generation runs this many batches ahead of training (asynchronous PPO): the
+            rollout trained at iteration i was sampled by the weights of iteration i - max_staleness
+            or later, while the updates between ran. 0 (default) samples each batch with the weights
+            that train on it, as always. Above 0 the decoupled loss is on (the trainer's recomputed
+            log-probs anchor the clip; each token's loss is weighted by min(exp(logp_trainer -
+            logp_behaviour), generation.engine_is_cap), at generation.engine_is_correction's level,
+            ``token`` unless set), and the first max_staleness steps only start sampling. Engines
+            ``hf`` (a background thread samples from a snapshot of the policy; not under FSDP2) and
+            ``vllm_server`` (1 at most). Batches sampled ahead and not yet trained are kept in every
+            checkpoint and sampled again on resume: each prompt is trained exactly once.
         torch_compile: Run the policy and critic loss passes (forwards, log-probs, losses) through
             ``torch.compile`` (as ``TrainingArguments.torch_compile`` in transformers and TRL). The
             first iterations pay for compiling, once per new micro-batch shape until the shapes are
@@ -266,6 +276,7 @@ class PPOConfig:
     on_bad_reward: str = "error"
     reward_timeout: float | None = 300.0
     max_consecutive_skips: int = 3
+    max_staleness: int = 0
     torch_compile: bool = False
 
     @property
@@ -305,6 +316,9 @@ class PPOConfig:
         )
         _check(
             self.max_consecutive_skips >= 1, "ppo.max_consecutive_skips", ">= 1", self.max_consecutive_skips
+        )
+        _check(
+            self.max_staleness >= 0, "ppo.max_staleness", ">= 0 (0: no generation ahead)", self.max_staleness
         )
         _check(
             self.reward_timeout is None or self.reward_timeout > 0,

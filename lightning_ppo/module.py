@@ -30,6 +30,7 @@ from lightning_ppo.distributed.sharding import (
     reject_fsdp1,
     reshard,
     shard_if_model_parallel,
+    uses_model_parallel,
 )
 from lightning_ppo.models.loading import load_tokenizer
 from lightning_ppo.models.placement import LoadsWhereItRuns
@@ -52,12 +53,26 @@ from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.ppo.row_groups import forward_groups
 from lightning_ppo.reward_setup import RewardSetup
 from lightning_ppo.rewards import RewardLike, RunningMoments, ScoreInputs, check_scores
+from lightning_ppo.rollout.ahead import (
+    PENDING_KEY,
+    PolicySnapshots,
+    RolloutsAhead,
+    Sampled,
+    check_ahead,
+    gather_objects,
+    on_cpu,
+    on_device,
+    pending_of_rank,
+    say_untrained,
+    with_behaviour_logprobs,
+)
 from lightning_ppo.rollout.engines import (
     GenerationEngine,
     engine_for_trainer,
     engine_is_weights,
     engine_mismatch,
 )
+from lightning_ppo.rollout.engines.hf import HFEngine
 from lightning_ppo.rollout.episodes import Environment, StepResult, make_episode_runner
 from lightning_ppo.rollout.prompts import PromptBatch, PromptEndWarning
 from lightning_ppo.rollout.sampling import SamplingSetup, generate
@@ -199,6 +214,9 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.ppo, self.generation_config, self.seed = ppo, generation, seed
         self.policy_path = policy
         self._engine: GenerationEngine | None = None
+        self._ahead: RolloutsAhead | None = None  # ppo.max_staleness > 0 (lightning_ppo.rollout.ahead)
+        self._snapshots: PolicySnapshots | None = None
+        self._restored_pending: list[PromptBatch] = []
         self._compiled_loss: Callable | None = None  # ppo_loss under torch.compile (ppo.torch_compile)
         self.optimizer_factory = optimizer or partial(optim.default_optimizer, lora=lora is not None)
         self.scheduler_factory = lr_scheduler
@@ -253,6 +271,9 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         reject_fsdp1(self.trainer.strategy)
         check_precision(self.trainer.precision)
         install_sharded_checkpointing(self.trainer.strategy)  # before a resume loads a folder
+        check_ahead(
+            self.ppo.max_staleness, self.generation_config, uses_model_parallel(self.trainer.strategy)
+        )
         silence_intended_warnings()  # e.g. the frozen roles are in eval mode on purpose
         # Before the first rollout: past the model's positions generation fails with an IndexError.
         # response_budget reads a config's settings: an episode runner stands for environment or tools.
@@ -267,6 +288,9 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     def on_fit_end(self) -> None:
         explain_idle_resume(self.trainer, getattr(self, "_resumed_at", None), self.iteration)
+        if self._ahead is not None:
+            self._ahead.close()
+            say_untrained(len(self._ahead.pending()), self.ppo.max_staleness)
 
     def configure_model(self) -> None:
         shard_if_model_parallel(self, self.trainer.strategy, str(self.trainer.precision))  # FSDP2, once
@@ -278,7 +302,10 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         self.ppo.check_batch_size(len(batch))
         batch = batch.repeat_interleave(self.ppo.num_generations)
-        rollout = self.generate(batch)
+        sampled = self.sample(batch)
+        if sampled is None:  # ppo.max_staleness > 0: the first batches only start sampling
+            return
+        batch, rollout = sampled.batch, sampled.rollout
         completions = self.decode_responses(rollout)
         scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
         scores = self.shape_scores(scores, rollout)
@@ -295,7 +322,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             scores.shaped,
             kl_coef,
             self.ppo,
-            engine_is_weights(self.generation_config, rollout, forwards.logprobs),
+            engine_is_weights(self.generation_config, rollout, forwards.logprobs, self.ppo.max_staleness),
             self.sum_over_ranks,
         )
         stats, stepped = self.ppo_update(exp)
@@ -308,6 +335,10 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         raw = scores.raw if rollout.turn_rewards is None else scores.raw + rollout.turn_rewards.sum(1)
         stats.update(score_metrics(raw, scores.shaped, scores.dropped, self.ppo.shapes_scores, reduce))
         stats.update(engine_mismatch(self.generation_config, rollout, forwards.logprobs))
+        if self.ppo.max_staleness > 0:
+            stats["async/staleness"] = torch.tensor(
+                float(self.iteration - 1 - sampled.version), device=self.device
+            )
         if self.episode_runner is not None:
             stats.update(self.episode_runner.metrics(reduce))
         diversity = Diversity.of(batch.prompts, completions)  # text, on the host: no device read
@@ -381,6 +412,50 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
                 f"stopping. {newest_checkpoint(self._trainer)}"
             )
         self.log("reward/dropped", float(batch_size), on_step=True, batch_size=batch_size)
+
+    def sample(self, batch: PromptBatch) -> Sampled | None:
+        """The rollout to train on: this batch's, sampled now with the weights that train on it
+        (``ppo.max_staleness`` 0), or the oldest batch's, sampled ahead while earlier updates ran
+        (lightning_ppo.rollout.ahead); None while the first batches only start sampling."""
+        if self.ppo.max_staleness == 0:
+            return Sampled(batch, self.generate(batch), self.iteration)
+        if self._ahead is None:
+            self._ahead = RolloutsAhead(self.ppo.max_staleness, self._start_sampling)
+            self._ahead.restore([on_device(b, self.device) for b in self._restored_pending])
+        sampled = self._ahead.next(batch, self.iteration)
+        if sampled is not None and self.episode_runner is not None:
+            self.episode_runner.last_stats, self.episode_runner.transcripts = sampled.extra
+        return sampled
+
+    def _start_sampling(self, batch: PromptBatch) -> Callable[[PromptBatch], tuple[Rollout, Any]]:
+        """On the main thread, as a batch's background job starts: the weights it samples from.
+
+        A server is synced here (every rank joins); ``hf`` samples from a snapshot of the policy,
+        which also gives the behaviour log-probs."""
+        self.prompt_end.check(batch)
+        if self.generation_config.engine == "vllm_server":
+            self.engine.sync_weights(self.policy)
+            return partial(self._sample_ahead, self.engine, None, self.iteration)
+        if self._snapshots is None:
+            self._snapshots = PolicySnapshots(self.policy, self.ppo.max_staleness)
+        snapshot = self._snapshots.take(self.policy)
+        engine = HFEngine(self.hf_generation, self.generation_config.cache_implementation)
+        engine.sync_weights(snapshot)
+        return partial(self._sample_ahead, engine, snapshot, self.iteration)
+
+    def _sample_ahead(
+        self, engine: GenerationEngine, snapshot: torch.nn.Module | None, iteration: int, batch: PromptBatch
+    ) -> tuple[Rollout, Any]:
+        """On the background thread: the rollout (and an episode runner's stats, read here, where
+        the next job cannot overwrite them). No collective: each rank samples on its own."""
+        if self.episode_runner is None:
+            rollout, extra = engine.generate(batch.prompt_ids, batch.prompt_mask), None
+        else:
+            rollout = self.episode_runner.run(engine, batch, iteration, self.global_rank, lambda flag: flag)
+            extra = (self.episode_runner.last_stats, self.episode_runner.transcripts)
+        if snapshot is not None:
+            rollout = with_behaviour_logprobs(rollout, snapshot, self.token_logprobs)
+        return rollout, extra
 
     def generate(self, batch: PromptBatch) -> Rollout:
         """Sample one response (or, with an environment, one episode) per (repeated) prompt."""
@@ -668,8 +743,14 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         if not is_sharded(self):
             checkpoint["state_dict"] = without_frozen(checkpoint["state_dict"], self)
         checkpoint[PPO_STATE_KEY] = PPOState.of(self).to_dict()
+        if self.ppo.max_staleness > 0:  # every rank's batches handed in and not trained yet
+            mine = [on_cpu(b) for b in (self._ahead.pending() if self._ahead else self._restored_pending)]
+            checkpoint[PENDING_KEY] = gather_objects(self.trainer, mine)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_resumable(checkpoint, dict(self.hparams), without_frozen(self.state_dict(), self))
         PPOState.from_dict(checkpoint.get(PPO_STATE_KEY, {})).restore(self)
+        self._restored_pending = pending_of_rank(
+            checkpoint.get(PENDING_KEY), self.trainer, self.ppo.max_staleness
+        )
         self._resumed_at = self.iteration

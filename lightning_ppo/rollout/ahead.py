@@ -25,22 +25,29 @@ import copy
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
-from torch import nn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
 
+from lightning_ppo.config import GenerationConfig
+from lightning_ppo.models.loading import response_logits
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rollout.prompts import PromptBatch
+from lightning_ppo.runs.errors import UsageError
 
 
 @dataclass
 class Sampled:
-    """A batch and its rollout, sampled by the weights of iteration ``version`` (updates trained)."""
+    """A batch and its rollout, sampled by the weights of iteration ``version`` (updates trained);
+    ``extra`` is what the sampler gave beside the rollout (an episode runner's stats)."""
 
     batch: PromptBatch
     rollout: Rollout
     version: int
+    extra: Any = None
 
 
 @dataclass
@@ -50,21 +57,47 @@ class _Job:
     future: Future
 
 
-Sampler = Callable[[PromptBatch], Rollout]
+Sampler = Callable[[PromptBatch], tuple[Rollout, Any]]  # the rollout, and anything to keep with it
 
 
-class PolicySnapshot:
-    """A frozen copy of the policy to generate from while the live one trains."""
+class PolicySnapshots:
+    """Frozen copies of the policy to generate from while the live one trains: one per job that can
+    be in flight (``max_staleness``), taken in turn, so a copy is refreshed only after the job that
+    sampled from it was handed back."""
 
-    def __init__(self, policy: nn.Module) -> None:
-        self.model = copy.deepcopy(policy).eval().requires_grad_(False)
+    def __init__(self, policy: nn.Module, count: int) -> None:
+        self.models = [copy.deepcopy(policy).eval().requires_grad_(False) for _ in range(count)]
+        self.taken = 0
 
     @torch.no_grad()
     def take(self, policy: nn.Module) -> nn.Module:
-        """The copy, holding ``policy``'s weights now (called between jobs, never during one)."""
-        for mine, theirs in zip(self.model.parameters(), policy.parameters(), strict=True):
+        """The next copy, holding ``policy``'s weights now."""
+        model = self.models[self.taken % len(self.models)]
+        self.taken += 1
+        for mine, theirs in zip(model.parameters(), policy.parameters(), strict=True):
             mine.copy_(theirs)
-        return self.model
+        return model
+
+
+@torch.no_grad()
+def with_behaviour_logprobs(
+    rollout: Rollout, model: nn.Module, token_logprobs: Callable[[Tensor, Tensor], Tensor]
+) -> Rollout:
+    """``rollout`` with the log-probs of its tokens under ``model``, the weights that sampled it (the
+    behaviour policy of the decoupled loss), under the trainer's sampling distribution."""
+    width = rollout.response_ids.shape[1]
+    logits = response_logits(model, rollout.input_ids, rollout.attention_mask, rollout.position_ids, width)
+    logprobs = token_logprobs(logits, rollout.response_ids).float().masked_fill(~rollout.response_mask, 0.0)
+    return replace(rollout, engine_logprobs=logprobs)
+
+
+def on_cpu(batch: PromptBatch) -> PromptBatch:
+    """The batch as a checkpoint keeps it."""
+    return replace(batch, prompt_ids=batch.prompt_ids.cpu(), prompt_mask=batch.prompt_mask.cpu())
+
+
+def on_device(batch: PromptBatch, device: torch.device) -> PromptBatch:
+    return replace(batch, prompt_ids=batch.prompt_ids.to(device), prompt_mask=batch.prompt_mask.to(device))
 
 
 class RolloutsAhead:
@@ -89,13 +122,13 @@ class RolloutsAhead:
             if not self.jobs:
                 self._start(self.unsampled.popleft(), version)
             oldest = self.jobs.popleft()
-            rollout = oldest.future.result()  # a failure in the background is raised here
+            rollout, extra = oldest.future.result()  # a failure in the background is raised here
             self._start_waiting(version)
             if version - oldest.version > self.max_staleness:  # only where iterations were skipped
                 self.resampled += 1
                 self.unsampled.appendleft(oldest.batch)
                 continue
-            return Sampled(oldest.batch, rollout, oldest.version)
+            return Sampled(oldest.batch, rollout, oldest.version, extra)
         self._start_waiting(version)
         return None
 
@@ -119,3 +152,74 @@ class RolloutsAhead:
     def _start(self, batch: PromptBatch, version: int) -> None:
         sample = self.prepare(batch)
         self.jobs.append(_Job(batch, version, self.worker.submit(sample, batch)))
+
+
+def check_ahead(max_staleness: int, generation: GenerationConfig, model_parallel: bool) -> None:
+    """Refuse, in one line, what sampling ahead cannot do (before any model is built)."""
+    if max_staleness == 0:
+        return
+    if generation.engine == "vllm":
+        raise UsageError(
+            "ppo.max_staleness > 0 needs generation.engine 'hf' or 'vllm_server': the colocated "
+            "'vllm' engine shares the trainer's device and would only wait for it"
+        )
+    if generation.engine == "hf" and model_parallel:
+        raise UsageError(
+            "ppo.max_staleness > 0 with generation.engine 'hf' cannot run under FSDP2 (a background "
+            "snapshot of a sharded policy would need collectives of its own): use 'vllm_server' or DDP"
+        )
+    if generation.engine == "vllm_server" and max_staleness > 1:
+        raise UsageError(
+            f"ppo.max_staleness {max_staleness} with generation.engine 'vllm_server': at most 1 (a "
+            "second batch in flight would see its weights change under it at the next sync)"
+        )
+    if generation.engine == "vllm_server" and (generation.top_k or generation.top_p < 1.0):
+        raise UsageError(
+            "ppo.max_staleness > 0 with vllm_server needs generation.top_k 0 and top_p 1.0: the decoupled "
+            "loss weighs by the server's log-probs, renormalised over the tokens top-k/top-p keep"
+        )
+
+
+PENDING_KEY = "lightning_ppo_pending"  # the checkpoint's entry: each rank's batches not trained yet
+
+
+def gather_objects(trainer: Any, mine: list[PromptBatch]) -> list[list[PromptBatch]]:
+    """Every rank's list, by rank; every rank must call this (a collective under several ranks)."""
+    if trainer is None or trainer.world_size == 1:
+        return [mine]
+    everyone: list[Any] = [None] * trainer.world_size
+    torch.distributed.all_gather_object(everyone, mine)
+    return everyone
+
+
+def pending_of_rank(
+    saved: list[list[PromptBatch]] | None, trainer: Any, max_staleness: int
+) -> list[PromptBatch]:
+    """This rank's batches a checkpoint kept; refused if the ranks differ in number (each rank's
+    pipeline must hold as many batches as the others', or they would train different steps)."""
+    if not saved or not any(saved):
+        return []
+    world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+    if len(saved) != world:
+        raise UsageError(
+            f"the checkpoint holds batches sampled ahead by {len(saved)} ranks, not yet trained; resume "
+            f"with {len(saved)} ranks (this run has {world}) so that each is trained exactly once"
+        )
+    if max_staleness == 0:
+        rank_zero_warn(
+            f"the checkpoint holds {len(saved[rank])} batch(es) per rank sampled ahead and not yet trained; "
+            "with ppo.max_staleness 0 they are not trained (resume with ppo.max_staleness >= 1 to train them)"
+        )
+        return []
+    return list(saved[rank])
+
+
+def say_untrained(count: int, max_staleness: int) -> None:
+    """At the end of a run: the batches handed in and not trained (a limit counts batches, the first
+    steps only start sampling), and where they are."""
+    if count:
+        rank_zero_info(
+            f"ppo.max_staleness {max_staleness}: {count} batch(es) handed in were not trained by the end "
+            "of the run; the last checkpoint keeps them, and a resumed run (--ckpt_path last) trains "
+            "them first"
+        )

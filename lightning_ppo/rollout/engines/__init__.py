@@ -123,12 +123,16 @@ def engine_for_trainer(
     return make_engine(config, hf_generation, policy_path, placement, seed + placement.rank, dtype, servers)
 
 
-def engine_is_weights(config: GenerationConfig, rollout: Rollout, logprobs: Tensor) -> Tensor | None:
-    """Truncated engine-vs-trainer importance weights of the policy loss, if configured
-    (``generation.engine_is_correction``) and the engine gave its log-probs."""
-    if config.engine_is_correction is None or rollout.engine_logprobs is None:
+def engine_is_weights(
+    config: GenerationConfig, rollout: Rollout, logprobs: Tensor, max_staleness: int = 0
+) -> Tensor | None:
+    """Truncated behaviour-vs-trainer importance weights of the policy loss, if configured
+    (``generation.engine_is_correction``) or sampled ahead (``ppo.max_staleness`` > 0: the decoupled
+    loss, ``token`` level unless configured), and the engine gave its log-probs."""
+    level = config.engine_is_correction or ("token" if max_staleness > 0 else None)
+    if level is None or rollout.engine_logprobs is None:
         return None
-    level, cap = config.engine_is_correction, config.engine_is_cap
+    cap = config.engine_is_cap
     return F.truncated_is_weights(logprobs, rollout.engine_logprobs, rollout.response_mask, level, cap)
 
 
