@@ -59,11 +59,11 @@ from lightning_ppo.rollout.ahead import (
     RolloutsAhead,
     Sampled,
     check_ahead,
+    from_saved,
     gather_objects,
-    on_cpu,
-    on_device,
     pending_of_rank,
     say_untrained,
+    to_saved,
     with_behaviour_logprobs,
 )
 from lightning_ppo.rollout.engines import (
@@ -216,7 +216,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self._engine: GenerationEngine | None = None
         self._ahead: RolloutsAhead | None = None  # ppo.max_staleness > 0 (lightning_ppo.rollout.ahead)
         self._snapshots: PolicySnapshots | None = None
-        self._restored_pending: list[PromptBatch] = []
+        self._restored_pending: list[dict[str, Any]] = []  # a checkpoint's, until sampling starts
         self._compiled_loss: Callable | None = None  # ppo_loss under torch.compile (ppo.torch_compile)
         self.optimizer_factory = optimizer or partial(optim.default_optimizer, lora=lora is not None)
         self.scheduler_factory = lr_scheduler
@@ -421,7 +421,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             return Sampled(batch, self.generate(batch), self.iteration)
         if self._ahead is None:
             self._ahead = RolloutsAhead(self.ppo.max_staleness, self._start_sampling)
-            self._ahead.restore([on_device(b, self.device) for b in self._restored_pending])
+            self._ahead.restore([from_saved(b, self.device) for b in self._restored_pending])
         sampled = self._ahead.next(batch, self.iteration)
         if sampled is not None and self.episode_runner is not None:
             self.episode_runner.last_stats, self.episode_runner.transcripts = sampled.extra
@@ -744,7 +744,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             checkpoint["state_dict"] = without_frozen(checkpoint["state_dict"], self)
         checkpoint[PPO_STATE_KEY] = PPOState.of(self).to_dict()
         if self.ppo.max_staleness > 0:  # every rank's batches handed in and not trained yet
-            mine = [on_cpu(b) for b in (self._ahead.pending() if self._ahead else self._restored_pending)]
+            mine = [to_saved(b) for b in self._ahead.pending()] if self._ahead else self._restored_pending
             checkpoint[PENDING_KEY] = gather_objects(self.trainer, mine)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

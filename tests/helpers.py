@@ -493,3 +493,22 @@ class FailsInTheSecondIteration(Environment):
         if FailsInTheSecondIteration.started > 8:
             raise ConnectionError("the sandbox went away")
         return StepResult(observation="1=") if turn.index == 0 else StepResult(reward=1.0, done=True)
+
+
+class TrainedPromptLog(pl.Callback):
+    """Appends ``ITERATION<TAB>PROMPT`` for every prompt trained, as each iteration ends (flushed and
+    synced: a SIGKILL right after loses nothing written). First in the callback list, so a checkpoint
+    saved at the same batch end comes after the line."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.seen = -1
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if module.iteration == self.seen or module.last_samples is None:
+            return
+        self.seen = module.iteration
+        with open(self.path, "a") as file:
+            file.writelines(f"{module.iteration}\t{prompt}\n" for prompt in module.last_samples.prompts)
+            file.flush()
+            os.fsync(file.fileno())

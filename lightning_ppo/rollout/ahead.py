@@ -91,13 +91,26 @@ def with_behaviour_logprobs(
     return replace(rollout, engine_logprobs=logprobs)
 
 
-def on_cpu(batch: PromptBatch) -> PromptBatch:
-    """The batch as a checkpoint keeps it."""
-    return replace(batch, prompt_ids=batch.prompt_ids.cpu(), prompt_mask=batch.prompt_mask.cpu())
+def to_saved(batch: PromptBatch) -> dict[str, Any]:
+    """The batch as a checkpoint keeps it: plain values and CPU tensors, which ``torch.load``'s
+    ``weights_only`` reads (a ``PromptBatch`` it would refuse)."""
+    return {
+        "prompt_ids": batch.prompt_ids.cpu(),
+        "prompt_mask": batch.prompt_mask.cpu(),
+        "prompts": list(batch.prompts),
+        "extras": dict(batch.extras),
+        "messages": batch.messages,
+    }
 
 
-def on_device(batch: PromptBatch, device: torch.device) -> PromptBatch:
-    return replace(batch, prompt_ids=batch.prompt_ids.to(device), prompt_mask=batch.prompt_mask.to(device))
+def from_saved(saved: dict[str, Any], device: torch.device) -> PromptBatch:
+    return PromptBatch(
+        saved["prompt_ids"].to(device),
+        saved["prompt_mask"].to(device),
+        saved["prompts"],
+        saved["extras"],
+        saved["messages"],
+    )
 
 
 class RolloutsAhead:
@@ -183,7 +196,7 @@ def check_ahead(max_staleness: int, generation: GenerationConfig, model_parallel
 PENDING_KEY = "lightning_ppo_pending"  # the checkpoint's entry: each rank's batches not trained yet
 
 
-def gather_objects(trainer: Any, mine: list[PromptBatch]) -> list[list[PromptBatch]]:
+def gather_objects(trainer: Any, mine: list[Any]) -> list[list[Any]]:
     """Every rank's list, by rank; every rank must call this (a collective under several ranks)."""
     if trainer is None or trainer.world_size == 1:
         return [mine]
@@ -193,10 +206,11 @@ def gather_objects(trainer: Any, mine: list[PromptBatch]) -> list[list[PromptBat
 
 
 def pending_of_rank(
-    saved: list[list[PromptBatch]] | None, trainer: Any, max_staleness: int
-) -> list[PromptBatch]:
-    """This rank's batches a checkpoint kept; refused if the ranks differ in number (each rank's
-    pipeline must hold as many batches as the others', or they would train different steps)."""
+    saved: list[list[dict[str, Any]]] | None, trainer: Any, max_staleness: int
+) -> list[dict[str, Any]]:
+    """This rank's saved batches (:func:`to_saved`) a checkpoint kept; refused if the ranks differ
+    in number (each rank's pipeline must hold as many batches as the others', or they would train
+    different steps)."""
     if not saved or not any(saved):
         return []
     world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
