@@ -288,9 +288,10 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     def on_fit_end(self) -> None:
         explain_idle_resume(self.trainer, getattr(self, "_resumed_at", None), self.iteration)
-        if self._ahead is not None:
+        if self._ahead is not None:  # the last checkpoint kept its pending batches; a new fit starts afresh
             self._ahead.close()
             say_untrained(len(self._ahead.pending()), self.ppo.max_staleness)
+            self._ahead, self._restored_pending = None, []
 
     def configure_model(self) -> None:
         shard_if_model_parallel(self, self.trainer.strategy, str(self.trainer.precision))  # FSDP2, once

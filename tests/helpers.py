@@ -497,8 +497,8 @@ class FailsInTheSecondIteration(Environment):
 
 class TrainedPromptLog(pl.Callback):
     """Appends ``ITERATION<TAB>PROMPT`` for every prompt trained, as each iteration ends (flushed and
-    synced: a SIGKILL right after loses nothing written). First in the callback list, so a checkpoint
-    saved at the same batch end comes after the line."""
+    synced: a SIGKILL right after loses nothing written); rank r > 0 to ``PATH.r``. First in the
+    callback list, so a checkpoint saved at the same batch end comes after the line."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -508,7 +508,8 @@ class TrainedPromptLog(pl.Callback):
         if module.iteration == self.seen or module.last_samples is None:
             return
         self.seen = module.iteration
-        with open(self.path, "a") as file:
+        path = self.path + (f".{trainer.global_rank}" if trainer.global_rank else "")
+        with open(path, "a") as file:
             file.writelines(f"{module.iteration}\t{prompt}\n" for prompt in module.last_samples.prompts)
             file.flush()
             os.fsync(file.fileno())
