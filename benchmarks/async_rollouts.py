@@ -3,9 +3,10 @@
     .venv-vllm/bin/python -m benchmarks.async_rollouts                # the table (server rows need vllm)
     .venv/bin/python -m benchmarks.async_rollouts --engines hf        # without vllm
     .venv-vllm/bin/python -m benchmarks.async_rollouts --iterations 3 --rounds 1   # a smoke run
+    .venv/bin/python -m benchmarks.async_rollouts --learning          # quickstart score per wall second
 
 The same PPO run (a 4 x 256 GPT-2 on the quickstart's task, batch 64, GAE, fp32), sized so that
-generating a batch and training on it take about as long (48 new tokens, 1 epoch x 2
+generating a batch and training on it take about as long (96 new tokens, 1 epoch x 2
 minibatches), each variant in a process of its own, alternated round by round:
 
 - ``hf``: the trainer's process on both cores, one thread each for its main and background thread
@@ -32,6 +33,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 64
+NEW_TOKENS = 96
+
+
+def torch_threads_one() -> None:
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def child(policy: str, engine: str, url: str | None, staleness: int, iterations: int) -> dict:
@@ -48,7 +56,7 @@ def child(policy: str, engine: str, url: str | None, staleness: int, iterations:
         policy=policy,
         reward_fn=DigitsReward(),
         ppo=PPOConfig(ppo_epochs=1, num_minibatches=2, max_staleness=staleness),
-        generation=GenerationConfig(max_new_tokens=48, engine=engine, **servers),
+        generation=GenerationConfig(max_new_tokens=NEW_TOKENS, engine=engine, **servers),
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5),
     )
     steps: list[float] = []
@@ -88,6 +96,50 @@ def child(policy: str, engine: str, url: str | None, staleness: int, iterations:
     return {"steps": counted, "generate": generating[2:] if generating else []}
 
 
+def learning(seeds: list[int], iterations: int) -> None:
+    """The quickstart (GAE, kl_coef 0.02, ``hf``), synchronous and one step off, seed by seed: the
+    score of the last 10 % of iterations against wall seconds (one torch thread per thread)."""
+    from lightning_ppo.callbacks import TrainingSummary
+    from lightning_ppo.cli import main as cli
+    from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="bench-async-learning-"))
+    policy = make_tiny_checkpoint(work / "digits", TinyModelSpec(), alphabet="0123456789=")
+    print("| seed | max_staleness | iterations | last score | final KL | wall s | score gained / wall s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for seed in seeds:
+        for staleness in (0, 1):
+            run = cli(
+                [
+                    *("fit", "--config", str(ROOT / "configs" / "quickstart.yaml")),
+                    *("--model.init_args.policy", str(policy), "--seed_everything", str(seed)),
+                    *(
+                        "--model.init_args.ppo.kl_coef",
+                        "0.02",
+                        "--model.init_args.ppo.max_staleness",
+                        str(staleness),
+                    ),
+                    *("--trainer.limit_train_batches", str(iterations + staleness)),
+                    *(
+                        "--trainer.default_root_dir",
+                        str(work / f"{seed}-{staleness}"),
+                        "--trainer.logger",
+                        "false",
+                    ),
+                    *("--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false"),
+                    *("--trainer.limit_val_batches", "0"),
+                    *("--trainer.callbacks", '[{"class_path": "lightning_ppo.callbacks.TrainingSummary"}]'),
+                ]
+            )
+            summary = next(cb for cb in run.trainer.callbacks if isinstance(cb, TrainingSummary)).summary
+            gained = (summary.last_score - summary.first_score) / summary.wall_seconds
+            print(
+                f"| {seed} | {staleness} | {summary.iterations} | {summary.last_score:.3f} | "
+                f"{summary.final_kl:.2f} | {summary.wall_seconds:.1f} | {gained:.4f} |",
+                flush=True,
+            )
+
+
 def _run(args: list[str], cores: str, threads: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     command = ["taskset", "-c", cores, sys.executable, "-m", "benchmarks.async_rollouts", "--child", *args]
@@ -103,7 +155,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--engines", default="hf,vllm_server")
     parser.add_argument("--child", nargs="*")
+    parser.add_argument("--learning", action="store_true", help="the quickstart's score per wall second")
     args = parser.parse_args()
+    if args.learning:
+        torch_threads_one()
+        learning([0, 1, 2], 60)
+        return
     if args.child:
         policy, engine, url, staleness, iterations = args.child
         print(json.dumps(child(policy, engine, None if url == "-" else url, int(staleness), int(iterations))))
@@ -112,7 +169,9 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-async-"))
     policy = make_tiny_checkpoint(
-        work / "policy", TinyModelSpec(n_layer=4, n_embd=256, n_head=4), alphabet="0123456789="
+        work / "policy",
+        TinyModelSpec(n_layer=4, n_embd=256, n_head=4, n_positions=128),
+        alphabet="0123456789=",
     )
     engines = args.engines.split(",")
     server = None
@@ -120,7 +179,7 @@ def main() -> None:
         from lightning_ppo.rollout.engines.local_server import LocalServer
 
         env = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
-        server = LocalServer(policy, work / "server.log", dtype="float32", env=env).wait_ready()
+        server = LocalServer(policy, work / "server.log", dtype="float32", env=env, cpus={1}).wait_ready()
     results: dict[tuple[str, int], list[dict]] = {}
     try:
         for _ in range(args.rounds):
@@ -133,9 +192,8 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-    print(
-        f"\n4 x 256 GPT-2, batch {BATCH} x 48 new tokens, {args.rounds} rounds x {args.iterations} iterations"
-    )
+    shape = f"batch {BATCH} x {NEW_TOKENS} new tokens, {args.rounds} rounds x {args.iterations} iterations"
+    print(f"\n4 x 256 GPT-2, {shape}")
     print("| engine | max_staleness | s / iteration (median) | vs synchronous | G (sync) | S + T (sync) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for engine in engines:

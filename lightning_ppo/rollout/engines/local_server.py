@@ -33,6 +33,8 @@ class LocalServer:
 
     ``env`` is added to the server's environment: on CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default
     1 here: vLLM's own default takes most of the machine's memory and a minute to allocate).
+    ``cpus`` pins every process of the server to those CPU cores (Linux), its API server and engine
+    core included (``VLLM_CPU_OMP_THREADS_BIND`` pins only the worker's threads).
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class LocalServer:
         vllm_args: tuple[str, ...] = ("--enforce-eager",),
         env: dict[str, str] | None = None,
         start_timeout: float = 240.0,
+        cpus: set[int] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -53,7 +56,12 @@ class LocalServer:
         command += ["--port", str(self.port), "--dtype", dtype, "--", *vllm_args]
         with open(self.log, "w") as out:
             self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=environment,
+                start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )
 
     def wait_ready(self) -> LocalServer:
