@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.common import pinned_child, timed_digits_fit
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 64
@@ -44,11 +43,10 @@ def torch_threads_one() -> None:
 
 def child(policy: str, engine: str, url: str | None, staleness: int, iterations: int) -> dict:
     """Per-iteration seconds of a run, and (synchronous) the share spent generating."""
-    import lightning.pytorch as pl
     import torch
 
     from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
-    from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
+    from lightning_ppo.tasks.digits import DigitsReward
 
     torch.set_num_threads(1)
     servers = {"server_urls": [url]} if url else {}
@@ -59,7 +57,6 @@ def child(policy: str, engine: str, url: str | None, staleness: int, iterations:
         generation=GenerationConfig(max_new_tokens=NEW_TOKENS, engine=engine, **servers),
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5),
     )
-    steps: list[float] = []
     generating: list[float] = []
     original = module.generate
 
@@ -71,27 +68,7 @@ def child(policy: str, engine: str, url: str | None, staleness: int, iterations:
 
     module.generate = timed_generate
 
-    class Clock(pl.Callback):
-        def on_train_batch_start(self, *args) -> None:
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, module, *args) -> None:
-            steps.append(time.perf_counter() - self.start)
-
-    batches = iterations + 2 + staleness
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=batches,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Clock()],
-    )
-    data = DigitsDataModule(num_prompts=BATCH * batches, batch_size=BATCH, max_prompt_length=16)
-    trainer.fit(module, data)
+    steps = timed_digits_fit(module, iterations + 2 + staleness, BATCH)
     counted = steps[2 + staleness :]
     return {"steps": counted, "generate": generating[2:] if generating else []}
 
@@ -141,12 +118,8 @@ def learning(seeds: list[int], iterations: int) -> None:
 
 
 def _run(args: list[str], cores: str, threads: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    command = ["taskset", "-c", cores, sys.executable, "-m", "benchmarks.async_rollouts", "--child", *args]
-    run = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
-    if run.returncode != 0:
-        raise RuntimeError(run.stderr[-3000:])
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    env = {"OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return pinned_child("benchmarks.async_rollouts", args, cores, env)
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import os
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import time
 import zlib
@@ -472,3 +473,46 @@ def quiet_fit_command(config: str, policy: str, out: Path, iterations: int) -> l
     cmd += ["--trainer.logger", '[{"class_path": "lightning_ppo.loggers.CSVLogger"}]']
     cmd += ["--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false"]
     return cmd
+
+
+def pinned_child(module: str, args: list[str], cores: str, env: dict[str, str]) -> dict:
+    """``python -m MODULE --child ARGS`` on ``cores`` (taskset), its environment added to ours; the
+    JSON of its last line of output."""
+    command = ["taskset", "-c", cores, sys.executable, "-m", module, "--child", *args]
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env}, cwd=root)
+    if run.returncode != 0:
+        raise RuntimeError(run.stderr[-3000:])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def timed_digits_fit(module: Any, batches: int, batch_size: int) -> list[float]:
+    """Fit ``module`` on the quickstart's digits task for ``batches`` batches on CPU, quietly; the
+    seconds of each training step (batch start to batch end)."""
+    import lightning.pytorch as pl
+
+    from lightning_ppo.tasks.digits import DigitsDataModule
+
+    seconds: list[float] = []
+
+    class Clock(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            seconds.append(time.perf_counter() - self.start)
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=batches,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Clock()],
+    )
+    data = DigitsDataModule(num_prompts=batch_size * batches, batch_size=batch_size, max_prompt_length=16)
+    trainer.fit(module, data)
+    return seconds

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.common import pinned_child, timed_digits_fit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,32 +56,7 @@ def _module(policy: str, engine: str, url: str | None, verify: bool = False):
 
 def child_iterations(policy: str, engine: str, url: str | None, iterations: int) -> list[float]:
     """Seconds of each PPO iteration of a run (this process: one thread, core 0)."""
-    import lightning.pytorch as pl
-
-    from lightning_ppo.tasks.digits import DigitsDataModule
-
-    times: list[float] = []
-
-    class Clock(pl.Callback):
-        def on_train_batch_start(self, *args) -> None:
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, *args) -> None:
-            times.append(time.perf_counter() - self.start)
-
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=iterations + 1,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Clock()],
-    )
-    data = DigitsDataModule(num_prompts=64 * (iterations + 1), batch_size=64, max_prompt_length=16)
-    trainer.fit(_module(policy, engine, url), data)
+    times = timed_digits_fit(_module(policy, engine, url), iterations + 1, 64)
     return times[1:]
 
 
@@ -115,23 +89,8 @@ def _start_server(policy: Path, log: Path):
 
 def _child(args: list[str]) -> dict:
     """Run this module as a child on core 0, one thread; its JSON answer."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    run = subprocess.run(
-        ["taskset", "-c", "0", sys.executable, "-m", "benchmarks.servers", "--child", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    if run.returncode != 0:
-        raise RuntimeError(run.stderr[-3000:])
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return pinned_child("benchmarks.servers", args, "0", {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
 def main() -> None:

@@ -513,3 +513,23 @@ class TrainedPromptLog(pl.Callback):
             file.writelines(f"{module.iteration}\t{prompt}\n" for prompt in module.last_samples.prompts)
             file.flush()
             os.fsync(file.fileno())
+
+
+def quickstart_csv_args(policy: Path | str, root: Path, overrides: dict[str, str]) -> list[str]:
+    """``fit`` arguments of configs/quickstart.yaml on ``policy`` under ``root``: the CSV logger, no
+    validation, bar, checkpoints or callbacks, then ``overrides``. On CPU a vLLM engine's KV budget
+    is this share of the node's memory minus what the process already holds (~1 GiB with Lightning
+    and the model loaded): 0.05 of 19 GiB left nothing, hence 0.15."""
+    args = {
+        "--config": str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
+        "--model.init_args.policy": str(policy),
+        "--model.init_args.generation.gpu_memory_utilization": "0.15",
+        "--trainer.limit_val_batches": "0",
+        "--trainer.default_root_dir": str(root),
+        "--trainer.logger": '{"class_path": "lightning_ppo.loggers.CSVLogger"}',
+        "--trainer.enable_progress_bar": "false",
+        "--trainer.enable_checkpointing": "false",
+        "--trainer.callbacks": "[]",
+        **overrides,
+    }
+    return ["fit", *(part for pair in args.items() for part in pair)]

@@ -29,7 +29,7 @@ from lightning_ppo.rollout.engines.vllm import VLLMEngine  # noqa: E402
 from lightning_ppo.rollout.episodes import Environment, EpisodeRunner, StepResult  # noqa: E402
 from lightning_ppo.rollout.sampling import generate, hf_generation_config  # noqa: E402
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
-from tests.helpers import prompt_data, quiet_trainer  # noqa: E402
+from tests.helpers import prompt_data, quickstart_csv_args, quiet_trainer  # noqa: E402
 
 # Measured on a 2-core x86 CPU, fp32, this model, 64 prompts x 8 tokens: the largest
 # |logp_engine - logp_trainer| over 5 batches (~450 sampled tokens each) was 2.4e-5, the mean
@@ -187,25 +187,9 @@ def _fit_in_a_process(
     64: the quickstart's four heads of 16 have no vLLM CPU attention kernel."""
     if policy is None:
         policy = make_tiny_checkpoint(tmp_path / "digits", TinyModelSpec(n_head=1), alphabet="0123456789=")
-    args = {
-        "--config": str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
-        "--model.init_args.policy": str(policy),
-        "--model.init_args.generation.engine": "vllm",
-        # On CPU vLLM's KV budget is this share of the node's memory minus what the process already
-        # holds (~1 GiB with Lightning and the model loaded): 0.05 of 19 GiB left nothing.
-        "--model.init_args.generation.gpu_memory_utilization": "0.15",
-        "--trainer.limit_val_batches": "0",
-        "--trainer.default_root_dir": str(tmp_path),
-        "--trainer.logger": '{"class_path": "lightning_ppo.loggers.CSVLogger"}',
-        "--trainer.enable_progress_bar": "false",
-        "--trainer.enable_checkpointing": "false",
-        "--trainer.callbacks": "[]",
-        **overrides,
-    }
-    command = [sys.executable, "-m", "lightning_ppo.cli", "fit"]  # Lightning re-runs it per rank
-    run = subprocess.run(
-        command + [part for pair in args.items() for part in pair], capture_output=True, text=True
-    )
+    args = quickstart_csv_args(policy, tmp_path, {"--model.init_args.generation.engine": "vllm", **overrides})
+    command = [sys.executable, "-m", "lightning_ppo.cli"]  # Lightning re-runs it per rank
+    run = subprocess.run(command + args, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     log = run.stdout + run.stderr  # vLLM logs to stdout
     assert not [text for text in OURS if text in log], log[-3000:]

@@ -31,6 +31,7 @@ from lightning_ppo.rollout.engines.server import VLLMServerEngine  # noqa: E402
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient  # noqa: E402
 from lightning_ppo.rollout.sampling import hf_generation_config  # noqa: E402
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
+from tests.helpers import quickstart_csv_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,27 +84,9 @@ def _prompts(policy: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fit(tmp_path: Path, policy: Path, overrides: dict[str, str]) -> subprocess.CompletedProcess:
-    args = {
-        "--config": str(ROOT / "configs" / "quickstart.yaml"),
-        "--model.init_args.policy": str(policy),
-        "--model.init_args.generation.gpu_memory_utilization": "0.15",
-        "--trainer.limit_val_batches": "0",
-        "--trainer.default_root_dir": str(tmp_path),
-        "--trainer.logger": '{"class_path": "lightning_ppo.loggers.CSVLogger"}',
-        "--trainer.enable_progress_bar": "false",
-        "--trainer.enable_checkpointing": "false",
-        "--trainer.callbacks": "[]",
-        **overrides,
-    }
-    command = [sys.executable, "-m", "lightning_ppo.cli", "fit"]
+    command = [sys.executable, "-m", "lightning_ppo.cli", *quickstart_csv_args(policy, tmp_path, overrides)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    return subprocess.run(
-        command + [part for pair in args.items() for part in pair],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
 
 
 def _rows(tmp_path: Path) -> list[dict[str, str]]:
