@@ -135,7 +135,11 @@ class RolloutsAhead:
             if not self.jobs:
                 self._start(self.unsampled.popleft(), version)
             oldest = self.jobs.popleft()
-            rollout, extra = oldest.future.result()  # a failure in the background is raised here
+            try:
+                rollout, extra = oldest.future.result()  # a failure in the background is raised here
+            except BaseException:
+                self.unsampled.appendleft(oldest.batch)  # still pending: a checkpoint saved now keeps it
+                raise
             self._start_waiting(version)
             if version - oldest.version > self.max_staleness:  # only where iterations were skipped
                 self.resampled += 1
