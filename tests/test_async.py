@@ -265,3 +265,24 @@ def test_two_ranks_sample_ahead_and_train_the_same_steps(tiny_digits, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for rank, log in enumerate([tmp_path / "log2", tmp_path / "log2.1"]):
         assert [p for i, p in _trained(log) if i == 4] == pending[rank][0]["prompts"]
+
+
+def test_a_batch_whose_sampling_failed_stays_pending():
+    """The background job raised (a server died): the error reaches the training step, and the batch
+    is still among those a checkpoint would keep."""
+    from lightning_ppo.rollout.ahead import RolloutsAhead
+
+    def prepare(batch):
+        def sample(batch):
+            raise ConnectionError("the server went away")
+
+        return sample
+
+    ahead = RolloutsAhead(1, prepare)
+    try:
+        assert ahead.next("batch 0", 0) is None
+        with pytest.raises(ConnectionError, match="went away"):
+            ahead.next("batch 1", 0)
+        assert sorted(ahead.pending()) == ["batch 0", "batch 1"]
+    finally:
+        ahead.close()
