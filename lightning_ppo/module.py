@@ -746,12 +746,12 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         checkpoint[PPO_STATE_KEY] = PPOState.of(self).to_dict()
         if self.ppo.max_staleness > 0:  # every rank's batches handed in and not trained yet
             mine = [to_saved(b) for b in self._ahead.pending()] if self._ahead else self._restored_pending
-            checkpoint[PENDING_KEY] = gather_objects(self.trainer, mine)
+            checkpoint[PENDING_KEY] = gather_objects(self._trainer, mine)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_resumable(checkpoint, dict(self.hparams), without_frozen(self.state_dict(), self))
         PPOState.from_dict(checkpoint.get(PPO_STATE_KEY, {})).restore(self)
         self._restored_pending = pending_of_rank(
-            checkpoint.get(PENDING_KEY), self.trainer, self.ppo.max_staleness
+            checkpoint.get(PENDING_KEY), self._trainer, self.ppo.max_staleness
         )
         self._resumed_at = self.iteration
