@@ -70,6 +70,8 @@ def test_engine_metrics_by_hand():
     stats = engine_metrics(LOGPROBS, ENGINE, MASK, "token", cap=1.5)
     assert stats["engine/logp_abs_diff"].item() == pytest.approx(0.75)  # (0.5 + 1.0) / 2
     assert stats["engine/is_truncated_fraction"].item() == pytest.approx(0.5)  # exp(0.5) > 1.5 only
+    # weights exp(0.5) and exp(-1.0): their spread is half their difference
+    assert stats["engine/is_weight_std"].item() == pytest.approx((math.exp(0.5) - math.exp(-1.0)) / 2)
 
 
 @pytest.mark.parametrize(

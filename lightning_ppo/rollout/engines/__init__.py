@@ -143,12 +143,15 @@ def engine_metrics(
 
     ``engine/logp_abs_diff`` is the mean |logp_engine - logp_trainer| over real tokens;
     ``engine/is_truncated_fraction`` the fraction of real tokens whose importance weight (at
-    ``level``, ``token`` when no correction is applied) would be truncated at ``cap``.
+    ``level``, ``token`` when no correction is applied) would be truncated at ``cap``;
+    ``engine/is_weight_std`` the spread of those weights before truncation (0: the engine sampled
+    from the trainer's distribution).
     """
-    log_ratio = F.engine_log_ratio(logprobs, engine_logprobs, mask, level)
+    weights = F.engine_log_ratio(logprobs, engine_logprobs, mask, level).exp()
     return {
         "engine/logp_abs_diff": F.masked_mean((logprobs - engine_logprobs).abs(), mask),
-        "engine/is_truncated_fraction": F.masked_mean((log_ratio.exp() > cap).float(), mask),
+        "engine/is_truncated_fraction": F.masked_mean((weights > cap).float(), mask),
+        "engine/is_weight_std": F.masked_var(weights, mask, unbiased=False).sqrt(),
     }
 
 
