@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
-from lightning_ppo.rollout.engines.server_sync import checksum, mismatch, write_weights
+from lightning_ppo.rollout.engines.server_sync import checksum, combine_workers, mismatch, write_weights
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.serve import EXTENSION, server_command
 from tests.helpers import prompt_data, quiet_trainer
@@ -225,3 +225,16 @@ def tiny_policy(tmp_path: Path) -> Path:
     from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path / "policy", TinyModelSpec(), alphabet="0123456789=")
+
+
+def test_a_tensor_parallel_servers_workers_add_up_to_the_whole_tensors():
+    """Two TP workers: a column-parallel weight split in halves, a norm replicated on both."""
+    torch.manual_seed(0)
+    weight, norm = torch.randn(8, 4), torch.randn(4)
+    workers = [_held({"w": half, "norm": norm}) for half in weight.chunk(2)]
+    combined = combine_workers(workers)
+    assert combined["norm"] == workers[0]["norm"]  # counted once
+    assert mismatch({"w": checksum(weight), "norm": checksum(norm)}, combined, {}) is None
+    assert (
+        mismatch({"w": checksum(weight), "norm": checksum(norm)}, workers[0], {}) is not None
+    )  # one shard is not the whole

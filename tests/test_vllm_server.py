@@ -25,11 +25,12 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from lightning_ppo import GenerationConfig  # noqa: E402
 from lightning_ppo.models.loading import load_causal_lm  # noqa: E402
+from lightning_ppo.models.roles import LoraSettings, apply_lora  # noqa: E402
 from lightning_ppo.rollout.engines import Placement  # noqa: E402
 from lightning_ppo.rollout.engines.local_server import LocalServer  # noqa: E402
 from lightning_ppo.rollout.engines.server import VLLMServerEngine  # noqa: E402
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient  # noqa: E402
-from lightning_ppo.rollout.sampling import hf_generation_config  # noqa: E402
+from lightning_ppo.rollout.sampling import generate, hf_generation_config  # noqa: E402
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
 from tests.helpers import quickstart_csv_args  # noqa: E402
 
@@ -151,11 +152,19 @@ def test_a_server_run_resumes_exactly(servers, policy, tmp_path):
         assert [r[key] for r in b] == [r[key] for r in a[2:]], key
 
 
+FSDP2 = (
+    '{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy", '
+    '"init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}'
+)
+
+
 @pytest.mark.slow
 @pytest.mark.ranks
-def test_two_ranks_sample_on_two_servers_synced_by_rank_zero(servers, policy, tmp_path):
-    """DDP on two CPU ranks: rank 0 syncs both servers, both ranks spread their requests over them,
-    and every rank samples from the updated weights (the logged mismatch stays at float rounding)."""
+@pytest.mark.parametrize("strategy", ["ddp", FSDP2], ids=["ddp", "fsdp2"])
+def test_two_ranks_sample_on_two_servers_synced_by_rank_zero(servers, policy, tmp_path, strategy):
+    """Two CPU ranks, DDP or FSDP2 (every weight gathered from its shards for the sync): rank 0 syncs
+    both servers, every sync checked; both ranks spread their requests over them, and every rank
+    samples from the updated weights (the logged mismatch stays at float rounding)."""
     urls = json.dumps([s.url for s in servers])
     before = [s.completed() for s in servers]
     run = _fit(
@@ -166,7 +175,7 @@ def test_two_ranks_sample_on_two_servers_synced_by_rank_zero(servers, policy, tm
             "--model.init_args.generation.server_urls": urls,
             "--model.init_args.generation.verify_sync": "true",
             "--trainer.devices": "2",
-            "--trainer.strategy": "ddp",
+            "--trainer.strategy": strategy,
             "--trainer.limit_train_batches": "3",
         },
     )
@@ -176,6 +185,32 @@ def test_two_ranks_sample_on_two_servers_synced_by_rank_zero(servers, policy, tm
     assert all(float(r["engine/logp_abs_diff"]) < 1e-4 for r in rows)
     # 3 iterations x 2 ranks x 64 prompts, half of each rank's to each server
     assert [s.completed() - b for s, b in zip(servers, before, strict=True)] == [192, 192]
+
+
+def test_a_lora_policy_is_synced_as_base_plus_delta(servers, policy):
+    """A PeftModel with a non-zero adapter: the server holds base + B A (checked by its checksums),
+    greedy decoding on it equals HF generate on the PeftModel, and the adapter stays unmerged."""
+    engine, _ = _engine(policy, [servers[0].url], verify_sync=True)
+    lora = apply_lora(load_causal_lm(str(policy)), LoraSettings(r=4))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.5 * torch.randn_like(param))  # PEFT starts B at 0: make the adapter matter
+    ids, mask = _prompts(policy)
+    greedy = hf_generation_config(
+        engine.config, engine.hf_generation.eos_token_id, engine.hf_generation.pad_token_id, do_sample=False
+    )
+    expected = generate(lora, ids, mask, greedy)
+    assert not torch.equal(
+        expected.response_ids, generate(load_causal_lm(str(policy)), ids, mask, greedy).response_ids
+    )
+    engine.hf_generation = greedy
+    engine.sync_weights(lora)
+    rollout = engine.generate(ids, mask)
+    assert torch.equal(rollout.response_ids, expected.response_ids)
+    assert torch.equal(rollout.response_mask, expected.response_mask)
+    assert not any(getattr(m, "merged", False) for m in lora.modules())
 
 
 def test_a_sync_that_moves_nothing_is_caught(servers, policy):

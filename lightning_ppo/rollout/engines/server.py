@@ -30,7 +30,7 @@ from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rollout.engines import Placement
 from lightning_ppo.rollout.engines.completions import completions_to_rollout
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
-from lightning_ppo.rollout.engines.server_sync import mismatch, write_weights
+from lightning_ppo.rollout.engines.server_sync import combine_workers, mismatch, write_weights
 from lightning_ppo.rollout.engines.weights import hf_weights
 from lightning_ppo.runs.bounded_calls import run_bounded
 
@@ -97,7 +97,7 @@ class VLLMServerEngine:
         verify = self.config.verify_sync or self.syncs == 0
         try:
             for server, described in zip(self.servers, self.described, strict=True):
-                held = server.rpc("lppo_load", str(written.path), "1" if verify else "0")
+                held = server.rpc_all("lppo_load", str(written.path), "1" if verify else "0")
                 if verify:
                     self._verify(server, written.checksums, held, described["packed_modules"])
                 server.post("/reset_prefix_cache")  # cached KV blocks came from the old weights
@@ -105,10 +105,10 @@ class VLLMServerEngine:
         finally:
             written.path.unlink(missing_ok=True)
 
-    def _verify(self, server: ServerClient, written: dict, held: Any, packed: dict) -> None:
-        if not isinstance(held, dict):
+    def _verify(self, server: ServerClient, written: dict, held: list[Any], packed: dict) -> None:
+        if not all(isinstance(answer, dict) for answer in held):
             raise server.error("/collective_rpc lppo_load", f"answered {str(held)[:200]!r}, not checksums")
-        problem = mismatch(written, held, packed)
+        problem = mismatch(written, combine_workers(held), packed)
         if problem is not None:
             raise server.error(
                 "weight sync",

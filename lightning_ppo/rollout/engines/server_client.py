@@ -40,13 +40,17 @@ class ServerClient:
         return self._call(request, route)
 
     def rpc(self, method: str, *args: str) -> Any:
-        """A call of the worker extension's ``method`` (:mod:`.server_worker`) on the server's one
-        worker (several under tensor parallelism: their answers must agree, the first is returned)."""
+        """A call of the worker extension's ``method`` (:mod:`.server_worker`): the first worker's
+        answer (the only one without tensor parallelism; for methods whose answers agree)."""
+        return self.rpc_all(method, *args)[0]
+
+    def rpc_all(self, method: str, *args: str) -> list[Any]:
+        """Every worker's answer to ``method``, in the server's worker order (one per TP rank)."""
         answer = self.post("/collective_rpc", {"method": method, "args": list(args), "timeout": self.timeout})
         results = answer.get("results") if isinstance(answer, dict) else None
         if not results:
             raise self.error(f"/collective_rpc {method}", f"no result in {str(answer)[:200]!r}")
-        return results[0]
+        return results
 
     def error(self, route: str, what: str) -> GenerationServerError:
         return GenerationServerError(f"generation server {self.url} ({route}): {what}")

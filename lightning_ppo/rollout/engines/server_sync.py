@@ -86,6 +86,18 @@ def _sources(name: str, written: Mapping[str, Checksum], packed: Mapping[str, li
     return [f"{parent}.{part}.{leaf}" for part in packed.get(fused, ())]
 
 
+def combine_workers(answers: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """One server's checksums from its workers' (one per tensor-parallel rank): a parameter every
+    worker reports alike is replicated (a norm, a row-parallel bias) and counts once; one whose
+    workers differ is sharded, and its shards' sums add up to the whole tensor's."""
+    combined = {}
+    for name in answers[0]:
+        parts = [answer[name] for answer in answers]
+        same = all(part == parts[0] for part in parts)
+        combined[name] = list(parts[0]) if same else [sum(column) for column in zip(*parts, strict=True)]
+    return combined
+
+
 def mismatch(
     written: Mapping[str, Checksum], held: Mapping[str, list[float]], packed: Mapping[str, list[str]]
 ) -> str | None:
