@@ -63,8 +63,10 @@ def test_kill_during_a_save_keeps_the_previous_last_ckpt_and_resumes(tiny_digits
         tmp_path / "ckpt" / f".last.ckpt.tmp-{host_name()}-{process.pid}",
     )
     deadline = time.monotonic() + 60
-    # the third save is under way (and stalls half-written) once the second one is complete
-    while not (temp.exists() and last.exists() and _iteration(last) == 2) and process.poll() is None:
+    # the third save is under way (and stalls half-written) once the second one is complete. Checked
+    # in this order: a temporary file seen before last.ckpt read as iteration 2 may be the second
+    # save's, renamed in between (seen once under load: the kill then found no temporary file).
+    while not (last.exists() and _iteration(last) == 2 and temp.exists()) and process.poll() is None:
         assert time.monotonic() < deadline, "the third save never started"
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
