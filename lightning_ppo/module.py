@@ -55,7 +55,7 @@ from lightning_ppo.reward_setup import RewardSetup
 from lightning_ppo.rewards import RewardLike, RunningMoments, ScoreInputs, check_scores
 from lightning_ppo.rollout.ahead import (
     PENDING_KEY,
-    PolicySnapshots,
+    BackgroundJobs,
     RolloutsAhead,
     Sampled,
     check_ahead,
@@ -64,7 +64,6 @@ from lightning_ppo.rollout.ahead import (
     pending_of_rank,
     say_untrained,
     to_saved,
-    with_behaviour_logprobs,
 )
 from lightning_ppo.rollout.engines import (
     GenerationEngine,
@@ -72,7 +71,6 @@ from lightning_ppo.rollout.engines import (
     engine_is_weights,
     engine_mismatch,
 )
-from lightning_ppo.rollout.engines.hf import HFEngine
 from lightning_ppo.rollout.episodes import Environment, StepResult, make_episode_runner
 from lightning_ppo.rollout.prompts import PromptBatch, PromptEndWarning
 from lightning_ppo.rollout.sampling import SamplingSetup, generate
@@ -215,7 +213,6 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.policy_path = policy
         self._engine: GenerationEngine | None = None
         self._ahead: RolloutsAhead | None = None  # ppo.max_staleness > 0 (lightning_ppo.rollout.ahead)
-        self._snapshots: PolicySnapshots | None = None
         self._restored_pending: list[dict[str, Any]] = []  # a checkpoint's, until sampling starts
         self._compiled_loss: Callable | None = None  # ppo_loss under torch.compile (ppo.torch_compile)
         self.optimizer_factory = optimizer or partial(optim.default_optimizer, lora=lora is not None)
@@ -421,42 +418,21 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         if self.ppo.max_staleness == 0:
             return Sampled(batch, self.generate(batch), self.iteration)
         if self._ahead is None:
-            self._ahead = RolloutsAhead(self.ppo.max_staleness, self._start_sampling)
+            jobs = BackgroundJobs(
+                self.policy,
+                lambda: self.iteration,
+                self.engine if self.generation_config.engine == "vllm_server" else None,
+                self.hf_generation,
+                self.generation_config.cache_implementation,
+                self.episode_runner,
+                self.token_logprobs,
+                self.global_rank,
+                self.prompt_end.check,
+                self.ppo.max_staleness,
+            )
+            self._ahead = RolloutsAhead(self.ppo.max_staleness, jobs.start, jobs.taken)
             self._ahead.restore([from_saved(b, self.device) for b in self._restored_pending])
-        sampled = self._ahead.next(batch, self.iteration)
-        if sampled is not None and self.episode_runner is not None:
-            self.episode_runner.last_stats, self.episode_runner.transcripts = sampled.extra
-        return sampled
-
-    def _start_sampling(self, batch: PromptBatch) -> Callable[[PromptBatch], tuple[Rollout, Any]]:
-        """On the main thread, as a batch's background job starts: the weights it samples from.
-
-        A server is synced here (every rank joins); ``hf`` samples from a snapshot of the policy,
-        which also gives the behaviour log-probs."""
-        self.prompt_end.check(batch)
-        if self.generation_config.engine == "vllm_server":
-            self.engine.sync_weights(self.policy)
-            return partial(self._sample_ahead, self.engine, None, self.iteration)
-        if self._snapshots is None:
-            self._snapshots = PolicySnapshots(self.policy, self.ppo.max_staleness)
-        snapshot = self._snapshots.take(self.policy)
-        engine = HFEngine(self.hf_generation, self.generation_config.cache_implementation)
-        engine.sync_weights(snapshot)
-        return partial(self._sample_ahead, engine, snapshot, self.iteration)
-
-    def _sample_ahead(
-        self, engine: GenerationEngine, snapshot: torch.nn.Module | None, iteration: int, batch: PromptBatch
-    ) -> tuple[Rollout, Any]:
-        """On the background thread: the rollout (and an episode runner's stats, read here, where
-        the next job cannot overwrite them). No collective: each rank samples on its own."""
-        if self.episode_runner is None:
-            rollout, extra = engine.generate(batch.prompt_ids, batch.prompt_mask), None
-        else:
-            rollout = self.episode_runner.run(engine, batch, iteration, self.global_rank, lambda flag: flag)
-            extra = (self.episode_runner.last_stats, self.episode_runner.transcripts)
-        if snapshot is not None:
-            rollout = with_behaviour_logprobs(rollout, snapshot, self.token_logprobs)
-        return rollout, extra
+        return self._ahead.next(batch, self.iteration)
 
     def generate(self, batch: PromptBatch) -> Rollout:
         """Sample one response (or, with an environment, one episode) per (repeated) prompt."""

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from torch import Tensor, nn
 from lightning_ppo.config import GenerationConfig
 from lightning_ppo.models.loading import response_logits
 from lightning_ppo.ppo.rollout_data import Rollout
+from lightning_ppo.rollout.engines.hf import HFEngine
 from lightning_ppo.rollout.prompts import PromptBatch
 from lightning_ppo.runs.errors import UsageError
 
@@ -91,6 +93,61 @@ def with_behaviour_logprobs(
     return replace(rollout, engine_logprobs=logprobs)
 
 
+@dataclass
+class BackgroundJobs:
+    """How a batch's job starts on the main thread (:meth:`start`) and samples on the background
+    thread, and what is put back when its rollout trains (:meth:`taken`).
+
+    ``server`` is the ``vllm_server`` engine, synced as each job starts (every rank joins); without
+    it (``hf``) a job samples from a snapshot of ``policy``, which also gives the behaviour
+    log-probs. No collective runs on the background thread: each rank samples on its own.
+    """
+
+    policy: nn.Module
+    iteration: Callable[[], int]
+    server: Any  # a GenerationEngine (vllm_server), or None for hf
+    hf_generation: Any  # transformers.GenerationConfig
+    cache: str
+    episode_runner: Any  # an EpisodeRunner, or None
+    token_logprobs: Callable[[Tensor, Tensor], Tensor]
+    rank: int
+    check_prompts: Callable[[PromptBatch], None]
+    max_staleness: int
+    snapshots: PolicySnapshots | None = None
+
+    def start(self, batch: PromptBatch) -> Sampler:
+        self.check_prompts(batch)
+        if self.server is not None:
+            self.server.sync_weights(self.policy)
+            return partial(self._sample, self.server, None, self.iteration())
+        if self.snapshots is None:
+            self.snapshots = PolicySnapshots(self.policy, self.max_staleness)
+        snapshot = self.snapshots.take(self.policy)
+        engine = HFEngine(self.hf_generation, self.cache)
+        engine.sync_weights(snapshot)
+        return partial(self._sample, engine, snapshot, self.iteration())
+
+    def taken(self, sampled: Sampled) -> None:
+        """The episode runner's stats and transcripts of the batch about to train (the runner's own
+        are the latest job's)."""
+        if self.episode_runner is not None:
+            self.episode_runner.last_stats, self.episode_runner.transcripts = sampled.extra
+
+    def _sample(
+        self, engine: Any, snapshot: nn.Module | None, iteration: int, batch: PromptBatch
+    ) -> tuple[Rollout, Any]:
+        """On the background thread: the rollout, and an episode runner's stats (read here, where the
+        next job cannot overwrite them)."""
+        if self.episode_runner is None:
+            rollout, extra = engine.generate(batch.prompt_ids, batch.prompt_mask), None
+        else:
+            rollout = self.episode_runner.run(engine, batch, iteration, self.rank, lambda flag: flag)
+            extra = (self.episode_runner.last_stats, self.episode_runner.transcripts)
+        if snapshot is not None:
+            rollout = with_behaviour_logprobs(rollout, snapshot, self.token_logprobs)
+        return rollout, extra
+
+
 def to_saved(batch: PromptBatch) -> dict[str, Any]:
     """The batch as a checkpoint keeps it: plain values and CPU tensors, which ``torch.load``'s
     ``weights_only`` reads (a ``PromptBatch`` it would refuse)."""
@@ -117,12 +174,19 @@ class RolloutsAhead:
     """Sampling ``max_staleness`` batches ahead of training, on one background thread.
 
     ``prepare(batch)`` runs on the main thread when a batch's job starts (sync a server, take a
-    snapshot) and returns the function the background thread samples with.
+    snapshot) and returns the function the background thread samples with; ``taken(sampled)`` runs
+    when a rollout is handed to training (:class:`BackgroundJobs` gives both).
     """
 
-    def __init__(self, max_staleness: int, prepare: Callable[[PromptBatch], Sampler]) -> None:
+    def __init__(
+        self,
+        max_staleness: int,
+        prepare: Callable[[PromptBatch], Sampler],
+        taken: Callable[[Sampled], None] = lambda sampled: None,
+    ) -> None:
         self.max_staleness = max_staleness
         self.prepare = prepare
+        self.taken = taken
         self.jobs: deque[_Job] = deque()
         self.unsampled: deque[PromptBatch] = deque()  # restored from a checkpoint: sampled again first
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-ppo-rollouts")
@@ -145,7 +209,9 @@ class RolloutsAhead:
                 self.resampled += 1
                 self.unsampled.appendleft(oldest.batch)
                 continue
-            return Sampled(oldest.batch, rollout, oldest.version, extra)
+            sampled = Sampled(oldest.batch, rollout, oldest.version, extra)
+            self.taken(sampled)
+            return sampled
         self._start_waiting(version)
         return None
 
