@@ -17,6 +17,7 @@ Light on purpose: it runs before torch or Lightning would load.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import socket
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from lightning_ppo.runs.errors import VLLM_INSTALL_HINT, MissingPathError, UsageError
 
+log = logging.getLogger(__name__)
 EXTENSION = "lightning_ppo.rollout.engines.server_worker.WeightSyncExtension"
 REQUIRED_FLAGS = {
     "--generation-config": "vllm",
@@ -67,6 +69,17 @@ def server_command(policy: str, host: str, port: int, dtype: str, extra: list[st
     return command + extra
 
 
+def _say_on_stdout() -> None:
+    """This command's messages (the command line, the URL) go to stdout as plain lines: they are
+    its output, to copy into a config. Once; vLLM then sets up its own logging."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 def main(argv: list[str]) -> None:
     """Check the inputs, say which URL to configure, and become the vLLM server."""
     ours, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
@@ -76,14 +89,19 @@ def main(argv: list[str]) -> None:
     command = server_command(str(Path(args.policy).resolve()), args.host, args.port, args.dtype, extra)
     # Listening on every address: the trainer reaches it by this machine's name.
     url = f"http://{socket.gethostname() if args.host in ('0.0.0.0', '::', '') else args.host}:{args.port}"
+    _say_on_stdout()
     if args.print_command:
-        print("VLLM_SERVER_DEV_MODE=1 " + shlex.join(command))
+        log.info("VLLM_SERVER_DEV_MODE=1 %s", shlex.join(command))
         return
     if find_spec("vllm") is None:
         raise UsageError(f"lightning-ppo serve needs the vllm package: {VLLM_INSTALL_HINT}")
-    print(
-        f"lightning-ppo serve: starting vLLM for {args.policy} at {url}; in the run's config:\n"
-        f"  generation:\n    engine: vllm_server\n    server_urls: [{url}]",
-        flush=True,
+    log.info(
+        "lightning-ppo serve: starting vLLM for %s at %s; in the run's config:\n"
+        "  generation:\n    engine: vllm_server\n    server_urls: [%s]",
+        args.policy,
+        url,
+        url,
     )
+    for handler in log.handlers:
+        handler.flush()
     os.execve(sys.executable, command, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
