@@ -533,3 +533,18 @@ def quickstart_csv_args(policy: Path | str, root: Path, overrides: dict[str, str
         **overrides,
     }
     return ["fit", *(part for pair in args.items() for part in pair)]
+
+
+def lora_that_matters(policy_dir: Path | str, seed: int = 2) -> Any:
+    """The checkpoint at ``policy_dir`` with a rank-4 LoRA adapter whose B factors are random (PEFT
+    starts them at 0, which would leave the adapter without effect)."""
+    from lightning_ppo.models.loading import load_causal_lm
+    from lightning_ppo.models.roles import LoraSettings, apply_lora
+
+    policy = apply_lora(load_causal_lm(str(policy_dir)), LoraSettings(r=4))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.5 * torch.randn_like(param))
+    return policy

@@ -23,13 +23,12 @@ from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule  # noq
 from lightning_ppo.callbacks import summarise  # noqa: E402
 from lightning_ppo.config import EpisodeConfig  # noqa: E402
 from lightning_ppo.models.loading import load_causal_lm, response_logits  # noqa: E402
-from lightning_ppo.models.roles import LoraSettings, apply_lora  # noqa: E402
 from lightning_ppo.ppo import functional as F  # noqa: E402
 from lightning_ppo.rollout.engines.vllm import VLLMEngine  # noqa: E402
 from lightning_ppo.rollout.episodes import Environment, EpisodeRunner, StepResult  # noqa: E402
 from lightning_ppo.rollout.sampling import generate, hf_generation_config  # noqa: E402
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
-from tests.helpers import prompt_data, quickstart_csv_args, quiet_trainer  # noqa: E402
+from tests.helpers import lora_that_matters, prompt_data, quickstart_csv_args, quiet_trainer  # noqa: E402
 
 # Measured on a 2-core x86 CPU, fp32, this model, 64 prompts x 8 tokens: the largest
 # |logp_engine - logp_trainer| over 5 batches (~450 sampled tokens each) was 2.4e-5, the mean
@@ -147,12 +146,7 @@ def test_after_a_ppo_iteration_the_engine_samples_from_the_updated_policy(module
 
 def test_lora_policy_is_pushed_merged_and_left_unmerged(module, policy_dir):
     """The engine samples from base + adapter; the trained PeftModel keeps its adapter apart."""
-    policy = apply_lora(load_causal_lm(str(policy_dir)), LoraSettings(r=4))
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.5 * torch.randn_like(p))  # PEFT starts B at 0: make the adapter matter
+    policy = lora_that_matters(policy_dir)
     batch = _batch(module)
     greedy = hf_generation_config(module.generation_config, module.stop_token_id, 0, do_sample=False)
     expected = generate(policy, batch.prompt_ids, batch.prompt_mask, greedy)

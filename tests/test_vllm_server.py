@@ -25,14 +25,13 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from lightning_ppo import GenerationConfig  # noqa: E402
 from lightning_ppo.models.loading import load_causal_lm  # noqa: E402
-from lightning_ppo.models.roles import LoraSettings, apply_lora  # noqa: E402
 from lightning_ppo.rollout.engines import Placement  # noqa: E402
 from lightning_ppo.rollout.engines.local_server import LocalServer  # noqa: E402
 from lightning_ppo.rollout.engines.server import VLLMServerEngine  # noqa: E402
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient  # noqa: E402
 from lightning_ppo.rollout.sampling import generate, hf_generation_config  # noqa: E402
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
-from tests.helpers import quickstart_csv_args  # noqa: E402
+from tests.helpers import lora_that_matters, quickstart_csv_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,12 +190,7 @@ def test_a_lora_policy_is_synced_as_base_plus_delta(servers, policy):
     """A PeftModel with a non-zero adapter: the server holds base + B A (checked by its checksums),
     greedy decoding on it equals HF generate on the PeftModel, and the adapter stays unmerged."""
     engine, _ = _engine(policy, [servers[0].url], verify_sync=True)
-    lora = apply_lora(load_causal_lm(str(policy)), LoraSettings(r=4))
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for name, param in lora.named_parameters():
-            if "lora_B" in name:
-                param.copy_(0.5 * torch.randn_like(param))  # PEFT starts B at 0: make the adapter matter
+    lora = lora_that_matters(policy)
     ids, mask = _prompts(policy)
     greedy = hf_generation_config(
         engine.config, engine.hf_generation.eos_token_id, engine.hf_generation.pad_token_id, do_sample=False
