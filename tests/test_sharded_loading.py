@@ -114,3 +114,43 @@ def test_sharded_loading_gives_each_rank_todays_weights_in_every_layout(
             assert got["differences"] == [], (name, got)
             assert got["same_rng"] and got["modes"] and got["generation_config"], (name, got)
             assert got["tied"] == [name != "shared-llama"] * 2  # GPT-2 ties its LM head to the embedding
+
+
+def _moe_with_a_router_bias(out: Path) -> tuple[str, torch.Tensor]:
+    """A tiny DeepSeek-V3 (MoE) saved under its own parameter names, its router's correction bias (a
+    persistent buffer, zeros at init) set to something else: as a trained MoE checkpoint holds it."""
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=32, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config)
+    bias = model.get_buffer("model.layers.1.mlp.gate.e_score_correction_bias")
+    with torch.no_grad():
+        bias.copy_(torch.linspace(-2.0, 2.0, bias.numel()))
+    model.config.save_pretrained(out)
+    tensors = {name: t.contiguous() for name, t in model.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out), bias.clone()
+
+
+def test_a_skeleton_reads_the_persistent_buffers_its_checkpoint_holds(tmp_path):
+    from lightning_ppo.distributed.sharded_loading import deferred_loading, is_skeleton, load_deferred
+    from lightning_ppo.models.loading import load_causal_lm
+
+    path, bias = _moe_with_a_router_bias(tmp_path)
+    whole = load_causal_lm(path)
+    with deferred_loading():
+        skeleton = load_causal_lm(path)
+    assert is_skeleton(skeleton)  # read tensor by tensor from the files, not whole
+    load_deferred(skeleton, [skeleton], torch.device("cpu"))
+    assert torch.equal(skeleton.get_buffer("model.layers.1.mlp.gate.e_score_correction_bias"), bias)
+    assert _differences(whole, skeleton) == []
+    ids = torch.arange(12).reshape(2, 6)
+    assert torch.equal(skeleton(input_ids=ids).logits, whole(input_ids=ids).logits)

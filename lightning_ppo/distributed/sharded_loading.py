@@ -8,8 +8,9 @@ remembering where each parameter lies in the checkpoint's safetensors files. ``c
 shards the roles under FSDP2, then :func:`load_deferred` gives each meta parameter memory on the
 root device and reads into it the rows of the file that its rank's shard holds (FSDP2 shards dim 0;
 elsewhere every row), with plain reads at file offsets: each rank reads 1/N of every file and never
-maps a whole one. Everything built for real (value heads, LoRA adapters, buffers) keeps its value,
-so the weights are those a whole ``from_pretrained`` gives.
+maps a whole one. A persistent buffer the checkpoint holds (an MoE router's correction bias) is read
+the same way, whole; everything else built for real (value heads, LoRA adapters, buffers computed
+from the config) keeps its value, so the weights are those a whole ``from_pretrained`` gives.
 
 A checkpoint that is not plain safetensors holding every parameter under the model's own names
 (``.bin`` files, renamed or fused keys) is loaded whole as before: slower to start, the same weights.
@@ -35,7 +36,7 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
 _DEFERRING: ContextVar[bool] = ContextVar("lightning_ppo_deferring", default=False)
-SOURCES = "lightning_ppo_checkpoint_sources"  # attribute of a skeleton: {parameter name: TensorSource}
+SOURCES = "lightning_ppo_checkpoint_sources"  # of a skeleton: {parameter or buffer name: TensorSource}
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -163,13 +164,14 @@ def build_skeleton(
         model = auto_class.from_config(
             config, trust_remote_code=trust_remote_code, dtype=dtype or _checkpoint_dtype(config, tensors)
         )
-    if any(buffer.is_meta for buffer in model.buffers()):
-        return None  # a buffer made with torch.empty and filled in __init__: its values would be lost
     model.eval()  # as from_pretrained leaves it
     if model.can_generate():
         model.generation_config = _generation_config(name_or_path)
     sources, missing = _map_parameters(model, tensors)
-    setattr(model, SOURCES, sources)
+    buffers = _map_buffers(model, tensors)
+    if any(buffer.is_meta for name, buffer in model.named_buffers() if name not in buffers):
+        return None  # a buffer made with torch.empty and filled in __init__: its values would be lost
+    setattr(model, SOURCES, {**sources, **buffers})
     return Skeleton(model, missing)
 
 
@@ -215,6 +217,24 @@ def _map_parameters(
     return sources, missing
 
 
+def _map_buffers(model: PreTrainedModel, tensors: dict[str, TensorSource]) -> dict[str, TensorSource]:
+    """The checkpoint tensor of each persistent buffer the checkpoint holds, as ``from_pretrained``
+    reads them (a trained MoE router's correction bias is not its init value of 0). A persistent
+    buffer the checkpoint lacks keeps its value from the config, as there; non-persistent ones
+    (rotary frequencies) are never in a checkpoint."""
+    prefix = f"{model.base_model_prefix}." if model.base_model_prefix else None
+    sources = {}
+    for name, buffer in model.named_buffers():
+        parent, _, attr = name.rpartition(".")
+        if attr in model.get_submodule(parent)._non_persistent_buffers_set:
+            continue
+        candidates = [name, prefix + name, name.removeprefix(prefix)] if prefix else [name]
+        found = [tensors[c] for c in candidates if c in tensors and tensors[c].shape == tuple(buffer.shape)]
+        if found:
+            sources[name] = found[0]
+    return sources
+
+
 def defer_child(model: nn.Module, child: str) -> nn.Module:
     """The child module ``child`` of a skeleton, holding the sources of its own parameters."""
     module = model.get_submodule(child)
@@ -253,8 +273,15 @@ def load_deferred(module: nn.Module, roles: list[nn.Module], device: torch.devic
             _materialise(role, device)
     for owner in owners:
         for name, source in getattr(owner, SOURCES).items():
-            _read_shard(owner.get_parameter(name), source)
+            _read_shard(_tensor(owner, name), source)
         delattr(owner, SOURCES)
+
+
+def _tensor(owner: nn.Module, name: str) -> Tensor:
+    """The parameter, else the buffer, that ``owner`` registers as ``name``."""
+    parent, _, attr = name.rpartition(".")
+    module = owner.get_submodule(parent)
+    return module._parameters[attr] if attr in module._parameters else module.get_buffer(attr)
 
 
 def _materialise(role: nn.Module, device: torch.device) -> None:
