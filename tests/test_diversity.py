@@ -39,6 +39,27 @@ def test_a_varied_batch_and_an_empty_one():
     assert normalise("  The AND, has paper!") == "the and has paper"
 
 
+def test_every_answer_the_same_overlaps_fully_whatever_the_group_size():
+    """num_generations 64: the first 64 rows are one prompt's group, with no pair across prompts
+    (read 0.0 before); the overlap now compares every prompt's first responses."""
+    prompts = [p for p in ("1=", "2=", "3=") for _ in range(64)]
+    same = Diversity.of(prompts, ["12345"] * len(prompts))
+    assert same.overlap == 1.0 and same.top_share == 1.0
+    varied = Diversity.of(prompts, [f"{p}{i}" for p in "abc" for i in range(64)])
+    assert varied.overlap == 0.0
+
+
+@pytest.mark.parametrize("a, b", [("-12", "12"), ("x+y", "x-y"), ("3.5", "3,5"), ("x + y", "x - y")])
+def test_different_answers_stay_different(a, b):
+    assert normalise(a) != normalise(b)
+    assert Diversity.of(["1=", "2="], [a, b]).top_share == 0.5  # one prompt each: no common answer
+
+
+def test_sentence_punctuation_quotes_and_case_do_not_make_an_answer_new():
+    assert {normalise(x) for x in ["Yes", "yes.", '"Yes!"', "(yes)", " YES ?"]} == {"yes"}
+    assert normalise("It is -12.") == "it is -12" and normalise("3.5!") == "3.5"
+
+
 def _view(iteration, score, completions, prompts=None, kl=3.0, approx_kl=0.02, scores_std=0.3):
     prompts = prompts or [f"{i}=" for i in range(len(completions))]
     stats = {**CALM, "kl": kl, "approx_kl": approx_kl}

@@ -4,8 +4,10 @@ A policy that finds one phrase the reward likes can answer every prompt with it 
 rises (reward hacking). These are read from the decoded responses, on the host, once per iteration:
 
 - ``diversity/top_share``: of the batch's distinct prompts, the share that got the most common
-  answer (answers compared after :func:`normalise`: case, punctuation and spacing ignored, so
-  near-copies count as one). Groups of one prompt (GRPO) count once per prompt.
+  answer (answers compared after :func:`normalise`: case, spacing and the punctuation that ends a
+  sentence or quotes a word ignored, so near-copies count as one; signs, operators and decimal
+  marks kept, so ``-12`` and ``12``, ``x+y`` and ``x-y``, ``3.5`` and ``3,5`` stay different).
+  Groups of one prompt (GRPO) count once per prompt.
 - ``diversity/distinct_1``, ``diversity/distinct_2``: distinct words and word pairs over all the
   batch's responses, as a share of all (1.0: no word repeats anywhere).
 - ``diversity/overlap``: the mean word overlap (Jaccard) between responses to different prompts.
@@ -13,22 +15,28 @@ rises (reward hacking). These are read from the decoded responses, on the host, 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from itertools import combinations
 
 import torch
 from torch import Tensor
 
-# Pairs of responses the overlap averages at most (the first responses of the batch): enough for a
-# mean, and a batch of 512 would otherwise cost 130k set comparisons per iteration.
+# Responses the overlap compares at most (130k set comparisons per iteration for a batch of 512
+# otherwise), taken a prompt at a time: the first response of every prompt, then the second...
+# The first 64 rows of a batch with num_generations >= 64 are all one prompt's: no pair at all.
 MAX_OVERLAP_RESPONSES = 64
-_PUNCTUATION = re.compile(r"[^\w\s]")
+# What a word may end with (or be wrapped in) that does not change the answer: a sentence's end, a
+# quote, a bracket. Only at a word's edges: inside one (3.5, x+y) and in front of a number (-12) it
+# is the answer. A word made only of these (a lone "!") goes.
+_TRAILING = ".,;:!?\u2026"
+_WRAPPING = "\"'`()[]{}<>\u201c\u201d\u2018\u2019\u00ab\u00bb"
 
 
 def normalise(text: str) -> str:
-    """An answer as the near-duplicate check compares it: lower case, no punctuation, single spaces."""
-    return " ".join(_PUNCTUATION.sub(" ", text.lower()).split())
+    """An answer as the near-duplicate check compares it: lower case, single spaces, each word without
+    the sentence punctuation after it and the quotes or brackets around it (``"Yes!"`` is ``yes``)."""
+    words = (word.strip(_WRAPPING).rstrip(_TRAILING).strip(_WRAPPING) for word in text.lower().split())
+    return " ".join(word for word in words if word)
 
 
 @dataclass(frozen=True)
@@ -91,8 +99,20 @@ def _distinct(grams: list[tuple[str, ...]]) -> float:
 
 def _overlap(prompts: list[str], words: list[list[str]]) -> float:
     """Mean Jaccard overlap of the word sets of responses to different prompts (0 without a pair)."""
-    shown = list(zip(prompts, (set(w) for w in words), strict=True))[:MAX_OVERLAP_RESPONSES]
+    shown = _prompt_by_prompt(list(zip(prompts, (set(w) for w in words), strict=True)))
     pairs = [(a, b) for (pa, a), (pb, b) in combinations(shown, 2) if pa != pb]
     if not pairs:
         return 0.0
     return sum(len(a & b) / len(a | b) if a | b else 1.0 for a, b in pairs) / len(pairs)
+
+
+def _prompt_by_prompt(rows: list[tuple[str, set[str]]]) -> list[tuple[str, set[str]]]:
+    """At most :data:`MAX_OVERLAP_RESPONSES` rows, the k-th response of every prompt before any
+    prompt's (k+1)-th: as many different prompts as the budget allows, whatever the group size."""
+    seen: dict[str, int] = {}
+    rank = []
+    for prompt, _ in rows:
+        rank.append(seen.get(prompt, 0))
+        seen[prompt] = rank[-1] + 1
+    order = sorted(range(len(rows)), key=lambda i: (rank[i], i))
+    return [rows[i] for i in order[:MAX_OVERLAP_RESPONSES]]
