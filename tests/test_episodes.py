@@ -410,3 +410,52 @@ def test_a_kept_cache_gives_the_episodes_the_re_read_gives(sampling, tiny_digits
     assert reread.context_mask.any() and module.episode_runner.last_stats.turns.unique().numel() > 1
     for name in ("response_ids", "response_mask", "context_mask", "turn_rewards", "ended"):
         assert torch.equal(getattr(kept, name), getattr(reread, name)), name
+
+
+class FailsResetOn(Environment):
+    """Raises in ``reset`` for one prompt; every other copy writes the replies it was given, with its
+    prompt, to a log shared by the copies."""
+
+    log: list[tuple[str, int, list[int]]] = []
+
+    def __init__(self, failing_prompt: str) -> None:
+        self.failing_prompt = failing_prompt
+
+    def reset(self, prompt, row, rng) -> None:
+        if prompt == self.failing_prompt:
+            raise ValueError("no sandbox for this one")
+        self.prompt = prompt
+
+    def step(self, turn: Turn) -> StepResult:
+        FailsResetOn.log.append((self.prompt, turn.index, turn.token_ids))
+        return StepResult(observation="=12=")
+
+
+@pytest.mark.parametrize("keep_cache", [False, True], ids=["re-read", "kept cache"])
+@pytest.mark.parametrize("failing", [2, 7], ids=["middle", "last"])
+def test_a_reset_that_fails_drops_its_episode_and_the_others_get_their_own_replies(
+    failing, keep_cache, tiny_digits
+):
+    torch.manual_seed(6)
+    probe = _module(tiny_digits)
+    batch = _batch(probe)
+    assert len(set(batch.prompts)) == len(batch)  # the log tells the episodes apart by their prompt
+    FailsResetOn.log.clear()
+    config = EpisodeConfig(max_turns=3, max_tokens=40, on_error="drop", keep_cache=keep_cache)
+    module = _module(tiny_digits, FailsResetOn(batch.prompts[failing]), config)
+    rollout = module.generate(batch)
+    stats = module.episode_runner.last_stats
+    assert stats.failed.tolist() == [row == failing for row in range(len(batch))]
+    assert not rollout.response_mask[failing].any() and stats.turns[failing] == 0
+    observation = module.tokenizer("=12=", add_special_tokens=False)["input_ids"]
+    for row, prompt in enumerate(batch.prompts):
+        seen = [(turn, ids) for p, turn, ids in FailsResetOn.log if p == prompt]
+        if row == failing:
+            assert seen == []
+            continue
+        assert [turn for turn, _ in seen] == [0, 1, 2]
+        tokens = rollout.response_ids[row][rollout.episode_mask[row]].tolist()
+        expected = []
+        for _, ids in seen:  # the episode's tokens are its replies as its environment read them
+            expected += ids + observation
+        assert tokens == expected[: len(tokens)] and len(tokens) == len(expected) - len(observation)

@@ -196,7 +196,7 @@ class EpisodeRunner:
         """
         episodes = self._start(batch, iteration, rank)
         kept = self._kept_cache(engine)
-        before: list[int] = []  # the episodes of the last turn's generate, in its rows
+        generated: list[int] = []  # the episodes of the last turn's generate, in its rows
         for turn in range(self.config.max_turns):
             running = [i for i, episode in enumerate(episodes) if not episode.done]
             if not any_rank(bool(running)):
@@ -210,12 +210,13 @@ class EpisodeRunner:
                 continue
             elif kept is not None:  # each episode's tokens since its reply: the observation
                 segments = [episodes[i].tokens[episodes[i].cached :] for i in running]
-                rollout = kept.next([before.index(i) for i in running], segments)
+                rollout = kept.next([generated.index(i) for i in running], segments)
             else:
                 rollout = engine.generate(*self._contexts([episodes[i] for i in running], batch))
-            before = running
+            # turn 0 samples a row for every episode, one whose reset failed (dropped) included
+            generated = list(range(len(episodes))) if turn == 0 else running
             self._engine_logprobs = rollout.engine_logprobs is not None
-            turns = [self._reply(episodes[i], rollout, row, turn) for row, i in enumerate(running)]
+            turns = [self._reply(episodes[i], rollout, generated.index(i), turn) for i in running]
             steps = [partial(episodes[i].environment.step, t) for i, t in zip(running, turns, strict=True)]
             for i, outcome in zip(running, self._bounded(steps), strict=True):
                 try:
@@ -325,8 +326,9 @@ class EpisodeRunner:
         for row, e in enumerate(episodes):
             n = len(e.tokens)
             ids[row, :n] = torch.tensor(e.tokens, dtype=torch.long)
-            action[row, :n] = torch.tensor(e.is_action) & (not e.failed)
-            context[row, :n] = ~torch.tensor(e.is_action)
+            is_action = torch.tensor(e.is_action, dtype=torch.bool)  # bool also when empty (a failed reset)
+            action[row, :n] = is_action & (not e.failed)
+            context[row, :n] = ~is_action
             logprobs[row, :n] = torch.tensor(e.engine_logprobs, dtype=torch.float32)
             for index, reward in e.rewards.items():
                 rewards[row, index] = reward
