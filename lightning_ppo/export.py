@@ -6,6 +6,8 @@ default (or kept as a PEFT adapter with ``--keep-adapter``), the tokenizer, and 
 value head beside it when the run trained a critic (``value_head.pt``: the head of a shared critic,
 or the whole state of a separate one; critic-free estimators have none). The run's
 ``generation.suppress_tokens`` go into its ``generation_config.json`` (see :func:`sampling_config`).
+The weights are written in the dtype the run trained them in (``--dtype`` chooses another), not the
+base checkpoint's: a bf16-saved base would round an fp32 fine-tune's small updates away.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_ppo.models.loading import load_tokenizer, resolve_suppressed_tokens
+from lightning_ppo.models.loading import FROZEN_DTYPES, load_tokenizer, resolve_suppressed_tokens
 from lightning_ppo.models.roles import LoraSettings, apply_lora
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.file_modes import save_pretrained
@@ -35,16 +37,18 @@ CRITIC_PREFIXES = ("roles.value_head.", "roles.value_model.")
 
 
 def load_trained_policy(checkpoint: dict) -> PreTrainedModel:
-    """Rebuild the policy a checkpoint trained: its base from the saved path, its weights from the file."""
+    """Rebuild the policy a checkpoint trained: its base from the saved path, its weights from the file,
+    in the trained weights' dtype (:func:`trained_dtype`)."""
     hparams = checkpoint["hyper_parameters"]
-    # The user's own config (dropout, activation), not the training-time one load_causal_lm makes:
-    # it is the config the exported folder will carry.
-    model = AutoModelForCausalLM.from_pretrained(hparams["policy"])
-    if hparams.get("lora"):
-        model = apply_lora(model, LoraSettings(**hparams["lora"]))
     trained = {
         k[len(POLICY_PREFIX) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(POLICY_PREFIX)
     }
+    # The user's own config (dropout, activation), not the training-time one load_causal_lm makes:
+    # it is the config the exported folder will carry. Without a dtype transformers would load the
+    # base in the dtype it was saved in, and load_state_dict would cast the trained weights to it.
+    model = AutoModelForCausalLM.from_pretrained(hparams["policy"], dtype=trained_dtype(trained))
+    if hparams.get("lora"):
+        model = apply_lora(model, LoraSettings(**hparams["lora"]))
     # Frozen base weights are not in the checkpoint (they are the files at hparams["policy"]).
     _, unexpected = model.load_state_dict(trained, strict=False)
     if unexpected:
@@ -52,6 +56,22 @@ def load_trained_policy(checkpoint: dict) -> PreTrainedModel:
             f"the checkpoint's policy weights do not fit {hparams['policy']!r}: {unexpected[:5]}"
         )
     return model
+
+
+def trained_dtype(trained: dict[str, torch.Tensor]) -> torch.dtype | str:
+    """The widest float dtype of the trained weights (fp32 for a run's policy or LoRA adapters, which
+    merge into a base upcast to it); ``"auto"`` (the base checkpoint's) when the file holds none."""
+    floats = [t.dtype for t in trained.values() if t.dtype.is_floating_point]
+    return max(floats, key=lambda d: d.itemsize) if floats else "auto"
+
+
+def export_dtype(name: str | None) -> torch.dtype | None:
+    """``--dtype``'s name (``fp32``, ``bf16``, ``fp16``) as a torch dtype; None stays None (the trained one)."""
+    if name is None:
+        return None
+    if name not in FROZEN_DTYPES:
+        raise UsageError(f"export --dtype must be one of {sorted(FROZEN_DTYPES)}, got {name!r}")
+    return FROZEN_DTYPES[name]
 
 
 def read_checkpoint(
@@ -90,10 +110,12 @@ class Exported:
     adapter: bool  # a PEFT adapter folder rather than a full (merged) model
     value_head: bool  # ``value_head.pt``: only for runs that trained a critic
     suppressed: int = 0  # token ids written to generation_config.json's suppress_tokens
+    dtype: torch.dtype = torch.float32  # of the weights written
 
     def describe(self) -> str:
         """What was written, in words (the ``export`` command's last line)."""
-        parts = ["the trained policy" + (" as a LoRA adapter" if self.adapter else ""), "its tokenizer"]
+        policy = "the trained policy" + (" as a LoRA adapter" if self.adapter else "")
+        parts = [f"{policy} in {str(self.dtype).removeprefix('torch.')}", "its tokenizer"]
         if self.suppressed:
             parts.append(f"its generation config ({self.suppressed} suppressed tokens)")
         if self.value_head:
@@ -101,10 +123,13 @@ class Exported:
         return ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
-def export_policy(checkpoint_path: str | Path, out_dir: str | Path, keep_adapter: bool = False) -> Exported:
-    """Write the trained policy (LoRA merged unless ``keep_adapter``), tokenizer and the critic's weights
-    (if the run trained one)."""
+def export_policy(
+    checkpoint_path: str | Path, out_dir: str | Path, keep_adapter: bool = False, dtype: str | None = None
+) -> Exported:
+    """Write the trained policy (LoRA merged unless ``keep_adapter``) in ``dtype`` (``fp32``, ``bf16``,
+    ``fp16``; None: the trained weights' own), tokenizer and the critic's weights (if the run trained one)."""
     path = Path(checkpoint_path)
+    wanted = export_dtype(dtype)  # a wrong name fails before the checkpoint is read
     check_checkpoint_file(str(path), field="checkpoint")
     checkpoint = read_checkpoint(path)
     if "hyper_parameters" not in checkpoint or "policy" not in checkpoint["hyper_parameters"]:
@@ -114,6 +139,8 @@ def export_policy(checkpoint_path: str | Path, out_dir: str | Path, keep_adapter
     model = load_trained_policy(checkpoint)
     if checkpoint["hyper_parameters"].get("lora") and not keep_adapter:
         model = model.merge_and_unload()
+    if wanted is not None:  # after merging: the adapters' delta is added at full precision, rounded once
+        model = model.to(wanted)
     hparams = checkpoint["hyper_parameters"]
     tokenizer = load_tokenizer(hparams.get("policy_tokenizer") or hparams["policy"])
     out = Path(out_dir)
@@ -127,7 +154,8 @@ def export_policy(checkpoint_path: str | Path, out_dir: str | Path, keep_adapter
     if critic:
         torch.save(critic, out / "value_head.pt")
     suppressed = len(generation.suppress_tokens) if generation is not None else 0
-    return Exported(out, bool(hparams.get("lora")) and keep_adapter, bool(critic), suppressed)
+    adapter = bool(hparams.get("lora")) and keep_adapter
+    return Exported(out, adapter, bool(critic), suppressed, next(model.parameters()).dtype)
 
 
 def sampling_config(
@@ -158,5 +186,10 @@ def export_main(argv: list[str]) -> Exported:
     )
     parser.add_argument("--out", required=True, help="folder to write (created if missing)")
     parser.add_argument("--keep-adapter", action="store_true", help="save LoRA as a PEFT adapter, not merged")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(FROZEN_DTYPES),
+        help="dtype of the written weights (default: the trained weights', fp32 for a run's policy)",
+    )
     ns = parser.parse_args(argv)
-    return export_policy(ns.checkpoint, ns.out, ns.keep_adapter)
+    return export_policy(ns.checkpoint, ns.out, ns.keep_adapter, ns.dtype)

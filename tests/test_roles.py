@@ -12,6 +12,7 @@ from lightning_ppo.export import export_policy
 from lightning_ppo.models.loading import ValueModel, load_causal_lm, response_logits
 from lightning_ppo.models.roles import LoraSettings
 from lightning_ppo.ppo.rollout_data import position_ids_from_mask
+from lightning_ppo.runs.errors import UsageError
 from tests.helpers import CountCharReward, prompt_data, quiet_trainer
 
 
@@ -224,6 +225,33 @@ def test_export_writes_the_runs_suppressed_tokens_into_the_generation_config(tin
         prompts, do_sample=True, max_new_tokens=16, min_new_tokens=16, suppress_tokens=None
     )
     assert torch.isin(unmasked[:, 3:], torch.tensor(expected)).any()
+
+
+def test_export_writes_the_trained_weights_dtype_not_the_bf16_bases(tiny_gpt2, tmp_path):
+    """A base saved in bf16 (as hub models are) trains in fp32: the export keeps the updates fp32 holds,
+    or rounds them to bf16 when asked, and says which."""
+    import shutil
+
+    base = tmp_path / "bf16-base"
+    shutil.copytree(tiny_gpt2, base)
+    AutoModelForCausalLM.from_pretrained(tiny_gpt2).to(torch.bfloat16).save_pretrained(base)
+    module = _module(base, value_model="shared")
+    trainer = _fit(module, tmp_path, iterations=1)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    trained = {k: v.detach() for k, v in module.policy.state_dict().items()}
+
+    result = export_policy(tmp_path / "run.ckpt", tmp_path / "fp32")
+    assert result.dtype == torch.float32 and "in float32" in result.describe()
+    exported = AutoModelForCausalLM.from_pretrained(result.out).state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in trained.items())
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in trained.values())  # bf16 would round
+
+    rounded = export_policy(tmp_path / "run.ckpt", tmp_path / "bf16", dtype="bf16")
+    assert rounded.dtype == torch.bfloat16 and "in bfloat16" in rounded.describe()
+    exported = AutoModelForCausalLM.from_pretrained(rounded.out).state_dict()
+    assert all(torch.equal(exported[k], v.bfloat16()) for k, v in trained.items())
+    with pytest.raises(UsageError, match="export --dtype must be one of"):
+        export_policy(tmp_path / "run.ckpt", tmp_path / "int8", dtype="int8")
 
 
 def _reward_adapter(base, out):
