@@ -66,7 +66,7 @@ def trained_dtype(trained: dict[str, torch.Tensor]) -> torch.dtype | str:
 
 
 def export_dtype(name: str | None) -> torch.dtype | None:
-    """``--dtype``'s name (``fp32``, ``bf16``, ``fp16``) as a torch dtype; None stays None (the trained one)."""
+    """``--dtype``'s name (``fp32``, ``bf16``, ``fp16``) as a torch dtype; None (the trained one) stays."""
     if name is None:
         return None
     if name not in FROZEN_DTYPES:
