@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
@@ -56,6 +56,8 @@ from lightning_ppo.rewards import RewardLike, RunningMoments, ScoreInputs, check
 from lightning_ppo.rollout.ahead import (
     PENDING_KEY,
     BackgroundJobs,
+    EndSamplingOnFailure,
+    EpisodeRecord,
     RolloutsAhead,
     Sampled,
     check_ahead,
@@ -83,6 +85,7 @@ from lightning_ppo.runs.resume import check_resumable
 from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.scoring import Scorer
 from lightning_ppo.watch.diversity import Diversity
+from lightning_ppo.watch.every_rank import BatchAnswers
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
 from lightning_ppo.watch.metrics import HostView, TrailingMean, experience_metrics, score_metrics
 from lightning_ppo.watch.samples import Samples
@@ -278,6 +281,9 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         max_prompt_length = getattr(self.trainer.datamodule, "max_prompt_length", None)
         check_sequence_fits(self.policy.config, "model.policy", max_prompt_length, budget, budget_field)
         seed_ranks_apart(self.trainer)
+        if stage == "fit":  # a previous fit's pipeline (one that raised) holds batches of its own
+            self.end_sampling_ahead(wait=True)
+            self._restored_pending = []  # a checkpoint loaded next (--ckpt_path) sets them
 
     def on_train_start(self) -> None:
         check_training_plan(self.trainer, self.ppo)
@@ -285,10 +291,19 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     def on_fit_end(self) -> None:
         explain_idle_resume(self.trainer, getattr(self, "_resumed_at", None), self.iteration)
-        if self._ahead is not None:  # the last checkpoint kept its pending batches; a new fit starts afresh
-            self._ahead.close()
-            say_untrained(len(self._ahead.pending()), self.ppo.max_staleness)
-            self._ahead, self._restored_pending = None, []
+        self.end_sampling_ahead(wait=True)
+        say_untrained(len(self._restored_pending), self.ppo.max_staleness)
+
+    def end_sampling_ahead(self, wait: bool) -> None:
+        """Stop sampling ahead (``ppo.max_staleness``); the batches not trained stay as a checkpoint
+        keeps them, for a ``trainer.save_checkpoint`` after ``fit`` (a new ``fit`` starts afresh)."""
+        if self._ahead is not None:
+            self._ahead.close(wait)
+            self._restored_pending = [to_saved(b) for b in self._ahead.pending()]
+            self._ahead = None
+
+    def configure_callbacks(self) -> list[Callback]:
+        return [EndSamplingOnFailure()]  # a failed fit leaves no pipeline for the next one
 
     def configure_model(self) -> None:
         shard_if_model_parallel(self, self.trainer.strategy, str(self.trainer.precision))  # FSDP2, once
@@ -299,7 +314,6 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     # ----------------------------------------------------------------- the PPO iteration
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         self.ppo.check_batch_size(len(batch))
-        batch = batch.repeat_interleave(self.ppo.num_generations)
         sampled = self.sample(batch)
         if sampled is None:  # ppo.max_staleness > 0: the first batches only start sampling
             return
@@ -337,9 +351,10 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             stats["async/staleness"] = torch.tensor(
                 float(self.iteration - 1 - sampled.version), device=self.device
             )
-        if self.episode_runner is not None:
-            stats.update(self.episode_runner.metrics(reduce))
-        diversity = Diversity.of(batch.prompts, completions)  # text, on the host: no device read
+        if sampled.episodes is not None:  # the runner's counts of this batch, not of one sampled since
+            stats.update(sampled.episodes.stats.metrics(reduce))
+        answers = BatchAnswers.gathered(self._trainer, batch.prompts, completions)  # every rank's: they warn
+        diversity = Diversity.of(answers.prompts, answers.completions)  # text, on the host: no device read
         stats.update(diversity.on(self.device))
         # the iteration's one host read: what the host decides on and what it logs
         host = HostView.read(
@@ -350,9 +365,9 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         logged["objective/scores_smoothed"] = self.smoothed_score.add(host.stats["objective/scores"])
         logged["kl_coef"] = kl_coef
         self.kl_ctl.update(host.stats["objective/kl"], len(batch) * self.trainer.world_size)
-        self.heed_guardrails(completions, host, diversity)
+        self.heed_guardrails(answers.completions, host, diversity)
         self.log_stats(logged, len(batch))
-        shown = completions if self.episode_runner is None else self.episode_runner.transcripts
+        shown = completions if sampled.episodes is None else sampled.episodes.transcripts
         self.last_samples = Samples(batch.prompts, shown, host.scores, host.kl, self.scorer.columns)
 
     def heed_guardrails(self, completions: list[str], host: HostView, diversity: Diversity) -> None:
@@ -416,7 +431,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         (``ppo.max_staleness`` 0), or the oldest batch's, sampled ahead while earlier updates ran
         (lightning_ppo.rollout.ahead); None while the first batches only start sampling."""
         if self.ppo.max_staleness == 0:
-            return Sampled(batch, self.generate(batch), self.iteration)
+            batch = batch.repeat_interleave(self.ppo.num_generations)
+            return Sampled(batch, self.generate(batch), self.iteration, EpisodeRecord.of(self.episode_runner))
         if self._ahead is None:
             jobs = BackgroundJobs(
                 self.policy,
@@ -429,8 +445,11 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
                 self.global_rank,
                 self.prompt_end.check,
                 self.ppo.max_staleness,
+                self.ppo.num_generations,
+                self.generation_config.forward_chunk_size,
             )
-            self._ahead = RolloutsAhead(self.ppo.max_staleness, jobs.start, jobs.taken)
+            agree = partial(gather_objects, self._trainer)  # every rank's failure, if any
+            self._ahead = RolloutsAhead(self.ppo.max_staleness, jobs.start, agree)
             self._ahead.restore([from_saved(b, self.device) for b in self._restored_pending])
         return self._ahead.next(batch, self.iteration)
 

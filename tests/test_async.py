@@ -272,8 +272,8 @@ def test_a_batch_whose_sampling_failed_stays_pending():
     is still among those a checkpoint would keep."""
     from lightning_ppo.rollout.ahead import RolloutsAhead
 
-    def prepare(batch):
-        def sample(batch):
+    def prepare(batch, position):
+        def sample():
             raise ConnectionError("the server went away")
 
         return sample

@@ -17,6 +17,12 @@ Where the engine generates with the live module (``hf``), a job samples from a c
 policy taken when it starts (a snapshot: the update cannot change the weights under it), and the
 same copy gives the behaviour log-probs the decoupled loss needs (``rollout.engine_logprobs``).
 A server engine is synced on the main thread, where every rank takes part, before its job starts.
+
+Under several ranks, every wait for a job ends in one agreement of all ranks (a gather of each
+rank's failure, if any): a job that failed on one rank stops every rank with one line, and no
+server loads the next weights before every rank's requests of the batch before have ended. A
+batch is kept as handed in (before its ``num_generations`` copies), so a resume with another
+``num_generations`` builds whole groups; its episodes are seeded by the iteration it trains at.
 """
 
 from __future__ import annotations
@@ -24,42 +30,58 @@ from __future__ import annotations
 import copy
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_ppo.config import GenerationConfig
 from lightning_ppo.models.loading import response_logits
 from lightning_ppo.ppo.rollout_data import Rollout
+from lightning_ppo.ppo.row_groups import forward_groups
 from lightning_ppo.rollout.engines.hf import HFEngine
 from lightning_ppo.rollout.prompts import PromptBatch
+from lightning_ppo.runs.daemon_worker import DaemonWorker
 from lightning_ppo.runs.errors import UsageError
 
 
 @dataclass
 class Sampled:
     """A batch and its rollout, sampled by the weights of iteration ``version`` (updates trained);
-    ``extra`` is what the sampler gave beside the rollout (an episode runner's stats)."""
+    ``episodes`` is what an episode runner counted and wrote for this batch (its ``EpisodeStats``
+    and transcripts), carried with the rollout so that the metrics and samples logged for it are its
+    own, whatever a later job does to the runner meanwhile."""
 
     batch: PromptBatch
     rollout: Rollout
     version: int
-    extra: Any = None
+    episodes: EpisodeRecord | None = None
+
+
+@dataclass(frozen=True)
+class EpisodeRecord:
+    """An episode runner's stats and transcripts of one batch, read right after it ran the batch."""
+
+    stats: Any  # rollout.episodes.EpisodeStats
+    transcripts: list[str]
+
+    @staticmethod
+    def of(runner: Any) -> EpisodeRecord | None:
+        return None if runner is None else EpisodeRecord(runner.last_stats, list(runner.transcripts))
 
 
 @dataclass
 class _Job:
-    batch: PromptBatch
-    version: int
+    batch: PromptBatch  # as handed in (before ``num_generations`` copies): what a checkpoint keeps
     future: Future
 
 
-Sampler = Callable[[PromptBatch], tuple[Rollout, Any]]  # the rollout, and anything to keep with it
+Sampler = Callable[[], Sampled]  # samples one batch on the background thread
 
 
 class PolicySnapshots:
@@ -83,24 +105,34 @@ class PolicySnapshots:
 
 @torch.no_grad()
 def with_behaviour_logprobs(
-    rollout: Rollout, model: nn.Module, token_logprobs: Callable[[Tensor, Tensor], Tensor]
+    rollout: Rollout,
+    model: nn.Module,
+    token_logprobs: Callable[[Tensor, Tensor], Tensor],
+    chunk_size: int = 0,
 ) -> Rollout:
     """``rollout`` with the log-probs of its tokens under ``model``, the weights that sampled it (the
-    behaviour policy of the decoupled loss), under the trainer's sampling distribution."""
-    width = rollout.response_ids.shape[1]
-    logits = response_logits(model, rollout.input_ids, rollout.attention_mask, rollout.position_ids, width)
-    logprobs = token_logprobs(logits, rollout.response_ids).float().masked_fill(~rollout.response_mask, 0.0)
-    return replace(rollout, engine_logprobs=logprobs)
+    behaviour policy of the decoupled loss), under the trainer's sampling distribution. Row groups of
+    similar length, as the trainer's own forwards (``generation.forward_chunk_size``), so the peak
+    memory is theirs, not one fp32 batch x response x vocabulary tensor."""
+    split = rollout.prompt_ids.shape[1]
+    ids, mask, pos = rollout.input_ids, rollout.attention_mask, rollout.position_ids
+    logprobs = torch.zeros(rollout.response_ids.shape, dtype=torch.float32, device=ids.device)
+    for group in forward_groups(mask, split, chunk_size):
+        rows, cols, width = group.rows.to(ids.device), group.columns(split), group.after
+        logits = response_logits(model, ids[rows, cols], mask[rows, cols], pos[rows, cols], width)
+        logprobs[rows, :width] = token_logprobs(logits, rollout.response_ids[rows, :width]).float()
+    return replace(rollout, engine_logprobs=logprobs.masked_fill(~rollout.response_mask, 0.0))
 
 
 @dataclass
 class BackgroundJobs:
     """How a batch's job starts on the main thread (:meth:`start`) and samples on the background
-    thread, and what is put back when its rollout trains (:meth:`taken`).
+    thread.
 
-    ``server`` is the ``vllm_server`` engine, synced as each job starts (every rank joins); without
-    it (``hf``) a job samples from a snapshot of ``policy``, which also gives the behaviour
-    log-probs. No collective runs on the background thread: each rank samples on its own.
+    ``server`` is the ``vllm_server`` engine, synced as each job starts (every rank joins, after every
+    rank's previous job ended: :meth:`RolloutsAhead.next`); without it (``hf``) a job samples from a
+    snapshot of ``policy``, which also gives the behaviour log-probs. No collective runs on the
+    background thread: each rank samples on its own.
     """
 
     policy: nn.Module
@@ -113,39 +145,37 @@ class BackgroundJobs:
     rank: int
     check_prompts: Callable[[PromptBatch], None]
     max_staleness: int
+    num_generations: int = 1
+    chunk_size: int = 0  # generation.forward_chunk_size
     snapshots: PolicySnapshots | None = None
 
-    def start(self, batch: PromptBatch) -> Sampler:
+    def start(self, batch: PromptBatch, position: int) -> Sampler:
+        """The job of ``batch``, to be trained at iteration ``position`` (its episodes' seeds: unique
+        per batch, and the same when a resumed run samples it again)."""
+        batch = batch.repeat_interleave(self.num_generations)
         self.check_prompts(batch)
         if self.server is not None:
             self.server.sync_weights(self.policy)
-            return partial(self._sample, self.server, None, self.iteration())
+            return partial(self._sample, self.server, None, self.iteration(), position, batch)
         if self.snapshots is None:
             self.snapshots = PolicySnapshots(self.policy, self.max_staleness)
         snapshot = self.snapshots.take(self.policy)
         engine = HFEngine(self.hf_generation, self.cache)
         engine.sync_weights(snapshot)
-        return partial(self._sample, engine, snapshot, self.iteration())
-
-    def taken(self, sampled: Sampled) -> None:
-        """The episode runner's stats and transcripts of the batch about to train (the runner's own
-        are the latest job's)."""
-        if self.episode_runner is not None:
-            self.episode_runner.last_stats, self.episode_runner.transcripts = sampled.extra
+        return partial(self._sample, engine, snapshot, self.iteration(), position, batch)
 
     def _sample(
-        self, engine: Any, snapshot: nn.Module | None, iteration: int, batch: PromptBatch
-    ) -> tuple[Rollout, Any]:
-        """On the background thread: the rollout, and an episode runner's stats (read here, where the
-        next job cannot overwrite them)."""
+        self, engine: Any, snapshot: nn.Module | None, version: int, position: int, batch: PromptBatch
+    ) -> Sampled:
+        """On the background thread: the rollout, and an episode runner's record of it (read here,
+        where the next job cannot overwrite it)."""
         if self.episode_runner is None:
-            rollout, extra = engine.generate(batch.prompt_ids, batch.prompt_mask), None
+            rollout = engine.generate(batch.prompt_ids, batch.prompt_mask)
         else:
-            rollout = self.episode_runner.run(engine, batch, iteration, self.rank, lambda flag: flag)
-            extra = (self.episode_runner.last_stats, self.episode_runner.transcripts)
+            rollout = self.episode_runner.run(engine, batch, position, self.rank, lambda flag: flag)
         if snapshot is not None:
-            rollout = with_behaviour_logprobs(rollout, snapshot, self.token_logprobs)
-        return rollout, extra
+            rollout = with_behaviour_logprobs(rollout, snapshot, self.token_logprobs, self.chunk_size)
+        return Sampled(batch, rollout, version, EpisodeRecord.of(self.episode_runner))
 
 
 def to_saved(batch: PromptBatch) -> dict[str, Any]:
@@ -170,26 +200,46 @@ def from_saved(saved: dict[str, Any], device: torch.device) -> PromptBatch:
     )
 
 
+class EndSamplingOnFailure(Callback):
+    """Ends a module's sampling ahead when its ``fit`` raises (Lightning calls no module hook then):
+    its pending batches are kept as a checkpoint would keep them, and its background job is left to
+    end on its own (bounded by its timeouts), so a second ``fit`` in the process starts clean."""
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        pl_module.end_sampling_ahead(wait=False)
+
+
+class SamplingStopped(UsageError, RuntimeError):
+    """Another rank's background sampling failed: this rank stops with it (one line), rather than
+    wait for that rank in the next collective until the process group times out."""
+
+
+Agree = Callable[[str | None], list[str | None]]  # every rank's failure (or None), by rank
+
+
 class RolloutsAhead:
     """Sampling ``max_staleness`` batches ahead of training, on one background thread.
 
-    ``prepare(batch)`` runs on the main thread when a batch's job starts (sync a server, take a
-    snapshot) and returns the function the background thread samples with; ``taken(sampled)`` runs
-    when a rollout is handed to training (:class:`BackgroundJobs` gives both).
+    ``prepare(batch, position)`` runs on the main thread when a batch's job starts (sync a server,
+    take a snapshot) and returns what the background thread samples with (:class:`BackgroundJobs`).
+    ``agree`` gathers one value from every rank (a collective): after each wait for a job, the ranks
+    learn whether any rank's job failed, and all stop together; it is also the point every rank has
+    passed before the next job starts, so no server loads new weights while any rank's requests
+    for the batch before are still decoding.
     """
 
     def __init__(
         self,
         max_staleness: int,
-        prepare: Callable[[PromptBatch], Sampler],
-        taken: Callable[[Sampled], None] = lambda sampled: None,
+        prepare: Callable[[PromptBatch, int], Sampler],
+        agree: Agree = lambda failure: [failure],
     ) -> None:
         self.max_staleness = max_staleness
         self.prepare = prepare
-        self.taken = taken
+        self.agree = agree
         self.jobs: deque[_Job] = deque()
         self.unsampled: deque[PromptBatch] = deque()  # restored from a checkpoint: sampled again first
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-ppo-rollouts")
+        self.worker = DaemonWorker("lightning-ppo-rollouts")
         self.resampled = 0
 
     def next(self, batch: PromptBatch, version: int) -> Sampled | None:
@@ -197,22 +247,20 @@ class RolloutsAhead:
         self.unsampled.append(batch)
         while len(self.jobs) + len(self.unsampled) > self.max_staleness:
             if not self.jobs:
-                self._start(self.unsampled.popleft(), version)
+                self._start(version, training=False)
             oldest = self.jobs.popleft()
             try:
-                rollout, extra = oldest.future.result()  # a failure in the background is raised here
+                sampled = self._wait(oldest)
+                self._start_waiting(version, training=True)
             except BaseException:
                 self.unsampled.appendleft(oldest.batch)  # still pending: a checkpoint saved now keeps it
                 raise
-            self._start_waiting(version)
-            if version - oldest.version > self.max_staleness:  # only where iterations were skipped
+            if version - sampled.version > self.max_staleness:  # only where iterations were skipped
                 self.resampled += 1
                 self.unsampled.appendleft(oldest.batch)
                 continue
-            sampled = Sampled(oldest.batch, rollout, oldest.version, extra)
-            self.taken(sampled)
             return sampled
-        self._start_waiting(version)
+        self._start_waiting(version, training=False)
         return None
 
     def pending(self) -> list[PromptBatch]:
@@ -223,18 +271,37 @@ class RolloutsAhead:
         """Batches a checkpoint kept: they are sampled again, before the next one handed in."""
         self.unsampled.extendleft(reversed(batches))
 
-    def close(self) -> None:
-        """Let the running job finish (its rollout is not trained: its batch stays pending)."""
-        self.worker.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """No more jobs (the running one's rollout is not trained: its batch stays pending); ``wait``
+        for the running one to end, or leave it (a run that failed: it may wait on a hung server)."""
+        self.worker.close(wait)
 
-    def _start_waiting(self, version: int) -> None:
+    def _wait(self, job: _Job) -> Sampled:
+        """The job's rollout, once every rank's job of this step has ended, and none failed."""
+        try:
+            sampled, failure = job.future.result(), None
+        except BaseException as err:  # noqa: BLE001  (every rank must hear of it before raising)
+            sampled, failure, raised = None, f"{type(err).__name__}: {err}", err
+        failures = self.agree(failure)
+        if failure is not None:
+            raise raised
+        for rank, other in enumerate(failures):
+            if other is not None:
+                raise SamplingStopped(f"rank {rank}'s background sampling failed ({other}); every rank stops")
+        return sampled
+
+    def _start_waiting(self, version: int, training: bool) -> None:
         """Start the batches waiting, up to ``max_staleness`` jobs ahead of the one training."""
         while self.unsampled and len(self.jobs) < self.max_staleness:
-            self._start(self.unsampled.popleft(), version)
+            self._start(version, training)
 
-    def _start(self, batch: PromptBatch, version: int) -> None:
-        sample = self.prepare(batch)
-        self.jobs.append(_Job(batch, version, self.worker.submit(sample, batch)))
+    def _start(self, version: int, training: bool) -> None:
+        """Start the oldest unsampled batch; it leaves ``unsampled`` only once its job is submitted.
+        Its position: the iteration it will train at (``training``: one batch trains at ``version``)."""
+        position = version + len(self.jobs) + int(training)
+        sample = self.prepare(self.unsampled[0], position)
+        batch = self.unsampled.popleft()
+        self.jobs.append(_Job(batch, self.worker.submit(sample)))
 
 
 def check_ahead(max_staleness: int, generation: GenerationConfig, model_parallel: bool) -> None:
@@ -281,9 +348,9 @@ def pending_of_rank(
     """This rank's saved batches (:func:`to_saved`) a checkpoint kept; refused if the ranks differ
     in number (each rank's pipeline must hold as many batches as the others', or they would train
     different steps)."""
-    if not saved or not any(saved):
-        return []
-    world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+    if not saved or not any(saved) or trainer is None:  # outside a Trainer nothing is trained: a
+        return []  # fit(ckpt_path=...) reads them again, with its ranks
+    world, rank = trainer.world_size, trainer.global_rank
     if len(saved) != world:
         raise UsageError(
             f"the checkpoint holds batches sampled ahead by {len(saved)} ranks, not yet trained; resume "
