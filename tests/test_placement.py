@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import weakref
 
+import lightning.pytorch as pl
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -142,3 +144,25 @@ def test_load_state_dict_reaches_real_weights_without_a_trainer(tiny_llama, tiny
     target.load_state_dict(trained, strict=False)
     for key, value in trained.items():
         assert torch.equal(target.state_dict()[key], value), key
+
+
+class _FailsInSetup(pl.Callback):
+    def setup(self, trainer, pl_module, stage):
+        raise RuntimeError("a callback's setup failed")
+
+
+def test_a_fit_that_failed_in_setup_leaves_the_weights_to_be_read_on_first_use(
+    tiny_llama, tiny_reward, tmp_path
+):
+    """The Trainer stays attached after its fit raised, before ``configure_model`` read anything: the
+    module is then one without a Trainer, not a module whose roles stay on the meta device."""
+    module = _module(tiny_llama, tiny_reward)
+    with pytest.raises(RuntimeError, match="setup failed"):
+        quiet_trainer(tmp_path, iterations=1, callbacks=[_FailsInSetup()]).fit(
+            module, datamodule=prompt_data()
+        )
+    assert all(p.is_meta for n, p in _as_built(module) if "v_head" not in n)  # the teardown read nothing
+    ids = torch.tensor([[5, 6, 7, 8]])
+    logits = module.policy(input_ids=ids).logits  # the first use reads every role
+    assert not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+    assert torch.equal(logits, load_causal_lm(str(tiny_llama))(input_ids=ids).logits)

@@ -12,7 +12,9 @@ reward model passed in loaded) is loaded whole on the CPU as before and moved by
 
 A module used without a Trainer (in Python, in tests) reads its weights onto the CPU the first time
 one of its models is reached (an attribute such as ``module.policy``, ``parameters()``,
-``state_dict``, ``load_state_dict``, ``.to()``), so it behaves as one built whole.
+``state_dict``, ``load_state_dict``, ``.to()``), so it behaves as one built whole. So does a module
+whose Trainer's run raised before ``configure_model`` (a failed ``setup``): the Trainer stays attached,
+but runs nothing more.
 """
 
 from __future__ import annotations
@@ -46,7 +48,14 @@ class LoadsWhereItRuns(nn.Module):
 
     def _loads_lazily(self) -> bool:
         # Read through __dict__: this runs inside __getattr__, where a missing name would recurse.
-        return self.__dict__.get("_weights_pending", False) and self.__dict__.get("_trainer") is None
+        return self.__dict__.get("_weights_pending", False) and not self._in_a_trainer_run()
+
+    def _in_a_trainer_run(self) -> bool:
+        """Whether a Trainer is running a stage with this module (its ``configure_model`` reads the
+        weights where they run). Not merely attached: a Trainer whose fit raised stays attached, its
+        stage reset to None once its teardown is done, and the module is then used without it."""
+        trainer = self.__dict__.get("_trainer")
+        return trainer is not None and trainer.state.stage is not None
 
     def __getattr__(self, name: str) -> Any:
         # Submodules (roles, reward_model, ...) live in ``_modules`` and are reached through here.
