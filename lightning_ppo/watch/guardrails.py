@@ -2,8 +2,9 @@
 
 Each check watches one symptom of a run going wrong, and says once which metric, its value and
 what to do, with advice that matches the configuration (it never suggests a setting that is
-already on). Pure Python on the iteration's statistics and decoded responses: the module passes
-them in, and :meth:`Guardrails.heed` warns (on rank 0) with whatever comes back.
+already on). Pure Python on the iteration's statistics and decoded responses, every rank's (the same on
+each rank): the module passes them in, and :meth:`Guardrails.heed` warns (on rank 0) with
+whatever comes back.
 
 The thresholds come from a user's collapsed run (a warm-started policy at torch's default lr
 1e-3: approxkl 4.5 and clipfrac 0.55 at iteration 1, every answer ``'admin.'``, then ``''``,
@@ -64,14 +65,16 @@ class IterationView:
     scores_std: float | None  # batch std of the scores the update uses; None with fewer than 2
     entropy: float = float("nan")  # the rollout policy's entropy per response token
     score: float = float("nan")  # objective/scores
-    diversity: Diversity | None = None  # this rank's batch (watch/diversity.py)
+    diversity: Diversity | None = None  # every rank's answers (watch/diversity.py, watch/every_rank.py)
 
     @classmethod
     def of(
         cls, iteration: int, completions: list[str], host: HostView, kl_ctl: Any, diversity: Diversity | None
     ) -> IterationView:
-        """The view of an iteration from its statistics as the host read them, and the KL controller."""
-        stats = host.stats
+        """The view of an iteration from its statistics as logged (over every rank, the same on each:
+        a warning judges the run, not rank 0's part of it), ``completions`` and ``diversity`` of every
+        rank's answers, and the KL controller."""
+        stats = host.logged
         return cls(
             iteration=iteration,
             diversity=diversity,

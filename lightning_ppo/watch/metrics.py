@@ -108,6 +108,11 @@ OVER_RANKS = frozenset(
         "episode/env_errors",
         "episode/tool_calls",
         "episode/tool_errors",
+        # from every rank's answers (watch/every_rank.py)
+        "diversity/top_share",
+        "diversity/distinct_1",
+        "diversity/distinct_2",
+        "diversity/overlap",
     }
 )
 
