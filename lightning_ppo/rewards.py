@@ -327,9 +327,13 @@ def check_scores(
 
     NaN and inf raise unless ``allow_nonfinite`` (the caller then drops those samples). Every error
     here is the reward's, so a usage error: the command reports it in one line.
+
+    Detached: a ``torch.nn`` scorer called without ``no_grad`` returns its graph, which ``as_tensor``
+    keeps; the advantages would carry it, the first backward would reach the reward's parameters and
+    the second minibatch's would fail on the freed graph.
     """
     try:
-        tensor = torch.as_tensor(scores, dtype=torch.float32, device=device)
+        tensor = torch.as_tensor(scores, dtype=torch.float32, device=device).detach()
     except (TypeError, ValueError, RuntimeError) as err:
         raise UsageTypeError(
             f"reward {name!r} must return numbers (a list or a tensor), got {type(scores).__name__}"

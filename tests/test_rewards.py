@@ -280,3 +280,31 @@ def test_trl_style_rewards_get_dataset_columns_and_completion_ids(tiny_gpt2, tmp
         assert module.stop_token_id not in row[:-1]
         assert row[-1] == module.stop_token_id or len(row) == 6
         assert tokenizer.decode(row, skip_special_tokens=True) == completion
+
+
+class _TorchScorer:
+    """A plain ``torch.nn`` scorer called without ``no_grad``: its scores carry its graph."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(3)
+        self.head = torch.nn.Linear(1, 1)
+
+    def __call__(self, prompts, completions, batch):
+        lengths = torch.tensor([[float(len(c))] for c in completions])
+        return self.head(lengths).squeeze(1)
+
+
+def test_a_reward_returning_a_tensor_with_a_graph_is_detached_where_it_enters(tiny_digits, tmp_path):
+    from lightning_ppo.rewards import check_scores
+    from tests.helpers import prompt_data, quiet_trainer
+
+    scorer = _TorchScorer()
+    scores = scorer([], ["12", "345"], None)
+    assert scores.requires_grad
+    assert not check_scores(scores, 2, "scorer").requires_grad
+    torch.manual_seed(0)
+    module = _digits_module(tiny_digits, reward_fn=scorer, ppo={"ppo_epochs": 2, "num_minibatches": 2})
+    # the second minibatch's backward would run through the reward's graph a second time
+    quiet_trainer(tmp_path, iterations=1).fit(module, datamodule=prompt_data())
+    assert module.trainer.global_step == 4
+    assert scorer.head.weight.grad is None  # the update never reached the reward's parameters
