@@ -3,6 +3,8 @@ answers converging on one phrase while the score rises, and steps too small to m
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -113,6 +115,36 @@ def test_steps_too_small_warn_once_after_the_warm_up_naming_the_learning_rate():
     assert moving.observe(_view(60, 0.1, VARIED, kl=0.5, approx_kl=1e-6)) == []  # it has moved
     no_spread = Guardrails(PPOConfig(), lr=1e-7)
     assert no_spread.observe(_view(60, 0.1, VARIED, kl=0.01, approx_kl=1e-6, scores_std=0.0)) == []
+
+
+def _slow(iteration=60, kl_coef=0.01, kl_coef_base=None, kl=0.01, approx_kl=1e-6):
+    """A policy that has barely moved after the warm-up, the scores' std 0.3."""
+    view = _view(iteration, 0.1, VARIED, kl=kl, approx_kl=approx_kl)
+    return replace(view, kl_coef=kl_coef, kl_coef_base=kl_coef if kl_coef_base is None else kl_coef_base)
+
+
+def test_steps_too_small_stay_quiet_while_the_kl_penalty_holds_the_policy():
+    adaptive = PPOConfig(kl_target=6.0, kl_coef=0.05)
+    assert Guardrails(adaptive, lr=1e-7).observe(_slow(kl_coef=0.5)) == []  # outweighs the spread 0.3
+    raised = _slow(kl_coef=0.1, kl_coef_base=0.2)  # the controller raised it above its start 0.05
+    assert Guardrails(adaptive, lr=1e-7).observe(raised) == []
+    assert Guardrails(PPOConfig(kl_coef=1.0), lr=1e-7).observe(_slow(kl_coef=1.0)) == []  # fixed, as large
+    at_target = Guardrails(PPOConfig(kl_target=0.02), lr=1e-7).observe(_slow(kl=0.015))
+    assert at_target == []  # a KL this small is what the user asked for
+    (message,) = Guardrails(adaptive, lr=1e-7).observe(_slow(kl_coef=0.01))  # too weak to hold it
+    assert "the KL penalty (kl_coef 0.01) is too weak" in message
+
+
+def test_steps_too_small_never_call_a_usual_rate_too_small():
+    """The reported run: kl_target on a warm-started policy at the README's lr 1e-5, told at iteration
+    61 that 1e-5 "is likely too small ... pretrained models 1e-6 to 1e-5"; its KL then rose to 8."""
+    reported = _slow(61, kl_coef=0.018, kl_coef_base=0.05, kl=0.05, approx_kl=2e-4)
+    assert Guardrails(PPOConfig(kl_target=6.0), lr=1e-5).observe(reported) == []
+    for lr in (1e-6, 1e-5, 5e-5, 1e-4, 1e-3, 1e-2):  # inside a usual range, or above them all
+        assert Guardrails(PPOConfig(), lr=lr).observe(_slow()) == [], lr
+    (message,) = Guardrails(PPOConfig(), lr=2e-5).observe(_slow())  # above pretrained, below LoRA/tiny
+    assert "learning rate 2e-05 is likely too small" in message and "1e-4 to 1e-3" in message
+    assert "1e-6 to 1e-5" not in message  # no rate below the one in use is offered
 
 
 # ----------------------------------------------------------------- end to end

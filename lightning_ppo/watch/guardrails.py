@@ -47,6 +47,14 @@ CONVERGE_ITERATIONS = 3
 SMALL_STEP_ITERATIONS = 50
 SMALL_STEP_KL = 0.1
 SMALL_STEP_APPROX_KL = 1e-3
+# The learning rates the advice names as usual, by kind of model (name, low, high, as said). A rate inside one
+# of them is not called too small (a pretrained policy at 1e-5 that is slow to start is no fault of
+# its rate), and only the kinds whose rates lie above it are named.
+USUAL_LR = (
+    ("random or tiny models", 1e-4, 1e-3, "1e-4 to 1e-3"),
+    ("pretrained models", 1e-6, 1e-5, "1e-6 to 1e-5"),
+    ("LoRA", 5e-5, 2e-4, "about 1e-4"),
+)
 
 
 @dataclass
@@ -211,10 +219,7 @@ class Guardrails:
         Only where the reward's scale competes with the KL term: a KL in the reward, or a KL in the
         loss beside advantages that are not normalised (rloo, gae without whitening).
         """
-        normalised = self.config.advantage_estimator in ("grpo", "reinforce_pp") or (
-            self.config.advantage_estimator == "gae" and self.config.whiten_advantages
-        )
-        if view.scores_std is None or (self.config.kl_placement == "loss" and normalised):
+        if view.scores_std is None or self._scale_free():
             return None
         self.spread_sum += view.scores_std
         self.spread_count += 1
@@ -257,21 +262,46 @@ class Guardrails:
 
     def _small_steps(self, view: IterationView) -> str | None:
         """After a warm-up the policy has barely left the reference though the scores vary: steps
-        too small to matter, usually a learning rate meant for another kind of model."""
+        too small to matter, usually a learning rate meant for another kind of model. Not while the
+        KL penalty is what keeps the policy there (a fixed or an adaptive coefficient that outweighs
+        what the policy learns from, or a KL near ppo.kl_target): a smaller step would not move it
+        either. Not for a rate inside a range the advice names as usual."""
         # _reward_drowned's running spread where it keeps one (not beside a KL in the loss), else this batch's
         spread = self.spread_sum / self.spread_count if self.spread_count else (view.scores_std or 0.0)
         if view.iteration < SMALL_STEP_ITERATIONS or not spread > 0:
             return None
         if view.kl >= SMALL_STEP_KL or view.approx_kl >= SMALL_STEP_APPROX_KL:
             return None
+        above = [f"{name} {said}" for name, low, _, said in USUAL_LR if low > self.lr]
+        usual_already = any(low <= self.lr <= high for _, low, high, _ in USUAL_LR)
+        if self._penalty_holds(view, spread) or usual_already or not above:
+            return None
         return self._once(
             "small_steps",
             f"objective/kl {view.kl:.3g} and policy/approxkl_avg {view.approx_kl:.2g} at iteration "
-            f"{view.iteration} while the scores vary (std {spread:.3g}): the policy has barely moved "
-            f"from the reference. The learning rate {self.lr:g} is likely too small for this model: "
-            "random or tiny models usually want 1e-4 to 1e-3, pretrained models 1e-6 to 1e-5, LoRA "
-            "about 1e-4; set model.optimizer.init_args.lr",
+            f"{view.iteration} while the scores vary (std {spread:.3g}): the policy has barely moved from "
+            f"the reference, and the KL penalty (kl_coef {view.kl_coef:.3g}) is too weak to be what holds "
+            f"it. The learning rate {self.lr:g} is likely too small for this model (usual rates: "
+            f"{', '.join(above)}); set model.optimizer.init_args.lr",
         )
+
+    def _penalty_holds(self, view: IterationView, spread: float) -> bool:
+        """Whether the KL penalty, not the step size, keeps the policy near the reference: its
+        coefficient is at least the spread of what the policy learns from (the scores, or advantages
+        of unit spread beside a KL in the loss), or an adaptive controller has raised it above its start
+        (pulling the policy back) or has the KL near its target."""
+        adaptive = self.config.kl_target is not None
+        if adaptive and (view.kl_coef_base > self.config.kl_coef or view.kl >= self.config.kl_target / 2):
+            return True
+        return view.kl_coef >= (1.0 if self._scale_free() else spread)
+
+    def _scale_free(self) -> bool:
+        """A KL in the loss beside advantages normalised to unit spread: the reward's scale does not
+        compete with the KL coefficient (grpo, reinforce_pp, gae with whitening)."""
+        normalised = self.config.advantage_estimator in ("grpo", "reinforce_pp") or (
+            self.config.advantage_estimator == "gae" and self.config.whiten_advantages
+        )
+        return self.config.kl_placement == "loss" and normalised
 
     def _restart_advice(self) -> str:
         return (
