@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import re
+import sys
 import threading
 import time
 from functools import partial
@@ -17,7 +19,8 @@ from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.rollout.answers import BadEnvironmentReward, EnvironmentTimeout
 from lightning_ppo.rollout.episodes import Environment, StepResult, Turn
-from lightning_ppo.runs.bounded_calls import run_bounded
+from lightning_ppo.runs.background_loop import LoopBlocked
+from lightning_ppo.runs.bounded_calls import CallExited, run_bounded
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 
@@ -64,8 +67,21 @@ def test_async_calls_are_awaited_together():
             await asyncio.sleep(0.01)
         raise TimeoutError("the calls did not run together")
 
-    outcomes = run_bounded([partial(call, i) for i in range(3)], timeout=30, max_concurrency=1)
+    outcomes = run_bounded([partial(call, i) for i in range(3)], timeout=30, max_concurrency=3)
     assert [o.value for o in outcomes] == [0, 1, 2]
+
+
+def test_max_concurrency_bounds_async_calls_too():
+    running, most = [0], [0]
+
+    async def call() -> None:
+        running[0] += 1  # all on the one loop thread: no lock needed
+        most[0] = max(most[0], running[0])
+        await asyncio.sleep(0.01)
+        running[0] -= 1
+
+    run_bounded([call] * 6, timeout=30, max_concurrency=2)
+    assert most[0] == 2
 
 
 def test_a_call_past_its_time_is_a_timeout_and_an_exception_an_error():
@@ -86,6 +102,114 @@ def test_a_call_past_its_time_is_a_timeout_and_an_exception_an_error():
     assert late.timed_out and late_async.timed_out and late.value is None
     assert isinstance(error.error, KeyError) and not error.timed_out
     assert fine.value == "ok"
+
+
+def _finishes_within(seconds: float, fn, *args):
+    """``fn(*args)``'s result (or its exception, raised), asserting it came within ``seconds``: a call
+    that would hang fails the test instead of hanging it."""
+    done: dict = {}
+
+    def target() -> None:
+        try:
+            done["value"] = fn(*args)
+        except BaseException as err:  # noqa: BLE001
+            done["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn.__name__} did not return within {seconds} s"
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
+
+
+def exits() -> None:
+    sys.exit(3)
+
+
+async def exits_async() -> None:
+    await asyncio.sleep(0)
+    sys.exit(3)
+
+
+def interrupts() -> None:
+    raise KeyboardInterrupt
+
+
+async def interrupts_async() -> None:
+    raise KeyboardInterrupt
+
+
+async def answers() -> str:
+    await asyncio.sleep(0.001)
+    return "still here"
+
+
+@pytest.mark.parametrize(
+    ("call", "raised"),
+    [
+        (exits, "SystemExit(3)"),
+        (exits_async, "SystemExit(3)"),
+        (interrupts, "KeyboardInterrupt()"),
+        (interrupts_async, "KeyboardInterrupt()"),
+    ],
+    ids=["exit", "async-exit", "interrupt", "async-interrupt"],
+)
+def test_an_exit_in_the_users_code_stops_the_run_in_one_line_and_the_loop_lives_on(call, raised):
+    with pytest.raises(CallExited, match=rf"^{call.__name__} raised {re.escape(raised)}: code that training"):
+        _finishes_within(20, run_bounded, [answers, call], 5, 4)
+    outcomes = _finishes_within(20, run_bounded, [answers, answers], 5, 4)
+    assert [o.value for o in outcomes] == ["still here"] * 2
+
+
+async def cancels() -> None:
+    raise asyncio.CancelledError("the user's own")
+
+
+def test_a_cancelled_error_from_the_users_code_is_that_calls_error():
+    cancelled, fine = _finishes_within(20, run_bounded, [cancels, answers], 5, 4)
+    assert isinstance(cancelled.error, asyncio.CancelledError) and fine.value == "still here"
+
+
+def test_threads_of_timed_out_calls_are_bounded_and_later_calls_wait_for_them_within_their_limit():
+    release, started, lock = threading.Event(), [0], threading.Lock()
+
+    def hangs() -> None:
+        with lock:
+            started[0] += 1
+        release.wait(60)
+
+    try:
+        for _ in range(3):  # a persistently hung function: three batches of two calls
+            outcomes = run_bounded([hangs, hangs], timeout=0.1, max_concurrency=2)
+            assert all(o.timed_out for o in outcomes)
+        assert started[0] == 2  # not 6: the later calls waited for a thread left over, none ended
+    finally:
+        release.set()
+    outcomes = run_bounded([hangs], timeout=10, max_concurrency=2)  # once they end, calls start again
+    assert outcomes[0].value is None and not outcomes[0].timed_out and started[0] == 3
+
+
+class BlocksTheLoop:
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    async def step(self, turn: int) -> int:
+        self.release.wait(60)  # a blocking call inside async def
+        return turn
+
+
+def test_an_async_call_that_blocks_the_loop_is_named_and_a_new_loop_serves_later_calls():
+    release = threading.Event()
+    try:
+        with pytest.raises(
+            LoopBlocked, match=r"^async def BlocksTheLoop.step blocked the event loop for over"
+        ):
+            _finishes_within(30, run_bounded, [partial(BlocksTheLoop(release).step, 1)], 0.2, 4)
+    finally:
+        release.set()
+    assert [o.value for o in _finishes_within(20, run_bounded, [answers], 5, 4)] == ["still here"]
 
 
 # ----------------------------------------------------------------- episodes
@@ -277,3 +401,31 @@ def test_an_async_reward_past_its_timeout_is_one_line_or_its_completions_dropped
         _scores(tiny_digits, "error")
     scores = _scores(tiny_digits, "drop")
     assert torch.isnan(scores).all()  # NaN + 0.5: dropped by the module as any NaN score is
+
+
+class Exits(Environment):
+    def step(self, turn: Turn) -> StepResult:
+        sys.exit(3)
+
+
+class AsyncBlocks(Environment):
+    release = threading.Event()
+
+    async def step(self, turn: Turn) -> StepResult:
+        AsyncBlocks.release.wait(60)  # time.sleep in async def: the loop can do nothing else
+        return StepResult(done=True)
+
+
+def test_an_environment_that_exits_stops_the_run_in_one_line_even_when_errors_drop(tiny_digits):
+    module = _module(tiny_digits, Exits(), on_error="drop")
+    with pytest.raises(CallExited, match=r"^Exits.step raised SystemExit\(3\): code that training calls"):
+        _finishes_within(60, _episodes, module)
+
+
+def test_an_async_environment_that_blocks_the_loop_is_named_in_one_line(tiny_digits):
+    module = _module(tiny_digits, AsyncBlocks(), on_error="drop", step_timeout=0.2)
+    try:
+        with pytest.raises(LoopBlocked, match=r"^async def AsyncBlocks.step blocked the event loop"):
+            _finishes_within(60, _episodes, module)
+    finally:
+        AsyncBlocks.release.set()

@@ -1,0 +1,115 @@
+"""The process's event loop for the user's async code, and a wait on it that cannot hang.
+
+Async environments, tools and rewards run on one loop in a daemon thread (:func:`background_loop`),
+so an async client kept between calls stays on its loop. Two things can stop that loop, and a
+caller waiting on it would then wait forever:
+
+- its thread ends (an exception escaped a callback, or the process forked): the next
+  :func:`background_loop` builds a new one, and :func:`wait_on_loop` says so in one line rather
+  than waiting;
+- a callback holds it: an ``async def`` that makes a blocking call (``time.sleep``, ``requests``)
+  stops every other coroutine, and no timeout can fire while it blocks. :func:`wait_on_loop` sends
+  the loop a no-op while it waits; one left unanswered past ``blocked_after`` seconds means the loop
+  is blocked: the loop is given up (a new one serves later calls) and :class:`LoopBlocked` names
+  the task that held it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_ppo.runs.errors import UsageError
+
+POLL_S = 0.05  # how often a waiting caller looks at the loop
+_DRAIN_S = 1.0  # how long a given-up loop, once free, runs on to finish what was cancelled on it
+
+
+class LoopBlocked(UsageError):
+    """An ``async def`` held the background loop longer than its time limit allows."""
+
+
+@dataclass
+class _Loop:
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+    pid: int
+
+    def serves(self) -> bool:
+        return self.pid == os.getpid() and self.thread.is_alive() and not self.loop.is_closed()
+
+
+_CURRENT: _Loop | None = None
+_LOCK = threading.Lock()
+
+
+def background_loop() -> asyncio.AbstractEventLoop:
+    """The loop, started on first use and again when its thread is gone (a forked child, a given-up
+    or stopped loop). One loop for the whole run, so a run started from inside a running loop (a
+    notebook) works too."""
+    global _CURRENT
+    with _LOCK:
+        if _CURRENT is None or not _CURRENT.serves():
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="lightning-ppo-async", daemon=True)
+            thread.start()
+            _CURRENT = _Loop(loop, thread, os.getpid())
+        return _CURRENT.loop
+
+
+def give_up(loop: asyncio.AbstractEventLoop) -> None:
+    """Serve later calls from a new loop; ``loop`` stops once whatever holds it lets go."""
+    global _CURRENT
+    with _LOCK:
+        if _CURRENT is not None and _CURRENT.loop is loop:
+            _CURRENT = None
+    if not loop.is_closed():  # once free, it finishes the cancelled calls (no pending tasks left), then stops
+        loop.call_soon_threadsafe(loop.call_later, _DRAIN_S, loop.stop)
+
+
+def wait_on_loop(
+    future: concurrent.futures.Future, loop: asyncio.AbstractEventLoop, blocked_after: float | None
+) -> Any:
+    """``future.result()`` of a coroutine run on ``loop``, watching the loop while it waits: a loop
+    whose thread ended is a ``RuntimeError``, one blocked past ``blocked_after`` seconds (``None``:
+    never judged blocked) is :class:`LoopBlocked`."""
+    thread = _thread_of(loop)
+    beat: threading.Event | None = None  # a no-op sent to the loop and not yet answered
+    sent = 0.0
+    while True:
+        try:
+            return future.result(timeout=POLL_S)
+        except concurrent.futures.TimeoutError:
+            pass
+        if thread is not None and not thread.is_alive():
+            future.cancel()
+            raise RuntimeError("lightning_ppo's background event loop stopped; the call cannot finish")
+        if beat is None or beat.is_set():
+            beat, sent = threading.Event(), time.monotonic()
+            loop.call_soon_threadsafe(beat.set)
+        elif blocked_after is not None and time.monotonic() - sent > blocked_after:
+            future.cancel()
+            holder = _holder(loop)
+            give_up(loop)
+            raise LoopBlocked(
+                f"async def {holder} blocked the event loop for over {blocked_after:.1f} s, so no time "
+                "limit could fire: a blocking call (time.sleep, requests, subprocess.run) inside "
+                "async def stops every async call; await the async form (asyncio.sleep, an async "
+                "client) or make it a plain def, which runs on a thread of its own"
+            )
+
+
+def _thread_of(loop: asyncio.AbstractEventLoop) -> threading.Thread | None:
+    current = _CURRENT
+    return current.thread if current is not None and current.loop is loop else None
+
+
+def _holder(loop: asyncio.AbstractEventLoop) -> str:
+    """The name of the task running on ``loop`` now (the call that blocks it)."""
+    task = asyncio.current_task(loop)
+    return task.get_name() if task is not None else "code"
