@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.rollout.episodes import StepResult, Turn
-from lightning_ppo.rollout.tools import ToolEnvironment
+from lightning_ppo.rollout.tools import ToolCall, ToolEnvironment
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.arithmetic import AnswerReward, ArithmeticDataModule, calculator
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
@@ -24,6 +24,23 @@ CHATML = (
 
 def broken(x: str) -> str:
     raise RuntimeError("out of paper")
+
+
+def lookup(key: str) -> str:
+    return key.upper()
+
+
+async def lookup_async(key: str) -> str:
+    return key.upper()
+
+
+@pytest.mark.parametrize("tool", [lookup, lookup_async], ids=["def", "async def"])
+def test_a_call_with_a_wrong_argument_name_is_an_error_observation_for_plain_and_async_tools(tool):
+    env = ToolEnvironment([tool], tool_format="text")
+    name = tool.__name__
+    assert env.run(ToolCall(name, {"key": "x"})) == ("X", False)
+    text, failed = env.run(ToolCall(name, {"query": "x"}))
+    assert failed and text.startswith(f"{name} raised TypeError: ") and "'query'" in text
 
 
 def _turn(text: str, index: int = 0) -> Turn:

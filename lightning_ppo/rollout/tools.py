@@ -40,6 +40,9 @@ from lightning_ppo.runs.errors import UsageError
 TOOL_FORMATS = ("auto", "hermes", "text")
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _TEXT = re.compile(r"call ([a-z_][a-z0-9_]*)\s*:\s*([^;]*)")
+# Each tool call is a run_bounded of its own; its timed-out calls still running on their threads are
+# bounded per tool over the whole run: past this many, a new call waits (within its limit) for one.
+_TOOL_LEFTOVERS = 64
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,8 @@ class ToolEnvironment(Environment):
             return f"unknown tool {call.name!r}; tools: {', '.join(sorted(self.tools))}", True
         arguments = call.arguments
         invoke = partial(tool, **arguments) if isinstance(arguments, dict) else partial(tool, arguments)
-        outcome = run_bounded([invoke], self.timeout, max_concurrency=1)[0]
+        # an async tool is awaited inside the guard too: a wrong argument name is its error, not a crash
+        outcome = run_bounded([invoke], self.timeout, max_concurrency=1, leftovers=_TOOL_LEFTOVERS)[0]
         if outcome.timed_out:
             return f"{call.name} did not answer within {self.timeout} s", True
         if outcome.error is not None:  # a tool's failure is the policy's observation, not a crash
