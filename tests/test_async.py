@@ -286,3 +286,197 @@ def test_a_batch_whose_sampling_failed_stays_pending():
         assert sorted(ahead.pending()) == ["batch 0", "batch 1"]
     finally:
         ahead.close()
+
+
+class EchoTurns(Environment):
+    """Echoes its prompt's digits after each reply, for as many turns as the prompt's first digit
+    says (1 to 3): every batch's transcripts and turn counts are its own."""
+
+    def reset(self, prompt, row, rng) -> None:
+        self.digits = "".join(c for c in prompt if c.isdigit())
+        self.turns = int(self.digits[0]) % 3 + 1
+
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(observation=self.digits[:3], done=turn.index + 1 >= self.turns)
+
+
+class TrainedEpisodes(pl.Callback):
+    """Per trained iteration: the logged ``episode/turns_mean``, the prompts and the transcripts."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, list[str], list[str]]] = []
+
+    def on_train_batch_end(self, trainer, module, *args) -> None:
+        if module.last_samples is not None and len(self.rows) < module.iteration:
+            samples = module.last_samples
+            metric = float(trainer.callback_metrics["episode/turns_mean"])
+            self.rows.append((metric, list(samples.prompts), list(samples.completions)))
+
+
+def test_episode_metrics_and_transcripts_logged_are_the_trained_batchs(tiny_digits, tmp_path):
+    """One step off, the next batch's episodes run during the update: what is logged for a batch (the
+    turns per episode, the transcripts) is still that batch's, not the one sampled meanwhile."""
+    pl.seed_everything(0)
+    episodes = EpisodeConfig(max_turns=3, max_tokens=64)
+    module, record = _module(tiny_digits, 1, environment=EchoTurns(), episode=episodes), TrainedEpisodes()
+    quiet_trainer(tmp_path, iterations=5, callbacks=[record]).fit(
+        module, DigitsDataModule(num_prompts=5 * 16, batch_size=16, max_prompt_length=16)
+    )
+    assert len(record.rows) == 4
+    for turns_mean, prompts, transcripts in record.rows:
+        digits = ["".join(c for c in p if c.isdigit()) for p in prompts]
+        assert turns_mean == pytest.approx(sum(int(d[0]) % 3 + 1 for d in digits) / len(digits))
+        assert all(t.count(d[:3]) >= int(d[0]) % 3 for t, d in zip(transcripts, digits, strict=True))
+
+
+def test_positions_seed_each_batch_once_and_a_failing_start_keeps_both_batches():
+    """Each job starts at the iteration its batch will train at (its episodes' seed): unique, and the
+    same for a batch a checkpoint kept and a resumed run samples again. A start that raises (a server
+    sync failed) leaves every batch pending: the one trained before it and the one not started."""
+    from lightning_ppo.rollout.ahead import RolloutsAhead, Sampled
+
+    for staleness in (1, 2):
+        positions: list[int] = []
+
+        def prepare(batch, position, positions=positions, s=staleness):
+            positions.append(position)
+            return lambda: Sampled(batch, None, position - s)
+
+        ahead, version = RolloutsAhead(staleness, prepare), 0
+        try:
+            for step in range(6):
+                if ahead.next(f"batch {step}", version) is not None:
+                    version += 1
+            assert positions == list(range(6))
+            kept = ahead.pending()
+        finally:
+            ahead.close()
+        resumed = RolloutsAhead(staleness, prepare)
+        positions.clear()
+        resumed.restore(kept)
+        try:
+            resumed.next("batch 6", version)
+            assert positions == list(range(version, version + staleness + 1))
+        finally:
+            resumed.close()
+
+    def failing(batch, position):
+        if batch == "batch 1":
+            raise ConnectionError("sync failed")
+        return lambda: Sampled(batch, None, 0)
+
+    ahead = RolloutsAhead(1, failing)
+    try:
+        assert ahead.next("batch 0", 0) is None
+        with pytest.raises(ConnectionError):
+            ahead.next("batch 1", 0)
+        assert ahead.pending() == ["batch 0", "batch 1"]
+    finally:
+        ahead.close()
+
+
+class FailAfterIteration(pl.Callback):
+    """Raises as the step after ``iteration`` starts (its checkpoint saved: Lightning runs the
+    checkpoint callbacks last at a batch end)."""
+
+    def __init__(self, iteration: int) -> None:
+        self.iteration = iteration
+
+    def on_train_batch_start(self, trainer, module, *args) -> None:
+        if module.iteration == self.iteration:
+            raise RuntimeError("stopped on purpose")
+
+
+class Trained(pl.Callback):
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+        self.seen = 0
+
+    def on_train_batch_end(self, trainer, module, *args) -> None:
+        if module.last_samples is not None and module.iteration > self.seen:
+            self.seen = module.iteration
+            self.prompts += module.last_samples.prompts
+
+
+def test_a_second_fit_after_a_failed_one_trains_every_prompt_once(tiny_digits, tmp_path):
+    """In one process (a notebook, a retry loop): a fit one step off fails after the checkpoint of
+    iteration 3, and ``fit(ckpt_path=...)`` on the same module trains the pending batch first and
+    then the rest, each prompt exactly once, as the uninterrupted run. After a fit, a
+    ``trainer.save_checkpoint`` keeps the pending batch its cursor counts, as handed in (before the
+    ``num_generations`` copies)."""
+    from lightning_ppo.checkpoint import PPOCheckpoint
+
+    def data() -> DigitsDataModule:
+        return DigitsDataModule(num_prompts=6 * 8, batch_size=8, max_prompt_length=16)
+
+    pl.seed_everything(0)
+    whole, whole_module = Trained(), _module(tiny_digits, 1)
+    trainer = quiet_trainer(tmp_path / "whole", iterations=6, callbacks=[whole])
+    trainer.fit(whole_module, data())
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    pending = torch.load(tmp_path / "after.ckpt", weights_only=True)["lightning_ppo_pending"]
+    assert [len(rank) for rank in pending] == [1] and len(pending[0][0]["prompts"]) == 8
+
+    pl.seed_everything(0)
+    module, trained = _module(tiny_digits, 1), Trained()
+    saver = PPOCheckpoint(dirpath=tmp_path / "ckpt", every_n_iterations=1, save_top_k=-1)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        callbacks = [trained, saver, FailAfterIteration(3)]
+        quiet_trainer(tmp_path / "run", 6, callbacks=callbacks).fit(module, data())
+    assert module._ahead is None  # ended when the fit raised
+    again = Trained()
+    again.seen = 3
+    quiet_trainer(tmp_path / "run", 6, callbacks=[again]).fit(
+        module, data(), ckpt_path=str(tmp_path / "ckpt" / "iteration=3.ckpt")
+    )
+    assert module.iteration == 5
+    assert Counter(trained.prompts + again.prompts) == Counter(whole.prompts)
+
+
+def test_groups_are_rebuilt_from_the_batch_as_handed_in(tiny_digits, tmp_path):
+    """``num_generations`` 2 one step off: the pending batch a checkpoint keeps is the batch of
+    prompts, so a resume with another ``num_generations`` builds whole groups."""
+    module = _module(tiny_digits, 1)
+    module.ppo = PPOConfig(max_staleness=1, num_generations=2)
+    trainer = quiet_trainer(tmp_path, iterations=2)
+    trainer.fit(module, DigitsDataModule(num_prompts=16, batch_size=8, max_prompt_length=16))
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    pending = torch.load(tmp_path / "after.ckpt", weights_only=True)["lightning_ppo_pending"]
+    assert len(pending[0][0]["prompts"]) == 8 and module.episodes == 16
+
+
+def test_pending_batches_are_not_refused_outside_a_trainer():
+    """``load_from_checkpoint`` of a 2-rank checkpoint (no Trainer): nothing is trained there, so
+    nothing is refused; a fit with ``ckpt_path`` reads them again with its ranks."""
+    assert pending_of_rank([["rank 0's"], ["rank 1's"]], None, 1) == []
+
+
+class FailsOnRankOne(Environment):
+    """Raises in the second batch's episodes of rank 1 only."""
+
+    resets = 0
+
+    def reset(self, prompt, row, rng) -> None:
+        FailsOnRankOne.resets += 1
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1 and self.resets > 64:
+            raise RuntimeError("rank 1's environment broke")
+
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(done=True)
+
+
+@pytest.mark.ranks
+def test_one_ranks_failed_background_job_stops_every_rank(tiny_digits, tmp_path):
+    """DDP on 2 CPU ranks one step off: rank 1's background episodes fail on its second batch. Both
+    ranks stop (rank 0 with one line naming rank 1's failure), long before the process group's
+    timeout: without the agreement rank 0 waited for rank 1 in the gradients' all-reduce."""
+    args = _fit_args(tiny_digits, tmp_path / "run", tmp_path / "log", 6) + [
+        *("--trainer.devices", "2", "--trainer.strategy", "ddp"),
+        *("--model.init_args.environment", "tests.test_async.FailsOnRankOne"),
+        *("--model.init_args.episode.max_tokens", "16"),
+    ]
+    run = cli_process(args, timeout=240)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("lightning-ppo: error: rank 1's background sampling failed"), run.stderr[-3000:]
+    assert "rank 1's environment broke" in last
