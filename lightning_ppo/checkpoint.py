@@ -28,6 +28,7 @@ from lightning_ppo.runs.log_continuity import LOGS_KEY, checkpoint_to_load, logg
 from lightning_ppo.runs.quiet import DropMessages, stop_dropping, stopped_mid_epoch
 from lightning_ppo.runs.run_lock import RunLock
 from lightning_ppo.runs.writable import ensure_writable
+from lightning_ppo.watch.guardrails import Guardrails
 
 
 def rng_state(device: torch.device) -> Tensor:
@@ -90,6 +91,8 @@ class PPOState:
     smoothed_score: dict[str, Any] | None = None
     consecutive_skips: int = 0
     rng_states: Tensor | None = None  # (world_size, S): every rank's sampling state
+    guardrails: dict[str, Any] | None = None  # watch.guardrails.Guardrails.state_dict; None before the first
+    unscored_seen: bool = False  # a row no reward scored: reward/unscored is logged from then on
 
     @classmethod
     def of(cls, module: LightningModule) -> PPOState:
@@ -103,6 +106,8 @@ class PPOState:
             smoothed_score=module.smoothed_score.state_dict(),
             consecutive_skips=module.consecutive_skips,
             rng_states=gather_rng_states(module),
+            guardrails=module.guardrails.state_dict() if module.guardrails is not None else None,
+            unscored_seen=module.scorer.seen_unscored,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,6 +121,8 @@ class PPOState:
             "smoothed_score": self.smoothed_score,
             "consecutive_skips": self.consecutive_skips,
             "rng_states": self.rng_states,
+            "guardrails": self.guardrails,
+            "unscored_seen": self.unscored_seen,
         }
 
     @classmethod
@@ -130,6 +137,8 @@ class PPOState:
             smoothed_score=saved.get("smoothed_score"),
             consecutive_skips=saved.get("consecutive_skips", 0),
             rng_states=saved.get("rng_states"),
+            guardrails=saved.get("guardrails"),
+            unscored_seen=saved.get("unscored_seen", False),
         )
 
     def restore(self, module: LightningModule) -> None:
@@ -145,6 +154,9 @@ class PPOState:
             module.score_moments.load_state_dict(self.score_moments)
         if self.smoothed_score is not None:
             module.smoothed_score.load_state_dict(self.smoothed_score)
+        if self.guardrails is not None:  # warnings given stay given; windows keep the run's start
+            module.guardrails = Guardrails.restored(module.ppo, self.guardrails)
+        module.scorer.seen_unscored = self.unscored_seen
         if self.rng_states is not None and module._trainer is not None:
             restore_rng_states(module, self.rng_states)
 

@@ -372,8 +372,10 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     def heed_guardrails(self, completions: list[str], host: HostView, diversity: Diversity) -> None:
         """The guardrails' one-time warnings (lightning_ppo.watch.guardrails), spoken by rank 0."""
-        if self.guardrails is None:  # the learning rate is known once the optimizer exists
-            self.guardrails = Guardrails(self.ppo, float(self.optimizers().param_groups[0]["lr"]))
+        lr = float(self.optimizers().param_groups[0]["lr"])  # the one in use, also after a resume
+        if self.guardrails is None:  # else restored with a checkpoint (checkpoint.PPOState)
+            self.guardrails = Guardrails(self.ppo, lr)
+        self.guardrails.lr = lr
         self.guardrails.heed(IterationView.of(self.iteration, completions, host, self.kl_ctl, diversity))
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:

@@ -90,6 +90,16 @@ class Scorer:
         check_scores(raw.masked_fill(unscored.to(raw.device), 0.0), batch_size, name, device)  # any other NaN
         return raw
 
+    @property
+    def seen_unscored(self) -> bool:
+        """Whether a row went unscored in this run: ``reward/unscored`` is logged from then on, and the
+        warning about it was given (saved with checkpoints: ``checkpoint.PPOState``)."""
+        return self._seen_unscored
+
+    @seen_unscored.setter
+    def seen_unscored(self, seen: bool) -> None:
+        self._seen_unscored = self._warned = seen
+
     def _log_metric(self, name: str, value: float) -> None:
         self._metrics[name].append(float(value))
 

@@ -3,10 +3,14 @@ and the bounded adaptive KL controller."""
 
 from __future__ import annotations
 
+import warnings
+
+import lightning.pytorch as pl
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
-from lightning_ppo.tasks.digits import DigitsDataModule
+from lightning_ppo.checkpoint import PPOCheckpoint
+from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
 from tests.helpers import fit_warnings
 
@@ -107,3 +111,58 @@ def test_a_forced_collapse_is_named(tiny_digits, tmp_path, monkeypatch):
     caught = fit_warnings(module, data, iterations=30)
     assert "collapse" in module.guardrails.fired, module.last_samples.completions
     assert any(message.startswith("response collapse: all 16 responses") for message in caught)
+
+
+class UnscoredAtTheStart:
+    """The digits reward, but not applicable (``None``) to the first row of the run's first batch."""
+
+    def __call__(self, prompts, completions, batch):
+        scores = DigitsReward()(prompts, completions, batch).tolist()
+        return [None, *scores[1:]] if batch.trainer_state.global_step == 0 else scores
+
+
+def _wild(policy) -> PPOLightningModule:
+    """lr 0.1: a step far outside the trust region from the first iteration on."""
+    return PPOLightningModule(
+        policy=str(policy),
+        reward_fn=UnscoredAtTheStart(),
+        ppo=PPOConfig(ppo_epochs=2, num_minibatches=1),
+        generation=GenerationConfig(max_new_tokens=6),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-1),
+    )
+
+
+def _stops_after(root, iterations: int, dirpath) -> pl.Trainer:
+    """A quiet Trainer that saves every iteration and stops by max_steps (2 per iteration), as a killed
+    run would: mid-epoch, so that a resume goes on in the same epoch."""
+    return pl.Trainer(
+        accelerator="cpu",
+        max_steps=2 * iterations,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=[PPOCheckpoint(every_n_iterations=1, dirpath=dirpath)],
+    )
+
+
+def test_the_guardrails_and_the_unscored_count_carry_on_through_a_resume(tiny_digits, tmp_path):
+    """Before, a resumed run forgot which warnings it gave (the trust region's came again), started
+    the entropy window at the resume, and stopped logging reward/unscored."""
+    data = DigitsDataModule(num_prompts=512, num_digits=3, batch_size=8, max_prompt_length=8)
+    first = _wild(tiny_digits)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        _stops_after(tmp_path, 3, tmp_path / "ckpt").fit(first, datamodule=data)
+    assert "trust_region" in first.guardrails.fired and len(first.guardrails.early) == 3
+    second = _wild(tiny_digits)
+    trainer = _stops_after(tmp_path, 5, tmp_path / "ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(second, datamodule=data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert second.iteration == 5
+    assert not [w for w in caught if str(w.message).startswith("policy/approxkl_avg")]  # given once
+    assert second.guardrails.fired >= first.guardrails.fired
+    assert second.guardrails.early[:3] == first.guardrails.early  # the run's start, not the resume's
+    assert len(second.guardrails.early) == 5
+    assert float(trainer.callback_metrics["reward/unscored"]) == 0.0  # still logged after the resume

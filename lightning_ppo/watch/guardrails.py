@@ -132,6 +132,36 @@ class Guardrails:
         )
         return [m for m in (check(view) for check in checks) if m is not None]
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to warn as the uninterrupted one does (plain values: checkpoints
+        load with ``weights_only=True``): which warnings were given, the counts in a row, the running
+        spread and the windows of the run's start and its latest iterations."""
+        return {
+            "lr": self.lr,
+            "fired": sorted(self.fired),
+            "collapsed_in_a_row": self.collapsed_in_a_row,
+            "spread_sum": self.spread_sum,
+            "spread_count": self.spread_count,
+            "early": [list(pair) for pair in self.early],
+            "recent": [list(pair) for pair in self.recent],
+            "converging_in_a_row": self.converging_in_a_row,
+        }
+
+    @classmethod
+    def restored(cls, config: PPOConfig, state: dict[str, Any]) -> Guardrails:
+        """Inverse of :meth:`state_dict`, watching a run with ``config``."""
+        return cls(
+            config,
+            lr=state["lr"],
+            fired=set(state["fired"]),
+            collapsed_in_a_row=state["collapsed_in_a_row"],
+            spread_sum=state["spread_sum"],
+            spread_count=state["spread_count"],
+            early=[(entropy, score) for entropy, score in state["early"]],
+            recent=[(entropy, score) for entropy, score in state["recent"]],
+            converging_in_a_row=state["converging_in_a_row"],
+        )
+
     def _once(self, name: str, message: str) -> str | None:
         if name in self.fired:
             return None
