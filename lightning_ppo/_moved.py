@@ -5,7 +5,12 @@ name them (``lightning_ppo.episodes.Environment``, ``lightning_ppo.sharding.shar
 checkpoints written then pickle a few objects under those names. :class:`OldPaths`, installed on
 ``sys.meta_path`` when ``lightning_ppo`` is imported, answers an old name with the new module
 itself (not a copy: classes stay identical, ``isinstance`` and pickling hold) and a
-``DeprecationWarning`` naming the new path. ``tests/test_layout.py`` imports every old path.
+``DeprecationWarning`` naming the new path; the new module keeps its own ``__spec__``.
+``tests/test_layout.py`` imports every old path.
+
+A file pickled before the move names its classes by their old paths, and ``torch.load(weights_only=
+True)`` matches those names as strings: allow-listed by their new paths alone they are refused. Pass
+:func:`with_old_paths` of the list to ``torch.serialization.safe_globals`` to allow both names.
 
 Two old modules are folders now, ``rollout`` and ``models``: their packages forward the old names
 with :func:`forwarding`, importing each one on first use so the folders stay cheap to import.
@@ -73,9 +78,33 @@ def new_name(fullname: str) -> str | None:
     return f"{PACKAGE}.{MOVED[head]}" + (f".{rest}" if rest else "")
 
 
+def old_name(module: str) -> str | None:
+    """``lightning_ppo.rollout.engines.vllm`` -> ``lightning_ppo.engines.vllm``; None if not moved."""
+    for old, new in MOVED.items():
+        home = f"{PACKAGE}.{new}"
+        if module == home or module.startswith(home + "."):
+            return f"{PACKAGE}.{old}" + module.removeprefix(home)
+    return None
+
+
+def with_old_paths(safe_globals: list[Any]) -> list[Any]:
+    """``safe_globals`` plus ``(each, its dotted name before the move)`` for those of a moved module: the
+    form ``torch.serialization.safe_globals`` takes for a renamed global, so that a file pickled under
+    the old path loads with what the caller allows, and nothing else."""
+    aliases = []
+    for obj in safe_globals:
+        module = old_name(getattr(obj, "__module__", None) or "")
+        if module is not None:
+            aliases.append((obj, f"{module}.{obj.__qualname__}"))
+    return [*safe_globals, *aliases]
+
+
 class _Alias(importlib.abc.Loader):
+    """Loads an old name as the new module itself, whose ``__spec__`` stays its own."""
+
     def __init__(self, target: str) -> None:
         self.target = target
+        self.own_spec: importlib.machinery.ModuleSpec | None = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         warnings.warn(
@@ -83,10 +112,16 @@ class _Alias(importlib.abc.Loader):
             DeprecationWarning,
             stacklevel=2,
         )
-        return importlib.import_module(self.target)
+        module = importlib.import_module(self.target)
+        self.own_spec = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """The target module ran when it was imported."""
+        """The target module ran when it was imported. Between the two calls importlib set its
+        ``__spec__`` to the old name's (the one attribute it sets on a module that has it): put its own
+        back, or ``find_spec`` of the new name answers the alias and ``importlib.reload`` of the new
+        module reloads the alias, renaming the module to its old name and running nothing."""
+        module.__spec__ = self.own_spec
 
 
 class OldPaths(importlib.abc.MetaPathFinder):
