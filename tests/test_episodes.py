@@ -459,3 +459,17 @@ def test_a_reset_that_fails_drops_its_episode_and_the_others_get_their_own_repli
         for _, ids in seen:  # the episode's tokens are its replies as its environment read them
             expected += ids + observation
         assert tokens == expected[: len(tokens)] and len(tokens) == len(expected) - len(observation)
+
+
+class KeepsCallsAndErrors(Echo):
+    """An environment with attributes named as the tools' counters."""
+
+    def reset(self, prompt, row, rng) -> None:
+        self.calls, self.errors = [prompt], "none yet"
+
+
+def test_an_environment_may_name_its_attributes_calls_and_errors(tiny_digits):
+    module = _module(tiny_digits, KeepsCallsAndErrors(), EpisodeConfig(max_turns=2, max_tokens=40))
+    module.generate(_batch(module))
+    metrics = module.episode_runner.metrics()
+    assert metrics["episode/tool_calls"].item() == metrics["episode/tool_errors"].item() == 0

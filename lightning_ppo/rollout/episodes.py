@@ -45,6 +45,7 @@ from lightning_ppo.rollout.engines.hf import HFEngine
 from lightning_ppo.rollout.environment import Environment, StepFunction, StepResult, Turn
 from lightning_ppo.rollout.kept_cache import KeptCache
 from lightning_ppo.rollout.prompts import PromptBatch
+from lightning_ppo.rollout.tools import ToolEnvironment, tool_counts
 from lightning_ppo.runs.bounded_calls import Outcome, run_bounded
 from lightning_ppo.runs.errors import UsageError
 
@@ -340,8 +341,9 @@ class EpisodeRunner:
             failed=torch.tensor([e.failed for e in episodes], device=device),
             timeouts=torch.tensor([e.failure == "timeout" for e in episodes], device=device),
             bad_rewards=torch.tensor([e.failure == "bad_reward" for e in episodes], device=device),
-            tool_calls=torch.tensor([getattr(e.environment, "calls", 0) for e in episodes], device=device),
-            tool_errors=torch.tensor([getattr(e.environment, "errors", 0) for e in episodes], device=device),
+            # the tools' own counters, never an attribute of the user's environment that shares the name
+            tool_calls=torch.tensor([tool_counts(e.environment)[0] for e in episodes], device=device),
+            tool_errors=torch.tensor([tool_counts(e.environment)[1] for e in episodes], device=device),
         )
         return Rollout(
             batch.prompt_ids,
@@ -382,8 +384,6 @@ def make_episode_runner(
     if environment is not None and not hasattr(environment, "step") and callable(environment):
         environment = StepFunction(environment)
     if tools:
-        from lightning_ppo.rollout.tools import ToolEnvironment
-
         environment = ToolEnvironment(
             tools, config.tool_format, tokenizer, stop_token, environment, config.tool_timeout
         )

@@ -184,6 +184,13 @@ class PromptTools:
         return "\n".join(lines) + "\n"
 
 
+def tool_counts(environment: Environment) -> tuple[int, int]:
+    """``(calls, errors)`` of an episode's tools; ``(0, 0)`` for an environment without tools."""
+    if not isinstance(environment, ToolEnvironment):
+        return 0, 0
+    return environment.calls, environment.errors
+
+
 def prompt_tools(environment: Environment | None) -> PromptTools | None:
     """What the prompts should describe when ``environment`` is the tools' (``None`` otherwise)."""
     if not isinstance(environment, ToolEnvironment):
