@@ -89,10 +89,11 @@ class PPOState:
     episodes: int = 0
     score_moments: dict[str, float] | None = None
     smoothed_score: dict[str, Any] | None = None
-    consecutive_skips: int = 0
+    consecutive_skips: int = 0  # optimizer steps with NaN/inf gradients, in a row
     rng_states: Tensor | None = None  # (world_size, S): every rank's sampling state
     guardrails: dict[str, Any] | None = None  # watch.guardrails.Guardrails.state_dict; None before the first
     unscored_seen: bool = False  # a row no reward scored: reward/unscored is logged from then on
+    dropped_in_a_row: int = 0  # iterations whose every sample was dropped, in a row
 
     @classmethod
     def of(cls, module: LightningModule) -> PPOState:
@@ -108,6 +109,7 @@ class PPOState:
             rng_states=gather_rng_states(module),
             guardrails=module.guardrails.state_dict() if module.guardrails is not None else None,
             unscored_seen=module.scorer.seen_unscored,
+            dropped_in_a_row=module.dropped_in_a_row,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -123,6 +125,7 @@ class PPOState:
             "rng_states": self.rng_states,
             "guardrails": self.guardrails,
             "unscored_seen": self.unscored_seen,
+            "dropped_in_a_row": self.dropped_in_a_row,
         }
 
     @classmethod
@@ -139,6 +142,7 @@ class PPOState:
             rng_states=saved.get("rng_states"),
             guardrails=saved.get("guardrails"),
             unscored_seen=saved.get("unscored_seen", False),
+            dropped_in_a_row=saved.get("dropped_in_a_row", 0),
         )
 
     def restore(self, module: LightningModule) -> None:
@@ -150,6 +154,7 @@ class PPOState:
         module.iteration = self.iteration
         module.episodes = self.episodes
         module.consecutive_skips = self.consecutive_skips
+        module.dropped_in_a_row = self.dropped_in_a_row
         if self.score_moments is not None:
             module.score_moments.load_state_dict(self.score_moments)
         if self.smoothed_score is not None:

@@ -255,7 +255,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.iteration = 0
         self.episodes = 0
         self.last_samples: Samples | None = None
-        self.consecutive_skips = 0
+        self.consecutive_skips = 0  # optimizer steps in a row skipped for NaN/inf gradients
+        self.dropped_in_a_row = 0  # iterations in a row whose every sample was dropped (no steps at all)
         self.guardrails: Guardrails | None = None
         budget = episode.max_tokens if self.episode_runner is not None else generation.max_new_tokens
         self.loss_aggregation = F.Aggregation(ppo.loss_aggregation, budget)  # constant: the length budget
@@ -419,10 +420,10 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     def _skip_iteration(self, batch_size: int) -> None:
         """Every score of every rank's batch was NaN/inf and dropped: nothing to learn from, count it."""
         self.iteration += 1
-        self.consecutive_skips += 1
-        if self.consecutive_skips >= self.ppo.max_consecutive_skips:
+        self.dropped_in_a_row += 1
+        if self.dropped_in_a_row >= self.ppo.max_consecutive_skips:
             raise FloatingPointError(
-                f"the reward {self.reward_label!r} returned only NaN/inf for {self.consecutive_skips} "
+                f"the reward {self.reward_label!r} returned only NaN/inf for {self.dropped_in_a_row} "
                 f"iterations in a row (ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): "
                 f"stopping. {newest_checkpoint(self._trainer)}"
             )
@@ -647,7 +648,9 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         return step_if_finite(optimizer, self.ppo.max_grad_norm)
 
     def _count_skips(self, stepped: list[bool]) -> None:
-        """Track skipped steps in a row across iterations; stop after ``max_consecutive_skips``."""
+        """Track skipped steps in a row across iterations; stop after ``max_consecutive_skips``. An
+        iteration that trained ends a streak of all-dropped ones (counted apart: no step in them)."""
+        self.dropped_in_a_row = 0
         for ok in stepped:
             self.consecutive_skips = 0 if ok else self.consecutive_skips + 1
             if self.consecutive_skips >= self.ppo.max_consecutive_skips:

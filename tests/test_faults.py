@@ -70,3 +70,49 @@ def test_reward_nan_once_is_dropped_and_counted(tiny_digits, tmp_path):
     trainer.fit(module, datamodule=_data())
     assert float(trainer.callback_metrics["reward/dropped"]) == 1.0
     assert trainer.global_step == 4
+
+
+class NaNAtFirst:
+    """0.5 for every sample, except the first batch: NaN throughout (an iteration all dropped)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, prompts, completions, batch):
+        self.calls += 1
+        return [float("nan") if self.calls == 1 else 0.5] * len(completions)
+
+
+class NaNMinibatchesModule(NaNLossModule):
+    """A NaN loss in every micro-batch of the minibatches listed in ``nan_minibatches`` (counted from 0
+    over the run): one NaN optimizer step each, however the minibatch is cut into micro-batches."""
+
+    def __init__(self, *args, nan_minibatches=(), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.nan_minibatches, self.minibatches = set(nan_minibatches), 0
+
+    def train_minibatch(self, micro_batches):
+        self.nan_steps = set(range(10_000)) if self.minibatches in self.nan_minibatches else set()
+        self.minibatches += 1
+        return super().train_minibatch(micro_batches)
+
+
+def test_a_dropped_iteration_and_nan_steps_are_counted_apart(tiny_digits, tmp_path):
+    """Before, both kinds of skip went into one counter: one all-dropped iteration and two NaN steps
+    stopped a run under max_consecutive_skips 3 ("3 optimizer steps in a row had NaN/inf")."""
+    module = NaNMinibatchesModule(
+        policy=str(tiny_digits),
+        reward_fn=NaNAtFirst(),
+        ppo=PPOConfig(ppo_epochs=2, num_minibatches=2, on_bad_reward="drop", max_consecutive_skips=3),
+        generation=GenerationConfig(max_new_tokens=6),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        nan_minibatches={0, 1},  # the first two steps of iteration 2
+    )
+    trainer = quiet_trainer(tmp_path, iterations=3)
+    trainer.fit(module, datamodule=_data())
+    assert module.iteration == 3 and trainer.global_step == 8  # iteration 1 had nothing to learn from
+    assert float(trainer.callback_metrics["train/skipped_updates"]) == 0.0  # iteration 3's
+    assert module.consecutive_skips == 0 and module.dropped_in_a_row == 0  # both streaks ended
+    module = _module(tiny_digits, reward=NaNAtFirst(), on_bad_reward="drop", max_consecutive_skips=1)
+    with pytest.raises(FloatingPointError, match="returned only NaN/inf for 1 iterations in a row"):
+        quiet_trainer(tmp_path, iterations=3).fit(module, datamodule=_data())
