@@ -8,7 +8,14 @@ It is vLLM's own OpenAI-compatible server (``python -m vllm.entrypoints.openai.a
   checksums (:mod:`lightning_ppo.rollout.engines.server_worker`);
 - ``--generation-config vllm``: no sampling defaults from the checkpoint's ``generation_config.json``
   (every setting comes from the trainer's ``generation`` section);
-- ``--logprobs-mode processed_logprobs``: log-probs of the distribution sampled from.
+- ``--logprobs-mode processed_logprobs``: log-probs of the distribution sampled from;
+- ``--middleware``: with ``VLLM_API_KEY`` set, the key on every route, dev mode's included (vLLM's
+  own check guards ``/v1`` only: :mod:`lightning_ppo.rollout.engines.server_guard`).
+
+Dev mode lets whoever reaches the port replace the weights (``/collective_rpc``). So the server
+listens on 127.0.0.1 unless told otherwise, and on any other address only with ``VLLM_API_KEY`` set
+(the trainer sends the same variable's value) or with ``--no-api-key`` for a network that is
+private already. The key comes from the environment only: a command line shows in ``ps``.
 
 Anything after ``--`` goes to vLLM unchanged (``--tensor-parallel-size 2``, ``--gpu-memory-utilization``).
 Light on purpose: it runs before torch or Lightning would load.
@@ -29,6 +36,9 @@ from lightning_ppo.runs.errors import VLLM_INSTALL_HINT, MissingPathError, Usage
 
 log = logging.getLogger(__name__)
 EXTENSION = "lightning_ppo.rollout.engines.server_worker.WeightSyncExtension"
+GUARD = "lightning_ppo.rollout.engines.server_guard.GuardEveryRoute"
+API_KEY_VARIABLE = "VLLM_API_KEY"  # as rollout.engines.server_client reads it (not imported: light)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 REQUIRED_FLAGS = {
     "--generation-config": "vllm",
     "--logprobs-mode": "processed_logprobs",
@@ -51,6 +61,11 @@ def parser() -> argparse.ArgumentParser:
         "--dtype", default="auto", help="The server's dtype: auto, bfloat16, float16, float32."
     )
     parser.add_argument(
+        "--no-api-key",
+        action="store_true",
+        help=f"Listen on another address than 127.0.0.1 without {API_KEY_VARIABLE} (a private network only).",
+    )
+    parser.add_argument(
         "--print-command", action="store_true", help="Print the environment and command line; start nothing."
     )
     return parser
@@ -62,11 +77,26 @@ def server_command(policy: str, host: str, port: int, dtype: str, extra: list[st
     for flag in REQUIRED_FLAGS:
         if any(arg == flag or arg.startswith(flag + "=") for arg in extra):
             raise UsageError(f"lightning-ppo serve sets {flag} {REQUIRED_FLAGS[flag]} itself; leave it out")
+    if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in extra):
+        raise UsageError(
+            f"lightning-ppo serve: give the key in the environment variable {API_KEY_VARIABLE}, not "
+            "--api-key (a command line is visible to every user of the machine)"
+        )
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", policy]
     command += ["--host", host, "--port", str(port), "--dtype", dtype]
     for flag, value in REQUIRED_FLAGS.items():
         command += [flag, value]
-    return command + extra
+    return command + ["--middleware", GUARD] + extra
+
+
+def check_exposure(host: str, keyless_ok: bool) -> None:
+    """Refuse to open dev mode's routes beyond this machine without a key, unless told to."""
+    if host not in LOOPBACK and not os.environ.get(API_KEY_VARIABLE) and not keyless_ok:
+        raise UsageError(
+            f"lightning-ppo serve --host {host}: set {API_KEY_VARIABLE} (the trainer sends the same "
+            "variable's value) or pass --no-api-key on a private network: the server's dev-mode routes "
+            "let anyone who reaches the port replace its weights"
+        )
 
 
 def _say_on_stdout() -> None:
@@ -86,6 +116,7 @@ def main(argv: list[str]) -> None:
     args = parser().parse_args(ours)
     if not Path(args.policy).is_dir():
         raise MissingPathError(f"lightning-ppo serve --policy: no folder {args.policy}")
+    check_exposure(args.host, args.no_api_key)
     command = server_command(str(Path(args.policy).resolve()), args.host, args.port, args.dtype, extra)
     # Listening on every address: the trainer reaches it by this machine's name.
     url = f"http://{socket.gethostname() if args.host in ('0.0.0.0', '::', '') else args.host}:{args.port}"

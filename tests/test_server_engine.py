@@ -4,7 +4,9 @@ real servers is tests/test_vllm_server.py (``make test-vllm``)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
+import json
 import socket
 import subprocess
 import sys
@@ -16,12 +18,23 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+from lightning_ppo.rollout.engines import Placement
+from lightning_ppo.rollout.engines.server import VLLMServerEngine
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
-from lightning_ppo.rollout.engines.server_sync import checksum, combine_workers, mismatch, write_weights
+from lightning_ppo.rollout.engines.server_guard import GuardEveryRoute
+from lightning_ppo.rollout.engines.server_sync import (
+    checksum,
+    combine_workers,
+    mismatch,
+    sweep_leftovers,
+    write_weights,
+)
+from lightning_ppo.rollout.sampling import hf_generation_config
 from lightning_ppo.runs.errors import UsageError
-from lightning_ppo.serve import EXTENSION, server_command
+from lightning_ppo.serve import EXTENSION, GUARD, check_exposure, server_command
 from tests.helpers import prompt_data, quiet_trainer
 
 
@@ -238,3 +251,174 @@ def test_a_tensor_parallel_servers_workers_add_up_to_the_whole_tensors():
     assert (
         mismatch({"w": checksum(weight), "norm": checksum(norm)}, workers[0], {}) is not None
     )  # one shard is not the whole
+
+
+class _Stuck(http.server.BaseHTTPRequestHandler):
+    """A server whose workers answer the weights-version call (``version``) and whose completions
+    never come (a hung engine); records the Authorization header of each call."""
+
+    version = "1"
+    authorizations: list[str | None] = []
+    release = threading.Event()
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        _Stuck.authorizations.append(self.headers.get("Authorization"))
+        if self.path == "/collective_rpc":
+            body = json.dumps({"results": [_Stuck.version]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        _Stuck.release.wait(30)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+class _Backlogged(http.server.ThreadingHTTPServer):
+    request_queue_size = 512  # every request of a batch connects at once
+    daemon_threads = True
+
+
+@pytest.fixture
+def stuck() -> Iterator[str]:
+    server = _Backlogged(("127.0.0.1", 0), _Stuck)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Stuck.release.clear()
+    _Stuck.authorizations.clear()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        _Stuck.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def _server_engine(tiny_policy: Path, url: str, timeout: float) -> VLLMServerEngine:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_policy))
+    config = GenerationConfig(
+        max_new_tokens=4, stop_token="=", engine="vllm_server", server_urls=[url], server_timeout=timeout
+    )
+    hf = hf_generation_config(config, tokenizer.convert_tokens_to_ids("="), tokenizer.pad_token_id)
+    engine = VLLMServerEngine(config, hf, Placement(), tokenizer, len(tokenizer))
+    engine.served_names, engine.syncs = ["policy"], 1  # as after the first sync
+    return engine
+
+
+def test_a_hung_server_stops_the_batch_within_one_timeout(stuck, tiny_policy):
+    """300 prompts on a server that never completes: one error within about one server_timeout (not
+    one per wave of 64 requests in flight: 5 x 1.5 s), and every thread left waiting is a daemon,
+    which does not hold the process's exit."""
+    engine = _server_engine(tiny_policy, stuck, timeout=1.5)
+    ids, mask = torch.ones(300, 3, dtype=torch.long), torch.ones(300, 3, dtype=torch.long)
+    start = time.monotonic()
+    with pytest.raises(GenerationServerError, match=r"\(/v1/completions\): no (completion|answer)"):
+        engine.generate(ids, mask)
+    assert time.monotonic() - start < 6.0
+    waiting = [t for t in threading.enumerate() if t.name.startswith("lightning-ppo-request")]
+    assert waiting and all(t.daemon for t in waiting)
+
+
+def test_a_server_restarted_since_the_last_sync_stops_the_run_before_sampling(stuck, tiny_policy):
+    _Stuck.version = ""  # a restarted server holds its startup checkpoint
+    try:
+        engine = _server_engine(tiny_policy, stuck, timeout=5)
+        with pytest.raises(GenerationServerError, match="holds weights version none .* last sync was 1"):
+            engine.generate(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))
+    finally:
+        _Stuck.version = "1"
+
+
+def test_the_api_key_travels_from_the_environment(stuck, monkeypatch):
+    client = ServerClient(stuck, timeout=5)
+    client.rpc("lppo_version")
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    client.rpc("lppo_version")
+    assert _Stuck.authorizations == [None, "Bearer s3cret"]
+
+
+def _asgi(guard: GuardEveryRoute, path: str, key: str | None = None) -> int:
+    """The status the guarded app answers for a POST to ``path``."""
+    sent: list[dict] = []
+    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(guard(scope, None, send))
+    return sent[0]["status"]
+
+
+def test_the_api_key_guards_dev_modes_routes_too(monkeypatch):
+    """vLLM's own key check guards /v1 only; ours every route but the health checks."""
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    assert _asgi(GuardEveryRoute(app), "/collective_rpc") == 200  # no key set: nothing to check
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    guard = GuardEveryRoute(app)
+    for route in ("/collective_rpc", "/reset_prefix_cache", "/pause", "/v1/completions"):
+        assert _asgi(guard, route) == 401
+        assert _asgi(guard, route, "wrong") == 401
+        assert _asgi(guard, route, "s3cret") == 200
+    assert _asgi(guard, "/health") == 200
+
+
+def test_serve_opens_no_other_address_without_a_key(monkeypatch, tmp_path):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    check_exposure("127.0.0.1", keyless_ok=False)
+    with pytest.raises(UsageError, match="--host 0.0.0.0: set VLLM_API_KEY"):
+        check_exposure("0.0.0.0", keyless_ok=False)
+    check_exposure("0.0.0.0", keyless_ok=True)
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    check_exposure("0.0.0.0", keyless_ok=False)
+    assert f"--middleware {GUARD}" in " ".join(server_command(str(tmp_path), "127.0.0.1", 1, "auto", []))
+    with pytest.raises(UsageError, match="VLLM_API_KEY, not --api-key"):
+        server_command(str(tmp_path), "127.0.0.1", 1, "auto", ["--api-key", "s3cret"])
+
+
+def test_a_server_error_names_its_url_and_route_once(tiny_policy):
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        engine = _server_engine(tiny_policy, url, timeout=5)
+        with pytest.raises(GenerationServerError) as caught:
+            engine._check_server(engine.servers[0], None)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert str(caught.value).count(url) == 1 and "lightning-ppo serve" in str(caught.value)
+
+
+def test_the_weights_file_is_readable_by_others_and_a_killed_runs_files_are_swept(tmp_path, monkeypatch):
+    """0644 under umask 022 (safetensors writes 0600: a server running as another user could not
+    read it); a dead process's files (a run killed between write and unlink) are swept, a live one's
+    kept; a write that fails leaves no partial file."""
+    from lightning_ppo.rollout.engines import server_sync
+    from lightning_ppo.runs.file_modes import open_mode
+
+    folder = tmp_path / "sync"
+    written = write_weights(iter([("a", torch.randn(2))]), folder, torch.float32)
+    assert written.path.stat().st_mode & 0o777 == open_mode()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    leftovers = [
+        folder / f"lightning-ppo-weights-{int(dead.stdout)}-abc.safetensors",
+        folder / f".lightning-ppo-weights-{int(dead.stdout)}-def.partial",
+    ]
+    for path in leftovers:
+        path.write_bytes(b"x")
+    assert sorted(sweep_leftovers(folder)) == sorted(leftovers)
+    assert [p.name for p in folder.iterdir()] == [written.path.name]  # this live process's own
+
+    def fails(tensors, path):
+        Path(path).write_bytes(b"half")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(server_sync, "save_file", fails)
+    with pytest.raises(OSError, match="No space"):
+        write_weights(iter([("a", torch.randn(2))]), folder, torch.float32)
+    assert [p.name for p in folder.iterdir()] == [written.path.name]

@@ -9,7 +9,10 @@ Before every rollout rank 0 syncs the policy's weights into every server (:mod:`
 the first sync, and every one under ``generation.verify_sync``, is checked against the trainer's
 weights. Before the first, each server is checked to serve the policy's architecture, vocabulary
 and tokenizer, with the sampling settings this package needs. Every call is bounded by
-``generation.server_timeout`` (:mod:`.server_client`). Servers are started with ``lightning-ppo serve``.
+``generation.server_timeout`` (:mod:`.server_client`), and a batch's requests together by the same
+bound without an answer (:mod:`.server_requests`). Before each batch a synced server is asked which
+weights it holds: one restarted since the last sync (serving its startup checkpoint) stops the run
+in one line. Servers are started with ``lightning-ppo serve``.
 """
 
 from __future__ import annotations
@@ -30,9 +33,14 @@ from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rollout.engines import Placement
 from lightning_ppo.rollout.engines.completions import completions_to_rollout
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
-from lightning_ppo.rollout.engines.server_sync import combine_workers, mismatch, write_weights
+from lightning_ppo.rollout.engines.server_requests import Stalled, send_all
+from lightning_ppo.rollout.engines.server_sync import (
+    combine_workers,
+    mismatch,
+    sweep_leftovers,
+    write_weights,
+)
 from lightning_ppo.rollout.engines.weights import hf_weights
-from lightning_ppo.runs.bounded_calls import run_bounded
 
 # Letters, digits, punctuation, spaces and a few words: where two tokenizers usually part ways.
 _TOKENIZER_PROBE = "The quick brown fox, 0123456789 = 42; x+y*z? (a|b) [done] naïve\n\tend."
@@ -78,8 +86,10 @@ class VLLMServerEngine:
         if self.placement.rank == 0:
             try:
                 self._sync(weights, policy)
-            except GenerationServerError as err:
-                error = str(err)
+            except Exception as err:  # any failure is every rank's: the verdict below is broadcast
+                error = str(err) if isinstance(err, GenerationServerError) else _sync_failure(err)
+            for _ in weights:  # a write that failed part way: the other ranks still wait in gathers
+                pass
         else:
             for _ in weights:  # FSDP2: every rank joins each gather
                 pass
@@ -92,16 +102,18 @@ class VLLMServerEngine:
     def _sync(self, weights: Any, policy: nn.Module) -> None:
         if not self.described:
             self.described = [self._check_server(server, policy) for server in self.servers]
+            sweep_leftovers(self.sync_dir)  # a killed run's weight files
         dtype = getattr(torch, self.described[0]["dtype"])
         written = write_weights(weights, self.sync_dir, dtype)
         verify = self.config.verify_sync or self.syncs == 0
+        version = str(self.syncs + 1)
         try:
             for server, described in zip(self.servers, self.described, strict=True):
-                held = server.rpc_all("lppo_load", str(written.path), "1" if verify else "0")
+                held = server.rpc_all("lppo_load", str(written.path), "1" if verify else "0", version)
                 if verify:
                     self._verify(server, written.checksums, held, described["packed_modules"])
                 server.post("/reset_prefix_cache")  # cached KV blocks came from the old weights
-                server.post("/update_weight_version", {"new_version": str(self.syncs + 1)})
+                server.post("/update_weight_version", {"new_version": version})
         finally:
             written.path.unlink(missing_ok=True)
 
@@ -124,7 +136,7 @@ class VLLMServerEngine:
         except GenerationServerError as err:
             raise server.error(
                 "/collective_rpc lppo_describe",
-                f"{err}. Start the server with `lightning-ppo serve`, which adds the worker extension "
+                f"{err.what}. Start the server with `lightning-ppo serve`, which adds the worker extension "
                 "(--worker-extension-cls lightning_ppo.rollout.engines.server_worker.WeightSyncExtension) "
                 "and VLLM_SERVER_DEV_MODE=1",
             ) from None
@@ -177,6 +189,7 @@ class VLLMServerEngine:
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor) -> Rollout:
         if not self.served_names:
             self.served_names = [self._served_name(server) for server in self.servers]
+        self._check_versions()
         prompts = [row[mask].tolist() for row, mask in zip(prompt_ids, prompt_mask.bool(), strict=True)]
         # As the colocated engine: one seed per request from torch's generator (seeded per rank).
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
@@ -185,21 +198,34 @@ class VLLMServerEngine:
             partial(self._complete, (first + i) % len(self.servers), prompt, seed)
             for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))
         ]
-        # Each request's socket waits at most server_timeout; a server trickling bytes is cut there too.
-        outcomes = run_bounded(calls, timeout=self.config.server_timeout, max_concurrency=_MAX_REQUESTS)
-        for i, outcome in enumerate(outcomes):
-            if outcome.timed_out:
-                server = self.servers[(first + i) % len(self.servers)]
-                raise server.error(
-                    "/v1/completions",
-                    f"no completion within {server.timeout:g} s (generation.server_timeout)",
-                )
-            if outcome.error is not None:
-                raise outcome.error
-        tokens = [o.value[0] for o in outcomes]
-        logprobs = [o.value[1] for o in outcomes]
+        try:
+            answers = send_all(calls, self.config.server_timeout, _MAX_REQUESTS)
+        except Stalled as stalled:
+            server = self.servers[(first + stalled.waiting[0]) % len(self.servers)]
+            raise server.error(
+                "/v1/completions",
+                f"no completion of {len(stalled.waiting)} request(s) within {server.timeout:g} s "
+                "(generation.server_timeout)",
+            ) from None
+        tokens = [answer[0] for answer in answers]
+        logprobs = [answer[1] for answer in answers]
         pad = self.hf_generation.pad_token_id
         return completions_to_rollout(prompt_ids, prompt_mask, tokens, logprobs, self._stop_id(), pad)
+
+    def _check_versions(self) -> None:
+        """Each server holds the weights of this engine's last sync (a server restarted since serves
+        its startup checkpoint, and would answer as if nothing happened)."""
+        if self.syncs == 0:  # this engine never synced: nothing of its own to look for
+            return
+        for server in self.servers:
+            held = server.rpc("lppo_version")
+            if held != str(self.syncs):
+                raise server.error(
+                    "weights version",
+                    f"holds weights version {held or 'none (its startup checkpoint)'}, the trainer's last "
+                    f"sync was {self.syncs}: the server restarted since? Resume the run (--ckpt_path last) "
+                    "to sync it again",
+                )
 
     def _complete(self, index: int, prompt: list[int], seed: int) -> tuple[list[int], list[float]]:
         server = self.servers[index]
@@ -247,3 +273,8 @@ class VLLMServerEngine:
         if suppressed:
             request["allowed_token_ids"] = [i for i in range(vocab) if i not in suppressed]
         return request
+
+
+def _sync_failure(err: Exception) -> str:
+    """One line for a sync that failed outside the HTTP calls (writing the weights file, most often)."""
+    return f"weight sync failed: {type(err).__name__}: {err} (generation.sync_dir)"

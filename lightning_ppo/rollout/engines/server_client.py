@@ -4,11 +4,17 @@ A server that is down, dies mid-run, hangs, or answers with an error status give
 :class:`GenerationServerError` naming its URL and the route, within ``timeout`` seconds: peers'
 syncs that waited forever on a hung server without a word (trl#6796, trl#6797) are the reason.
 Only the standard library: the trainer needs no HTTP client package.
+
+Where the environment variable ``VLLM_API_KEY`` is set (the key ``lightning-ppo serve`` starts the
+server with), every call carries it as a bearer token. It is read from the environment only, never
+from a config file, which would copy it into every run's saved ``config.yaml``.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
 import socket
 import urllib.error
 import urllib.request
@@ -19,7 +25,15 @@ from lightning_ppo.runs.errors import UsageError
 
 class GenerationServerError(UsageError, RuntimeError):
     """A generation server could not be reached, did not answer in time, refused a call, or serves
-    something the trainer cannot use. Printed as one line by ``lightning-ppo``."""
+    something the trainer cannot use. Printed as one line by ``lightning-ppo``; ``what`` is the
+    message without the server's URL and route (to build another message on it, saying them once)."""
+
+    def __init__(self, message: str, what: str | None = None) -> None:
+        super().__init__(message)
+        self.what = message if what is None else what
+
+
+API_KEY_VARIABLE = "VLLM_API_KEY"  # vLLM's own: the server and the trainer read the same variable
 
 
 class ServerClient:
@@ -30,13 +44,12 @@ class ServerClient:
         self.timeout = timeout
 
     def get(self, route: str) -> Any:
-        return self._call(urllib.request.Request(self.url + route), route)
+        return self._call(urllib.request.Request(self.url + route, headers=_auth()), route)
 
     def post(self, route: str, body: dict[str, Any] | None = None) -> Any:
         data = json.dumps(body or {}).encode()
-        request = urllib.request.Request(
-            self.url + route, data=data, headers={"Content-Type": "application/json"}, method="POST"
-        )
+        headers = {"Content-Type": "application/json", **_auth()}
+        request = urllib.request.Request(self.url + route, data=data, headers=headers, method="POST")
         return self._call(request, route)
 
     def rpc(self, method: str, *args: str) -> Any:
@@ -53,18 +66,21 @@ class ServerClient:
         return results
 
     def error(self, route: str, what: str) -> GenerationServerError:
-        return GenerationServerError(f"generation server {self.url} ({route}): {what}")
+        return GenerationServerError(f"generation server {self.url} ({route}): {what}", what)
 
     def _call(self, request: urllib.request.Request, route: str) -> Any:
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 body = response.read()
         except urllib.error.HTTPError as err:
-            raise self.error(route, f"HTTP {err.code}: {_message(err.read())}") from None
+            hint = f" (the server wants an API key: set {API_KEY_VARIABLE} to it)" if err.code == 401 else ""
+            raise self.error(route, f"HTTP {err.code}: {_message(err.read())}{hint}") from None
         except TimeoutError:
             raise self.error(
                 route, f"no answer within {self.timeout:g} s (generation.server_timeout)"
             ) from None
+        except http.client.HTTPException as err:  # IncompleteRead, a malformed status line...
+            raise self.error(route, f"broke off its answer ({type(err).__name__}: {err})") from None
         except (urllib.error.URLError, ConnectionError, OSError) as err:
             reason = getattr(err, "reason", err)
             if isinstance(reason, TimeoutError | socket.timeout):
@@ -80,6 +96,11 @@ class ServerClient:
             return json.loads(body)
         except json.JSONDecodeError:
             raise self.error(route, f"answered with something other than JSON: {body[:200]!r}") from None
+
+
+def _auth() -> dict[str, str]:
+    key = os.environ.get(API_KEY_VARIABLE)
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def _message(body: bytes) -> str:

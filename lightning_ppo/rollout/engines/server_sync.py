@@ -1,7 +1,8 @@
 """Moving the policy's weights into generation servers, and proving they arrived.
 
 The trainer writes the weights (Hugging Face names, the server's dtype) to one safetensors file,
-atomically (a server never reads a half-written file), and every server loads it in place
+atomically (a server never reads a half-written file), readable by the servers whatever user they
+run as (safetensors writes 0600: ``runs/file_modes``), and every server loads it in place
 (:class:`.server_worker.WeightSyncExtension`) and answers with per-parameter checksums of what its
 kernels now hold. :func:`mismatch` compares them with the trainer's own: a sync that moved nothing
 or moved the wrong tensors names the first parameter that differs. A "did the output change" test
@@ -14,6 +15,7 @@ padded with zero rows all sum alike. They would not see two values swapped insid
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import uuid
@@ -24,6 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import Tensor
+
+from lightning_ppo.runs.file_modes import open_mode
 
 Checksum = tuple[float, float]  # (sum, sum of squares) in float64
 
@@ -48,17 +52,50 @@ def checksum(tensor: Tensor) -> Checksum:
     return values.sum().item(), values.square().sum().item()
 
 
+_PREFIX = "lightning-ppo-weights-"  # then the writing process's id, a dash and a random hex
+
+
 def write_weights(weights: Iterable[tuple[str, Tensor]], folder: Path, dtype: torch.dtype) -> WrittenWeights:
     """Write ``weights`` in ``dtype`` (the server's, so each rounds once, here) to a new file in
-    ``folder``: written under a temporary name and renamed, so the name appears only when whole."""
+    ``folder``: written under a temporary name and renamed, so the name appears only when whole; a
+    write that fails leaves nothing behind."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().to(device="cpu", dtype=dtype).contiguous() for name, tensor in weights}
-    name = f"lightning-ppo-weights-{uuid.uuid4().hex}"
+    name = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
     partial, path = folder / f".{name}.partial", folder / f"{name}.safetensors"
-    save_file(tensors, str(partial))
-    os.replace(partial, path)
+    try:
+        save_file(tensors, str(partial))
+        os.chmod(partial, open_mode())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     sums = {name: checksum(tensor) for name, tensor in tensors.items()}
     return WrittenWeights(path, sums, sum(t.numel() * t.element_size() for t in tensors.values()))
+
+
+def sweep_leftovers(folder: Path) -> list[Path]:
+    """Remove the weight files a killed run left in ``folder`` (between its write and its unlink):
+    those of processes no longer running on this machine. Another live run's files are kept, so runs
+    may share a folder. The files removed."""
+    removed = []
+    for path in folder.glob(f"*{_PREFIX}*"):
+        pid = path.name.lstrip(".").removeprefix(_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def expected_checksums(

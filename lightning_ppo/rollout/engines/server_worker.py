@@ -59,8 +59,9 @@ def _dtype(model: torch.nn.Module) -> torch.dtype:
 class WeightSyncExtension:
     """Methods vLLM adds to every worker of a ``lightning-ppo serve`` server."""
 
-    # Set by the skip-load fault in tests: the load answers as usual and moves nothing.
-    skip_loads = False
+    # The trainer's sync count of the weights loaded last ("": the startup checkpoint's): a server
+    # restarted between a sync and a batch is seen before it samples (server.VLLMServerEngine).
+    lppo_weights_version = ""
 
     def lppo_describe(self) -> dict[str, Any]:
         """What the trainer checks before the first rollout: the model, its vocabulary and the
@@ -78,24 +79,26 @@ class WeightSyncExtension:
             "packed_modules": {k: list(v) for k, v in getattr(model, "packed_modules_mapping", {}).items()},
         }
 
-    def lppo_load(self, path: str, with_checksums: str = "1") -> dict[str, list[float]] | None:
-        """Load the safetensors file at ``path`` into the model in place; the checksums after
-        (``with_checksums`` ``"1"``: they cost about one forward over as many tokens as the
-        widest layer has inputs, on CPU)."""
+    def lppo_load(
+        self, path: str, with_checksums: str = "1", version: str = ""
+    ) -> dict[str, list[float]] | None:
+        """Load the safetensors file at ``path`` into the model in place, as weights ``version``; the
+        checksums after (``with_checksums`` ``"1"``: they cost about one forward over as many tokens
+        as the widest layer has inputs, on CPU)."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        if not WeightSyncExtension.skip_loads:
-            self.reload_weights(weights_iterator=_tensors(path))  # type: ignore[attr-defined]
-            _repack_embedding_gemms(model)
+        self.lppo_weights_version = ""  # a load that fails part way holds no version
+        self.reload_weights(weights_iterator=_tensors(path))  # type: ignore[attr-defined]
+        _repack_embedding_gemms(model)
+        self.lppo_weights_version = version
         return checksums(model) if with_checksums == "1" else None
+
+    def lppo_version(self) -> str:
+        """The version of the weights loaded last ("" for the startup checkpoint's)."""
+        return self.lppo_weights_version
 
     def lppo_checksums(self) -> dict[str, list[float]]:
         """The checksums of what the worker holds now."""
         return checksums(self.model_runner.get_model())  # type: ignore[attr-defined]
-
-    def lppo_skip_loads(self, skip: str) -> bool:
-        """Fault injection for tests: ``"1"`` makes every later load a no-op that still answers."""
-        WeightSyncExtension.skip_loads = skip == "1"
-        return WeightSyncExtension.skip_loads
 
 
 def _tensors(path: str) -> Any:
