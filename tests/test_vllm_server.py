@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from lightning_ppo import GenerationConfig  # noqa: E402
+from lightning_ppo import GenerationConfig, PPOLightningModule  # noqa: E402
 from lightning_ppo.models.loading import load_causal_lm  # noqa: E402
 from lightning_ppo.rollout.engines import Placement  # noqa: E402
 from lightning_ppo.rollout.engines.local_server import LocalServer  # noqa: E402
@@ -50,9 +50,15 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+API_KEY = "test-key-0123"
+
+
 @pytest.fixture(scope="module")
 def servers(policy: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalServer]]:
+    """Both with an API key (``VLLM_API_KEY``, set for the test process too: its runs send it)."""
     logs = tmp_path_factory.mktemp("server_logs")
+    before = os.environ.get("VLLM_API_KEY")
+    os.environ["VLLM_API_KEY"] = API_KEY
     started = [Server(policy, logs / f"server{i}.log") for i in range(2)]
     try:
         for server in started:
@@ -61,6 +67,10 @@ def servers(policy: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     finally:
         for server in started:
             server.stop()
+        if before is None:
+            os.environ.pop("VLLM_API_KEY", None)
+        else:
+            os.environ["VLLM_API_KEY"] = before
 
 
 def _engine(policy: Path, urls: list[str], **settings) -> tuple[VLLMServerEngine, torch.nn.Module]:
@@ -207,20 +217,28 @@ def test_a_lora_policy_is_synced_as_base_plus_delta(servers, policy):
     assert not any(getattr(m, "merged", False) for m in lora.modules())
 
 
-def test_a_sync_that_moves_nothing_is_caught(servers, policy):
-    """The server's worker made to skip the load still answers: the checksums of what it holds name
-    the first parameter that differs from the trainer's."""
+def test_a_sync_that_moves_nothing_is_caught(servers, policy, tmp_path, monkeypatch):
+    """The server is handed the weights it already holds while the trainer's moved (a load that
+    moved nothing): the checksums of what it holds name the first parameter that differs."""
+    from lightning_ppo.rollout.engines import server as server_module
+    from lightning_ppo.rollout.engines.server_sync import WrittenWeights, write_weights
+    from lightning_ppo.rollout.engines.weights import hf_weights
+
     engine, model = _engine(policy, [servers[1].url], verify_sync=True)
     engine.sync_weights(model)
+    held = write_weights(hf_weights(model), tmp_path, torch.float32)
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight.add_(1e-3)
-    client = ServerClient(servers[1].url, 30)
-    assert client.rpc("lppo_skip_loads", "1") == "True"
-    try:
-        with pytest.raises(GenerationServerError) as caught:
-            engine.sync_weights(model)
-    finally:
-        client.rpc("lppo_skip_loads", "0")
+
+    def moved_nothing(weights, folder, dtype):
+        new = write_weights(weights, folder, dtype)
+        new.path.unlink()
+        return WrittenWeights(held.path, new.checksums, new.bytes)
+
+    monkeypatch.setattr(server_module, "write_weights", moved_nothing)
+    with pytest.raises(GenerationServerError) as caught:
+        engine.sync_weights(model)
+    monkeypatch.undo()
     message = str(caught.value)
     assert servers[1].url in message and "'transformer.h.0.mlp.c_fc.weight'" in message, message
     engine.sync_weights(model)  # loading again, it holds the trainer's weights
@@ -243,6 +261,17 @@ def test_two_servers_serve_one_batch_as_one_server_does(servers, policy):
     assert torch.equal(spread.response_ids, single.response_ids)
     assert torch.allclose(spread.engine_logprobs, single.engine_logprobs, atol=1e-6)
     assert both.requests_sent == [8, 8]
+
+
+def test_every_route_needs_the_api_key(servers, monkeypatch):
+    """vLLM guards /v1 only; lightning-ppo serve's middleware guards dev mode's routes too."""
+    monkeypatch.delenv("VLLM_API_KEY")
+    client = ServerClient(servers[0].url, 30)
+    for call in (lambda: client.rpc("lppo_version"), lambda: client.post("/reset_prefix_cache")):
+        with pytest.raises(GenerationServerError, match="HTTP 401.*set VLLM_API_KEY"):
+            call()
+    monkeypatch.setenv("VLLM_API_KEY", API_KEY)
+    client.rpc("lppo_version")
 
 
 @pytest.mark.parametrize("change", ["tokenizer", "vocabulary", "architecture"])
@@ -334,3 +363,75 @@ def test_a_server_samples_the_next_batch_while_the_trainer_updates(servers, poli
     assert [float(r["async/staleness"]) for r in rows] == [0.0, 1.0, 1.0, 1.0]
     diffs = [float(r["engine/logp_abs_diff"]) for r in rows]
     assert diffs[0] < 1e-4 and all(d > 1e-3 for d in diffs[1:]), diffs
+
+
+def _note(line: str) -> None:
+    """One line appended to the shared event log (small appends are atomic across processes)."""
+    with open(os.environ["LPPO_TEST_EVENTS"], "a") as log:
+        log.write(line + "\n")
+
+
+class SlowRankOne(PPOLightningModule):
+    """Rank 0 notes each weights load; rank 1 sends each batch's requests late: once rank 0 has begun
+    loading the next weights, or after 5 s if it does not (as it must not, while rank 1's batch is
+    out), then notes which weights version its batch was sampled by."""
+
+    @property
+    def engine(self):
+        engine = super().engine
+        if getattr(engine, "watched", False):
+            return engine
+        engine.watched, sync, generate = True, engine._sync, engine.generate
+        rank = self.global_rank
+
+        def noted_sync(weights, policy):
+            _note(f"load {engine.syncs + 1}")
+            return sync(weights, policy)
+
+        def late_generate(ids, mask):
+            deadline = time.monotonic() + 5
+            while rank == 1 and time.monotonic() < deadline:
+                if f"load {engine.syncs + 1}" in Path(os.environ["LPPO_TEST_EVENTS"]).read_text():
+                    break
+                time.sleep(0.05)
+            rollout = generate(ids, mask)
+            _note(f"rank {rank} sampled by {engine.syncs}")
+            return rollout
+
+        engine._sync, engine.generate = noted_sync, late_generate
+        return engine
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_no_server_loads_new_weights_while_another_ranks_batch_is_out(servers, policy, tmp_path):
+    """DDP on 2 ranks sharing one server one step off, rank 1's batches much slower: every batch of
+    rank 1 is sampled by one weights version, the one synced before it (rank 0 loads the next only
+    after every rank's batch before it has come back)."""
+    events = tmp_path / "events.log"
+    events.touch()
+    os.environ["LPPO_TEST_EVENTS"] = str(events)
+    try:
+        run = _fit(
+            tmp_path,
+            policy,
+            {
+                **_on_server(servers[0].url),
+                "--model.class_path": "tests.test_vllm_server.SlowRankOne",
+                "--model.init_args.ppo.max_staleness": "1",
+                "--trainer.devices": "2",
+                "--trainer.strategy": "ddp",
+                "--trainer.limit_train_batches": "4",
+            },
+        )
+    finally:
+        del os.environ["LPPO_TEST_EVENTS"]
+    assert run.returncode == 0, run.stderr[-3000:]
+    loaded, sampled = 0, []
+    for line in events.read_text().splitlines():
+        if line.startswith("load "):
+            loaded = int(line.split()[1])
+        elif line.startswith("rank 1 sampled by "):
+            sampled.append((int(line.rsplit(" ", 1)[1]), loaded))
+    assert [version for version, _ in sampled] == [1, 2, 3, 4]
+    assert all(version == held for version, held in sampled), sampled

@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from lightning_ppo.rollout.engines.server_client import auth_headers
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -84,7 +86,8 @@ class LocalServer:
 
     def completed(self) -> float:
         """Requests the server has finished (its Prometheus counter)."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as answer:
+        request = urllib.request.Request(self.url + "/metrics", headers=auth_headers())
+        with urllib.request.urlopen(request, timeout=10) as answer:
             lines = answer.read().decode().splitlines()
         return sum(
             float(line.split()[-1]) for line in lines if line.startswith("vllm:request_success_total{")

@@ -44,11 +44,11 @@ class ServerClient:
         self.timeout = timeout
 
     def get(self, route: str) -> Any:
-        return self._call(urllib.request.Request(self.url + route, headers=_auth()), route)
+        return self._call(urllib.request.Request(self.url + route, headers=auth_headers()), route)
 
     def post(self, route: str, body: dict[str, Any] | None = None) -> Any:
         data = json.dumps(body or {}).encode()
-        headers = {"Content-Type": "application/json", **_auth()}
+        headers = {"Content-Type": "application/json", **auth_headers()}
         request = urllib.request.Request(self.url + route, data=data, headers=headers, method="POST")
         return self._call(request, route)
 
@@ -98,7 +98,7 @@ class ServerClient:
             raise self.error(route, f"answered with something other than JSON: {body[:200]!r}") from None
 
 
-def _auth() -> dict[str, str]:
+def auth_headers() -> dict[str, str]:
     key = os.environ.get(API_KEY_VARIABLE)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
