@@ -45,6 +45,7 @@ from lightning_ppo.ppo.microbatches import (
     Share,
     cut_micro_batches,
     minibatch_stats,
+    over_every_rank,
     plan_minibatch,
     weighted,
 )
@@ -613,6 +614,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         split = self.ppo.gradient_accumulation_steps, self.ppo.micro_batch_tokens, is_sharded(self)
         facts = RowFacts.read(exp)  # the update's one host read
         plan = [plan_minibatch(facts, r, *split) for r in rows]
+        # shares of the global minibatch: DDP's average of the ranks' gradients is then its mean
+        plan = over_every_rank(plan, facts, rows, self.sum_over_ranks, self.trainer.world_size, self.device)
         return micro_batches_on_every_rank(plan, facts, rows, self.device, split[-1])
 
     def train_minibatch(self, micro_batches: list[tuple[Experience, Share]]) -> dict[str, Tensor]:

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import fields
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.ppo.experience import Experience
-from lightning_ppo.ppo.microbatches import Share, idle_micro_batch, plan_micro_batches
+from lightning_ppo.ppo.microbatches import (
+    RowFacts,
+    Share,
+    idle_micro_batch,
+    over_every_rank,
+    plan_micro_batches,
+    plan_minibatch,
+)
 from lightning_ppo.runs.errors import UsageError
 from tests.helpers import CountCharReward
 from tests.test_trimming import _experience
@@ -89,3 +102,72 @@ def test_a_whole_sharded_minibatch_is_trimmed_as_the_experience_trims_itself(tin
         for field in fields(Experience):
             mine, theirs = getattr(micro, field.name), getattr(expected, field.name)
             assert (mine is None and theirs is None) or torch.equal(mine, theirs), field.name
+
+
+# ----------------------------------------------------------------- two ranks: the global mean
+AGGREGATIONS = ("token_mean", "sequence_mean")
+
+
+def _module(policy: str, aggregation: str) -> PPOLightningModule:
+    torch.manual_seed(0)  # the critic's head: the same on every rank and in the one process
+    return PPOLightningModule(
+        policy=policy,
+        reward_fn=CountCharReward(),
+        ppo=PPOConfig(loss_aggregation=aggregation, entropy_coef=0.01),
+        generation=GenerationConfig(max_new_tokens=12, temperature=1.5),
+    )
+
+
+def _rank_gradients(rank: int, port: int, policy: str, folder: str) -> None:
+    """Rank ``rank`` of 2 (gloo): its half of the rows (rank 0 the shortest responses), in two
+    micro-batches, gradients averaged over the ranks as DDP averages them; with the shares of the
+    global minibatch and, for comparison, of its own half."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        exp = torch.load(Path(folder) / "exp.pt", weights_only=False)
+        mine = torch.argsort(exp.response_mask.sum(1), stable=True).chunk(2)[rank]
+        part = exp.select(mine)
+        facts, rows = RowFacts.read(part), [np.arange(len(part))]
+        result = {}
+        for aggregation in AGGREGATIONS:
+            module = _module(policy, aggregation)
+            own = [plan_minibatch(facts, rows[0], 2)]
+            for name, plan in (
+                ("global", over_every_rank(own, facts, rows, _all_reduced, 2, torch.device("cpu"))),
+                ("own", own),
+            ):
+                micro = [(m.of(part, torch.as_tensor(m.rows)), m.share) for m in plan[0]]
+                result[f"{aggregation} {name}"] = _all_reduced(_gradient(module, micro)) / 2
+        torch.save(result, Path(folder) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _all_reduced(x: torch.Tensor) -> torch.Tensor:
+    out = x.clone()
+    dist.all_reduce(out)
+    return out
+
+
+@pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
+def test_two_ranks_with_uneven_lengths_step_as_one_process_on_the_whole_minibatch(tiny_gpt2, tmp_path):
+    """Before, each rank divided by its own token (response) count and DDP averaged the ranks: a token
+    of the rank with short responses (and fewer, some dropped) weighed more than one of the other's."""
+    exp = _experience(_module(str(tiny_gpt2), "token_mean"))
+    shortest = torch.argsort(exp.response_mask.sum(1), stable=True)
+    exp.response_mask[shortest[:3]] = False  # dropped samples (on_bad_reward: drop), all on rank 0
+    lengths = exp.response_mask.sum(1)[shortest]
+    assert lengths[:8].sum() < lengths[8:].sum()  # uneven: rank 0 holds the short responses
+    torch.save(exp, tmp_path / "exp.pt")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_rank_gradients, args=(port, str(tiny_gpt2), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for aggregation in AGGREGATIONS:
+        whole = _gradient(_module(str(tiny_gpt2), aggregation), [(exp, Share())])
+        for rank in ranks:
+            torch.testing.assert_close(rank[f"{aggregation} global"], whole, rtol=0, atol=TOLERANCE)
+        gap = (ranks[0][f"{aggregation} own"] - whole).abs().max()
+        assert gap > 100 * TOLERANCE, aggregation  # and it matters: each rank's own mean is another step

@@ -13,19 +13,22 @@ Each loss term is a mean over the micro-batch's tokens (or, for the policy term 
 divided by their count (what accumulation usually does) weighs a token of a micro-batch with few
 tokens more than one of a full micro-batch; instead each mean is weighted by its micro-batch's
 share of the minibatch's tokens (or responses), which gives exactly the minibatch's own mean:
-the same update as one unsplit pass, whatever the split.
+the same update as one unsplit pass, whatever the split. Under several ranks the shares are of
+the global minibatch (:func:`over_every_rank`): the ranks' averaged gradients are then the mean
+over every rank's tokens, as one process holding them all would compute it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_ppo.ppo.experience import Experience
+from lightning_ppo.ppo.functional import Reduce
 from lightning_ppo.ppo.row_groups import column_bounds, equal_groups, plan_row_groups
 
 
@@ -145,6 +148,43 @@ def plan_minibatch(
         picked = rows if len(groups) == 1 else rows[group.index]
         plan.append(MicroBatch(picked, [columns.start, columns.stop - 1], Share(*shares)))
     return plan
+
+
+def over_every_rank(
+    plan: list[list[MicroBatch]],
+    facts: RowFacts,
+    rows: list[np.ndarray],
+    sum_over_ranks: Reduce | None,
+    world: int,
+    device: torch.device,
+) -> list[list[MicroBatch]]:
+    """``plan`` (each minibatch's micro-batches, ``rows`` of each) with shares of the global
+    minibatch, every rank's part of it together, in place of shares of this rank's part.
+
+    DDP (and FSDP2) average the ranks' gradients. With each rank's mean over its own tokens, that
+    average weighs a token of a rank with few tokens more than one of a rank with many, and a rank
+    whose samples were all dropped scales the step by (W - 1) / W. Scaled by ``world x`` this rank's
+    count over the global count (one all-reduce of every minibatch's counts, for the whole update),
+    the average is the global minibatch's own mean: the same update as one process holding every
+    rank's rows (``token_mean`` over every token, ``sequence_mean`` over every response)."""
+    if sum_over_ranks is None or world == 1:
+        return plan
+    local = torch.tensor(
+        [[float(facts.tokens[r].sum()), float((facts.tokens[r] > 0).sum()), float(len(r))] for r in rows],
+        dtype=torch.float64,
+        device=device,
+    )
+    # each share was its group's count over max(local, 1): over max(global, 1), times world, instead
+    scales = (world * local.clamp(min=1) / sum_over_ranks(local).clamp(min=1)).tolist()
+    return [
+        [replace(micro, share=_scaled(micro.share, scale)) for micro in minibatch]
+        for minibatch, scale in zip(plan, scales, strict=True)
+    ]
+
+
+def _scaled(share: Share, scale: list[float]) -> Share:
+    tokens, responses, rows = scale
+    return Share(share.tokens * tokens, share.responses * responses, share.rows * rows, share.idle)
 
 
 def plan_micro_batches(
