@@ -73,11 +73,18 @@ class GenerationConfig:
         server_urls: The ``vllm_server`` engine's servers (``http://HOST:PORT``, as ``lightning-ppo
             serve`` prints it); each rank spreads its requests over all of them.
         server_timeout: Seconds any one call to a server may take (a completion, a weight load, a
-            check) before the run stops with an error naming the server.
+            check), and a batch's requests without any answer, before the run stops with an error
+            naming the server.
         verify_sync: Check every weight sync against the trainer's weights (per-parameter checksums
             of what each server holds); the first sync is always checked.
         sync_dir: The folder the trainer writes the weights to for the servers to load (it must be
             the same path on the servers' machines); ``null`` is the system's temporary folder.
+        sync_transport: How the weights reach the servers: ``memory`` (broadcast over a gloo group
+            of the trainer and the servers' workers, no disk) or ``file`` (a safetensors file in
+            ``sync_dir`` every server loads).
+        sync_address: Under ``memory``, the address the servers reach the trainer's rank 0 at (it
+            listens on a free port there); ``null``: 127.0.0.1 when every server URL is on this
+            machine, else this machine's name.
     """
 
     max_new_tokens: int = 16
@@ -98,6 +105,8 @@ class GenerationConfig:
     server_timeout: float = 300.0
     verify_sync: bool = False
     sync_dir: str | None = None
+    sync_transport: str = "memory"
+    sync_address: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.engine in _ENGINES, "generation.engine", f"one of {_ENGINES}", self.engine)
@@ -163,6 +172,12 @@ class GenerationConfig:
                 url,
             )
         _check(self.server_timeout > 0, "generation.server_timeout", "> 0 seconds", self.server_timeout)
+        _check(
+            self.sync_transport in ("memory", "file"),
+            "generation.sync_transport",
+            "'memory' or 'file'",
+            self.sync_transport,
+        )
 
 
 @dataclass

@@ -422,3 +422,33 @@ def test_the_weights_file_is_readable_by_others_and_a_killed_runs_files_are_swep
     with pytest.raises(OSError, match="No space"):
         write_weights(iter([("a", torch.randn(2))]), folder, torch.float32)
     assert [p.name for p in folder.iterdir()] == [written.path.name]
+
+
+def test_weights_sent_in_memory_arrive_whole_in_buckets_on_every_receiver():
+    """The weights group (trainer rank 0 and two receivers, here threads): every tensor arrives
+    equal, in the sender's order, split over several buckets; a receiver that never joins makes
+    the sender's join fail within the group's timeout instead of waiting."""
+    from lightning_ppo.rollout.engines.local_server import free_port
+    from lightning_ppo.rollout.engines.weight_group import open_group, receive, send
+
+    torch.manual_seed(0)
+    weights = [(f"layer.{i}.weight", torch.randn(64, 16 + i)) for i in range(12)]
+    port, got = free_port(), {1: [], 2: []}
+
+    def receiver(rank: int) -> None:
+        group = open_group("127.0.0.1", port, rank, 3, 30, "127.0.0.1")
+        got[rank] = [(name, tensor.clone()) for name, tensor in receive(group)]
+
+    threads = [threading.Thread(target=receiver, args=(rank,), daemon=True) for rank in (1, 2)]
+    for thread in threads:
+        thread.start()
+    send(open_group("127.0.0.1", port, 0, 3, 30, "127.0.0.1"), iter(weights), bucket_bytes=20_000)
+    for thread in threads:
+        thread.join(30)
+    for rank in (1, 2):
+        assert [name for name, _ in got[rank]] == [name for name, _ in weights]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got[rank], weights, strict=True))
+    start = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 (torch's store raises its own timeout types)
+        open_group("127.0.0.1", free_port(), 0, 2, 2, "127.0.0.1")
+    assert time.monotonic() - start < 20

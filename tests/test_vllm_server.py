@@ -196,10 +196,12 @@ def test_two_ranks_sample_on_two_servers_synced_by_rank_zero(servers, policy, tm
     assert [s.completed() - b for s, b in zip(servers, before, strict=True)] == [192, 192]
 
 
-def test_a_lora_policy_is_synced_as_base_plus_delta(servers, policy):
-    """A PeftModel with a non-zero adapter: the server holds base + B A (checked by its checksums),
-    greedy decoding on it equals HF generate on the PeftModel, and the adapter stays unmerged."""
-    engine, _ = _engine(policy, [servers[0].url], verify_sync=True)
+@pytest.mark.parametrize("transport", ["memory", "file"])
+def test_a_lora_policy_is_synced_as_base_plus_delta(servers, policy, transport):
+    """A PeftModel with a non-zero adapter, its weights sent in memory or through a file: the server
+    holds base + B A (checked by its checksums), greedy decoding on it equals HF generate on the
+    PeftModel, and the adapter stays unmerged."""
+    engine, _ = _engine(policy, [servers[0].url], verify_sync=True, sync_transport=transport)
     lora = lora_that_matters(policy)
     ids, mask = _prompts(policy)
     greedy = hf_generation_config(

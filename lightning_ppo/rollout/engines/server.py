@@ -33,6 +33,7 @@ from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rollout.engines import Placement
 from lightning_ppo.rollout.engines.completions import completions_to_rollout
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
+from lightning_ppo.rollout.engines.server_memory import MemorySync, sync_address
 from lightning_ppo.rollout.engines.server_requests import Stalled, send_all
 from lightning_ppo.rollout.engines.server_sync import (
     combine_workers,
@@ -73,6 +74,7 @@ class VLLMServerEngine:
         self.syncs = 0
         self.requests_sent = [0] * len(self.servers)
         self.last_sync_seconds = 0.0
+        self._memory: MemorySync | None = None
 
     # --- weights -------------------------------------------------------------------------------
 
@@ -102,24 +104,37 @@ class VLLMServerEngine:
     def _sync(self, weights: Any, policy: nn.Module) -> None:
         if not self.described:
             self.described = [self._check_server(server, policy) for server in self.servers]
-            sweep_leftovers(self.sync_dir)  # a killed run's weight files
+            if self.memory is None:
+                sweep_leftovers(self.sync_dir)  # a killed run's weight files
         dtype = getattr(torch, self.described[0]["dtype"])
-        written = write_weights(weights, self.sync_dir, dtype)
         verify = self.config.verify_sync or self.syncs == 0
         version = str(self.syncs + 1)
+        if self.memory is not None:
+            sums, held = self.memory.load(weights, dtype, verify, version)
+        else:
+            sums, held = self._load_file(weights, dtype, verify, version)
+        for server, described, answers in zip(self.servers, self.described, held, strict=True):
+            if verify:
+                self._verify(server, sums, answers, described["packed_modules"])
+            server.post("/reset_prefix_cache")  # cached KV blocks came from the old weights
+            server.post("/update_weight_version", {"new_version": version})
+
+    def _load_file(
+        self, weights: Any, dtype: torch.dtype, verify: bool, version: str
+    ) -> tuple[dict[str, Any], list[list[Any]]]:
+        """``generation.sync_transport: file``: one safetensors file every server loads."""
+        written = write_weights(weights, self.sync_dir, dtype)
         try:
-            for server, described in zip(self.servers, self.described, strict=True):
-                held = server.rpc_all("lppo_load", str(written.path), "1" if verify else "0", version)
-                if verify:
-                    self._verify(server, written.checksums, held, described["packed_modules"])
-                server.post("/reset_prefix_cache")  # cached KV blocks came from the old weights
-                server.post("/update_weight_version", {"new_version": version})
+            flag = "1" if verify else "0"
+            return written.checksums, [
+                server.rpc_all("lppo_load", str(written.path), flag, version) for server in self.servers
+            ]
         finally:
             written.path.unlink(missing_ok=True)
 
     def _verify(self, server: ServerClient, written: dict, held: list[Any], packed: dict) -> None:
         if not all(isinstance(answer, dict) for answer in held):
-            raise server.error("/collective_rpc lppo_load", f"answered {str(held)[:200]!r}, not checksums")
+            raise server.error("weight sync", f"answered {str(held)[:200]!r}, not checksums")
         problem = mismatch(written, combine_workers(held), packed)
         if problem is not None:
             raise server.error(
@@ -132,7 +147,7 @@ class VLLMServerEngine:
     def _check_server(self, server: ServerClient, policy: nn.Module) -> dict[str, Any]:
         """What the server serves, refused (naming both sides) where it is not ``policy``."""
         try:
-            described = server.rpc("lppo_describe")
+            workers = server.rpc_all("lppo_describe")
         except GenerationServerError as err:
             raise server.error(
                 "/collective_rpc lppo_describe",
@@ -140,6 +155,7 @@ class VLLMServerEngine:
                 "(--worker-extension-cls lightning_ppo.rollout.engines.server_worker.WeightSyncExtension) "
                 "and VLLM_SERVER_DEV_MODE=1",
             ) from None
+        described = {**workers[0], "workers": len(workers)}
         config = policy.config
         ours = list(getattr(config, "architectures", None) or [])
         if ours and described["architectures"] != ours:
@@ -162,6 +178,15 @@ class VLLMServerEngine:
                 raise server.error("settings", f"runs with {flag} {described[key]}; it needs {flag} {wanted}")
         self._check_tokenizer(server)
         return described
+
+    @property
+    def memory(self) -> MemorySync | None:
+        """The in-memory transport (``generation.sync_transport: memory``), once the servers are known."""
+        if self._memory is None and self.config.sync_transport == "memory" and self.described:
+            workers = [described["workers"] for described in self.described]
+            address = sync_address(self.config.sync_address, self.config.server_urls)
+            self._memory = MemorySync(self.servers, workers, address, self.config.server_timeout)
+        return self._memory
 
     def _check_tokenizer(self, server: ServerClient) -> None:
         ours = self.tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
@@ -277,4 +302,4 @@ class VLLMServerEngine:
 
 def _sync_failure(err: Exception) -> str:
     """One line for a sync that failed outside the HTTP calls (writing the weights file, most often)."""
-    return f"weight sync failed: {type(err).__name__}: {err} (generation.sync_dir)"
+    return f"weight sync failed: {type(err).__name__}: {err} (generation.sync_transport, sync_dir)"

@@ -29,33 +29,57 @@ class Stalled(Exception):
 def send_all(calls: Sequence[Callable[[], T]], stall_timeout: float, max_in_flight: int) -> list[T]:
     """Every call's result, in order; the first exception raised by any call is raised here (the
     rest are abandoned), and :class:`Stalled` when none answers for ``stall_timeout`` seconds."""
-    answers: queue.SimpleQueue[tuple[int, Any, BaseException | None]] = queue.SimpleQueue()
+    return Requests(calls, max_in_flight).wait(stall_timeout)
 
-    def work(index: int) -> None:
-        try:
-            answers.put((index, calls[index](), None))
-        except BaseException as err:  # noqa: BLE001  (raised by the caller, in the main flow)
-            answers.put((index, None, err))
 
-    def start(index: int) -> None:
-        threading.Thread(target=work, args=(index,), name="lightning-ppo-request", daemon=True).start()
+class Requests:
+    """``calls`` started at once on daemon threads (at most ``max_in_flight`` running), while the
+    caller does something else (a weights broadcast the calls take part in); :meth:`wait` for them."""
 
-    results: list[Any] = [None] * len(calls)
-    waiting = set(range(min(max_in_flight, len(calls))))
-    for index in sorted(waiting):
-        start(index)
-    following = len(waiting)
-    while waiting:
-        try:
-            index, value, error = answers.get(timeout=stall_timeout)
-        except queue.Empty:
-            raise Stalled(sorted(waiting)) from None
+    def __init__(self, calls: Sequence[Callable[[], Any]], max_in_flight: int) -> None:
+        self.calls = calls
+        self.results: list[Any] = [None] * len(calls)
+        self.error: BaseException | None = None
+        self.answers: queue.SimpleQueue[tuple[int, Any, BaseException | None]] = queue.SimpleQueue()
+        self.waiting = set(range(min(max_in_flight, len(calls))))
+        self.following = len(self.waiting)
+        for index in sorted(self.waiting):
+            self._start(index)
+
+    def failure(self) -> BaseException | None:
+        """The exception of a call that failed already, if any (without waiting for the others)."""
+        while self.error is None and not self.answers.empty():
+            self._take(*self.answers.get_nowait())
+        return self.error
+
+    def wait(self, stall_timeout: float) -> list[Any]:
+        """Every result, in order; the first exception is raised, and :class:`Stalled` once no call
+        has answered for ``stall_timeout`` seconds."""
+        while self.error is None and self.waiting:
+            try:
+                self._take(*self.answers.get(timeout=stall_timeout))
+            except queue.Empty:
+                raise Stalled(sorted(self.waiting)) from None
+        if self.error is not None:
+            raise self.error
+        return self.results
+
+    def _take(self, index: int, value: Any, error: BaseException | None) -> None:
         if error is not None:
-            raise error
-        results[index] = value
-        waiting.discard(index)
-        if following < len(calls):
-            waiting.add(following)
-            start(following)
-            following += 1
-    return results
+            self.error = error
+            return
+        self.results[index] = value
+        self.waiting.discard(index)
+        if self.following < len(self.calls):
+            self.waiting.add(self.following)
+            self._start(self.following)
+            self.following += 1
+
+    def _start(self, index: int) -> None:
+        threading.Thread(target=self._work, args=(index,), name="lightning-ppo-request", daemon=True).start()
+
+    def _work(self, index: int) -> None:
+        try:
+            self.answers.put((index, self.calls[index](), None))
+        except BaseException as err:  # noqa: BLE001  (raised by the caller, in the main flow)
+            self.answers.put((index, None, err))

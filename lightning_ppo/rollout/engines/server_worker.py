@@ -92,6 +92,27 @@ class WeightSyncExtension:
         self.lppo_weights_version = version
         return checksums(model) if with_checksums == "1" else None
 
+    def lppo_join(self, host: str, port: str, world: str, first: str, timeout: str, device: str) -> int:
+        """Join the trainer's weights group (:mod:`.weight_group`) as rank ``first`` + this worker's
+        rank within the server; returns once the group is whole (every worker and the trainer)."""
+        from lightning_ppo.rollout.engines.weight_group import open_group
+
+        rank = int(first) + int(getattr(self, "rank", 0))
+        self.lppo_group = open_group(host, int(port), rank, int(world), float(timeout), device or None)
+        return rank
+
+    def lppo_receive(self, with_checksums: str = "1", version: str = "") -> dict[str, list[float]] | None:
+        """Load the weights the trainer broadcasts over its group, as they arrive, as ``version``;
+        the checksums after, as :meth:`lppo_load`."""
+        from lightning_ppo.rollout.engines.weight_group import receive
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        self.lppo_weights_version = ""
+        self.reload_weights(weights_iterator=receive(self.lppo_group))  # type: ignore[attr-defined]
+        _repack_embedding_gemms(model)
+        self.lppo_weights_version = version
+        return checksums(model) if with_checksums == "1" else None
+
     def lppo_version(self) -> str:
         """The version of the weights loaded last ("" for the startup checkpoint's)."""
         return self.lppo_weights_version
