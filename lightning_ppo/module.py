@@ -282,6 +282,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         budget_field, budget = response_budget({**self.hparams, "environment": self.episode_runner})
         max_prompt_length = getattr(self.trainer.datamodule, "max_prompt_length", None)
         check_sequence_fits(self.policy.config, "model.policy", max_prompt_length, budget, budget_field)
+        if self.episode_runner is not None:  # e.g. episode.keep_cache refuses sliding-window models
+            self.episode_runner.check_model(self.policy.config)
         seed_ranks_apart(self.trainer)
         if stage == "fit":  # a previous fit's pipeline (one that raised) holds batches of its own
             self.end_sampling_ahead(wait=True)

@@ -3,11 +3,13 @@ environment failures, and a one-turn environment that reproduces today's single-
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import transformers
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.checkpoint import PPOCheckpoint
@@ -16,8 +18,11 @@ from lightning_ppo.models.roles import LoraSettings
 from lightning_ppo.ppo import functional as F
 from lightning_ppo.ppo.experience import make_experience
 from lightning_ppo.rollout.episodes import Environment, EnvironmentFailure, StepResult, Turn
+from lightning_ppo.rollout.kept_cache import local_attention
+from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from lightning_ppo.tasks.reveal import RevealDigits, RevealDigitsDataModule
+from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
 from tests.helpers import quiet_trainer
 
 
@@ -473,3 +478,77 @@ def test_an_environment_may_name_its_attributes_calls_and_errors(tiny_digits):
     module.generate(_batch(module))
     metrics = module.episode_runner.metrics()
     assert metrics["episode/tool_calls"].item() == metrics["episode/tool_errors"].item() == 0
+
+
+class HoldsALock(Echo):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+class SharesALock(HoldsALock):
+    shared = ("lock",)
+    locks: list[threading.Lock] = []
+
+    def step(self, turn: Turn) -> StepResult:
+        with self.lock:
+            SharesALock.locks.append(self.lock)
+        return super().step(turn)
+
+
+def test_an_environment_that_cannot_be_copied_is_one_line_before_training_or_shares_it(tiny_digits):
+    with pytest.raises(
+        UsageError,
+        match=r"^model.environment: HoldsALock cannot be copied for each episode \(copy.deepcopy raised "
+        r"TypeError: cannot pickle '_thread.lock' object\): name the attribute in the class's `shared`",
+    ):
+        _module(tiny_digits, HoldsALock())
+    template = SharesALock()
+    SharesALock.locks.clear()
+    module = _module(tiny_digits, template, EpisodeConfig(max_turns=2, max_tokens=40))
+    module.generate(_batch(module))
+    assert len(SharesALock.locks) == 16 and all(lock is template.lock for lock in SharesALock.locks)
+    assert template.seen == []  # the other attributes are still each episode's own
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral(tmp_path_factory):
+    """A 2 x 64 Mistral over the digit vocabulary, attending within a window of 32 tokens."""
+    spec = TinyModelSpec(arch="mistral", n_positions=64)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_mistral"), spec, alphabet="0123456789=")
+
+
+def test_keep_cache_is_refused_before_training_for_a_sliding_window_model(tiny_mistral, tmp_path):
+    refused = (
+        r"^model.episode.keep_cache: the policy \(mistral\) attends within a sliding window of 32 tokens"
+    )
+    config = EpisodeConfig(max_turns=2, max_tokens=40, keep_cache=True)
+    module = _module(tiny_mistral, Echo(), config)
+    data = DigitsDataModule(num_prompts=16, batch_size=8, max_prompt_length=16)
+    with pytest.raises(UsageError, match=refused):
+        quiet_trainer(tmp_path, iterations=1).fit(module, data)
+    assert module.iteration == 0  # refused in setup: not one rollout
+    with pytest.raises(UsageError, match=refused):  # outside a Trainer too
+        _module(tiny_mistral, Echo(), config).generate(_batch(module))
+    reread = _module(tiny_mistral, Echo(), EpisodeConfig(max_turns=2, max_tokens=40))
+    assert reread.generate(_batch(reread)).context_mask.any()  # the re-read path serves it
+
+
+@pytest.mark.parametrize(
+    ("config", "local"),
+    [
+        (transformers.LlamaConfig(), None),
+        (transformers.Qwen2Config(), None),
+        (
+            transformers.Qwen2Config(use_sliding_window=True, sliding_window=64),
+            "a sliding window of 64 tokens",
+        ),
+        (transformers.MistralConfig(sliding_window=None), None),
+        (transformers.Gemma2Config(sliding_window=512), "a sliding window of 512 tokens"),
+        (transformers.Gemma3Config(), "a sliding window of 4096 tokens"),
+        (transformers.Llama4TextConfig(attention_chunk_size=256), "chunks of 256 tokens"),
+    ],
+    ids=["llama", "qwen2", "qwen2-sliding", "mistral-no-window", "gemma2", "gemma3", "llama4"],
+)
+def test_which_models_attend_within_a_window(config, local):
+    assert local_attention(config) == local

@@ -42,13 +42,19 @@ class Environment:
     """What the policy talks to in a multi-turn episode. Subclass it and override both methods.
 
     Each episode gets its own deep copy of the configured instance, so ``self`` can hold the
-    episode's state. Randomness should come from the ``rng`` given to :meth:`reset`: it is seeded
+    episode's state. What must not be copied, a large read-only table (a copy per episode per batch
+    costs ~0.4 s for 100k dict entries: ``benchmarks/env_copies.py``) or what cannot be (a lock, a
+    client, a socket), is named in :attr:`shared`: those attributes are the configured instance's
+    own objects in every copy, shared by all episodes (and, with plain ``def`` methods, touched from
+    several threads at once). Randomness should come from the ``rng`` given to :meth:`reset`: it is seeded
     from the run's seed, the iteration, the rank and the episode, so runs (and resumed runs) repeat.
 
     Both methods may be ``async def``. A batch's calls run together, each within
     ``episode.step_timeout`` (``lightning_ppo.runs.bounded_calls``): plain ones on threads of their
     own (``episode.max_concurrency`` at once), async ones on the run's event loop.
     """
+
+    shared: tuple[str, ...] = ()  # attribute names every episode's copy shares rather than copies
 
     def reset(self, prompt: str, row: dict[str, Any], rng: random.Random) -> None:
         """Start an episode on ``prompt`` (as the policy reads it) and its dataset ``row`` (the other

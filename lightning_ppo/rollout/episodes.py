@@ -43,7 +43,7 @@ from lightning_ppo.rollout.chat import MessageRenderer
 from lightning_ppo.rollout.engines import GenerationEngine
 from lightning_ppo.rollout.engines.hf import HFEngine
 from lightning_ppo.rollout.environment import Environment, StepFunction, StepResult, Turn
-from lightning_ppo.rollout.kept_cache import KeptCache
+from lightning_ppo.rollout.kept_cache import KeptCache, check_full_attention
 from lightning_ppo.rollout.prompts import PromptBatch
 from lightning_ppo.rollout.tools import ToolEnvironment, tool_counts
 from lightning_ppo.runs.bounded_calls import Outcome, run_bounded
@@ -164,6 +164,7 @@ class EpisodeRunner:
                 f"model.environment: {type(environment).__name__} has no step(turn) method; subclass "
                 "lightning_ppo.rollout.episodes.Environment"
             )
+        _copy_for_an_episode(environment)  # before training: one that cannot be copied is one line now
         self.environment, self.config = environment, config
         self.tokenizer, self.pad_token_id, self.seed = tokenizer, pad_token_id, seed
         self.on_bad_reward = on_bad_reward
@@ -226,10 +227,16 @@ class EpisodeRunner:
                     self._drop_or_raise(episodes[i], failure)
         return self._rollout(episodes, batch)
 
+    def check_model(self, config: Any) -> None:
+        """Before training: whether the policy (its HF ``config``) suits the episode settings."""
+        if self.config.keep_cache:
+            check_full_attention(config)
+
     def _kept_cache(self, engine: GenerationEngine) -> KeptCache | None:
         """``episode.keep_cache`` under ``hf``: a cache kept across this batch's turns."""
         if not self.config.keep_cache or not isinstance(engine, HFEngine) or engine.policy is None:
             return None
+        check_full_attention(engine.policy.config)  # also outside a Trainer (no setup ran)
         return KeptCache(engine.policy, engine.generation_config)
 
     def _bounded(self, calls: list[Callable[[], Any]]) -> list[Outcome]:
@@ -250,7 +257,7 @@ class EpisodeRunner:
         """The batch's episodes, each on its own copy of the environment, reset together."""
         episodes, resets = [], []
         for i in range(len(batch)):
-            environment = copy.deepcopy(self.environment)
+            environment = _copy_for_an_episode(self.environment)
             episodes.append(_Episode(environment, batch.prompt_ids[i][batch.prompt_mask[i]].tolist()))
             rng = random.Random(f"{self.seed}/{iteration}/{rank}/{i}")
             row = {name: values[i] for name, values in batch.extras.items()}
@@ -368,6 +375,27 @@ def _shown(observation: str | dict[str, str]) -> str:
 
 def _owner(episode: _Episode) -> str:
     return type(episode.environment).__name__
+
+
+def _copy_for_an_episode(environment: Environment) -> Environment:
+    """A deep copy of the configured environment, for one episode, its ``shared`` attributes the
+    configured instance's own; one holding what cannot be copied (a lock, a client, a socket, an
+    open file) is one line naming its class and what to do."""
+    inner = environment.inner if isinstance(environment, ToolEnvironment) else None
+    user = inner if inner is not None else environment
+    memo: dict[int, Any] = {}
+    for name in getattr(user, "shared", ()):
+        if hasattr(user, name):
+            value = getattr(user, name)
+            memo[id(value)] = value  # deepcopy hands back what its memo holds: this very object
+    try:
+        return copy.deepcopy(environment, memo)
+    except Exception as err:  # TypeError: cannot pickle '_thread.lock' object, copy.Error, ...
+        raise UsageError(
+            f"model.environment: {type(user).__name__} cannot be copied for each episode (copy.deepcopy "
+            f"raised {type(err).__name__}: {err}): name the attribute in the class's `shared` tuple "
+            "(one object for every episode) or create it in reset() (one per episode)"
+        ) from err
 
 
 def make_episode_runner(

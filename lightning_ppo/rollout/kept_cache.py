@@ -11,9 +11,17 @@ stop token, and observations of different lengths are left padded within their s
 gaps are masked out of attention and skipped by the positions (HF computes them from the mask),
 so every real token sees what it saw in the re-read path, at the same position. Episodes that end
 drop their rows (``DynamicCache.batch_select_indices``).
+
+That holds for models whose every layer attends to the whole context. A sliding window (Mistral,
+Qwen2 with ``use_sliding_window``, Gemma 2/3, Cohere2) or chunked attention (Llama 4) counts cache
+columns, gaps included, so a real token would see fewer real tokens than in the re-read path and
+the training forward (measured on a tiny Mistral with a window of 8: log-probs off by 0.05-0.37,
+other greedy replies). :func:`check_full_attention` refuses such models before training.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import transformers
@@ -21,6 +29,36 @@ from torch import Tensor, nn
 
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rollout.sampling import generate
+from lightning_ppo.runs.errors import UsageError
+
+
+def local_attention(config: Any) -> str | None:
+    """How ``config``'s model attends other than to the whole context (``"a sliding window of 8
+    tokens"``), ``None`` when every layer sees everything."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = sorted(set(getattr(text, "layer_types", None) or ()) - {"full_attention"})
+    window = getattr(text, "sliding_window", None)
+    if getattr(text, "layer_types", None):  # transformers names each layer's attention
+        if not kinds:
+            return None
+    elif window is None or getattr(text, "use_sliding_window", True) is False:
+        return None
+    chunk = getattr(text, "attention_chunk_size", None)
+    if kinds == ["chunked_attention"] and chunk:
+        return f"chunks of {chunk} tokens"
+    return f"a sliding window of {window} tokens" if window else f"{', '.join(kinds)} layers"
+
+
+def check_full_attention(config: Any) -> None:
+    """``episode.keep_cache`` serves models whose layers all attend to the whole context; one line
+    otherwise."""
+    local = local_attention(config)
+    if local is not None:
+        raise UsageError(
+            f"model.episode.keep_cache: the policy ({getattr(config, 'model_type', 'this model')}) "
+            f"attends within {local}, and the kept cache's padding columns count against it, so "
+            "replies would differ from the training forward; set episode.keep_cache: false for it"
+        )
 
 
 class KeptCache:
