@@ -454,17 +454,18 @@ class EpisodeConfig:
             chat-template ``tool`` messages), ``text`` (``call NAME: ARGUMENT``), or ``auto``:
             ``hermes`` when the tokenizer has a chat template, else ``text``
             (``lightning_ppo.rollout.tools``).
-        max_concurrency: How many of a batch's plain (``def``) environment calls run at once, each on
-            a thread of its own; ``async def`` ones are all awaited together (>= 1; 1: one by one).
+        max_concurrency: How many of a batch's environment calls run at once, plain (``def``) ones
+            each on a thread of its own, ``async def`` ones on the run's event loop (>= 1; 1: one by
+            one). It also bounds the threads of timed-out plain calls still running.
         step_timeout: Seconds an environment's ``reset`` or ``step`` may take (``None``: no limit).
             One that takes longer is handled as one that raises (``on_error``), counted in
-            ``episode/timeouts``.
+            ``episode/timeouts``; its thread cannot be stopped (``docs/agents.md``).
         tool_timeout: Seconds a tool call may take (``None``: no limit); one that takes longer
             answers the policy that it timed out, as a tool that raises does.
         keep_cache: Under ``generation.engine: hf``, keep each episode's KV cache from one turn to
             the next, so a turn reads only the observation's tokens, not the whole episode again
             (``lightning_ppo.rollout.kept_cache``; HF's dynamic cache). ``vllm`` reuses the
-            episode's prefix on its own.
+            episode's prefix on its own. Refused for models with sliding-window or chunked attention.
     """
 
     max_turns: int = 4

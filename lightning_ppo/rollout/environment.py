@@ -49,9 +49,10 @@ class Environment:
     several threads at once). Randomness should come from the ``rng`` given to :meth:`reset`: it is seeded
     from the run's seed, the iteration, the rank and the episode, so runs (and resumed runs) repeat.
 
-    Both methods may be ``async def``. A batch's calls run together, each within
-    ``episode.step_timeout`` (``lightning_ppo.runs.bounded_calls``): plain ones on threads of their
-    own (``episode.max_concurrency`` at once), async ones on the run's event loop.
+    Both methods may be ``async def``. A batch's calls run together, ``episode.max_concurrency`` at
+    once, each within ``episode.step_timeout`` (``lightning_ppo.runs.bounded_calls``): plain ones on
+    threads of their own, async ones on the run's event loop (which a blocking call inside them
+    would stop: that is one line naming the class).
     """
 
     shared: tuple[str, ...] = ()  # attribute names every episode's copy shares rather than copies

@@ -86,6 +86,9 @@ def wait_on_loop(
             return future.result(timeout=POLL_S)
         except concurrent.futures.TimeoutError:
             pass
+        except BaseException:  # a Ctrl-C while waiting: the calls are cancelled, not left to run on
+            future.cancel()
+            raise
         if thread is not None and not thread.is_alive():
             future.cancel()
             raise RuntimeError("lightning_ppo's background event loop stopped; the call cannot finish")
