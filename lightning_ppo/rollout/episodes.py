@@ -58,6 +58,7 @@ __all__ = [
     "StepFunction",
     "StepResult",
     "Turn",
+    "copy_for_an_episode",
     "make_episode_runner",
 ]
 
@@ -164,7 +165,7 @@ class EpisodeRunner:
                 f"model.environment: {type(environment).__name__} has no step(turn) method; subclass "
                 "lightning_ppo.rollout.episodes.Environment"
             )
-        _copy_for_an_episode(environment)  # before training: one that cannot be copied is one line now
+        copy_for_an_episode(environment)  # before training: one that cannot be copied is one line now
         self.environment, self.config = environment, config
         self.tokenizer, self.pad_token_id, self.seed = tokenizer, pad_token_id, seed
         self.on_bad_reward = on_bad_reward
@@ -257,7 +258,7 @@ class EpisodeRunner:
         """The batch's episodes, each on its own copy of the environment, reset together."""
         episodes, resets = [], []
         for i in range(len(batch)):
-            environment = _copy_for_an_episode(self.environment)
+            environment = copy_for_an_episode(self.environment)
             episodes.append(_Episode(environment, batch.prompt_ids[i][batch.prompt_mask[i]].tolist()))
             rng = random.Random(f"{self.seed}/{iteration}/{rank}/{i}")
             row = {name: values[i] for name, values in batch.extras.items()}
@@ -377,7 +378,7 @@ def _owner(episode: _Episode) -> str:
     return type(episode.environment).__name__
 
 
-def _copy_for_an_episode(environment: Environment) -> Environment:
+def copy_for_an_episode(environment: Environment) -> Environment:
     """A deep copy of the configured environment, for one episode, its ``shared`` attributes the
     configured instance's own; one holding what cannot be copied (a lock, a client, a socket, an
     open file) is one line naming its class and what to do."""
