@@ -10,8 +10,14 @@ new tokens, GAE, 2 epochs x 2 minibatches, fp32), each variant in a process of i
 Each gets one thread per process; the first iteration (vLLM's warm-up) is left out.
 
 **One weight sync against the model's size.** For GPT-2s of several sizes: the colocated engine's
-in-place reload, and the server's whole sync (write the safetensors file, the server's load,
-its checksums, the trainer's comparison), with and without the checksums (``verify_sync``).
+in-place reload, and the server's whole sync through a file (``sync_transport: file``: write the
+safetensors file, the server's load) and in memory (``memory``: the broadcast over the gloo group,
+the server's load as the buckets arrive), each measured in the same run, and the memory sync with
+the checksums (``verify_sync``: the server's checksums and the trainer's comparison).
+
+**One rollout of 512 prompts x 64 new tokens** on one server: at most 64 requests in flight per
+rank (as before issue 40) against all of them (``MAX_IN_FLIGHT``), alternated in the same run;
+and 64 prompts x 8 samples sent as 512 requests against 64 grouped requests of ``n`` 8.
 """
 
 from __future__ import annotations
@@ -35,13 +41,13 @@ def _spec(size: str):
     return TinyModelSpec(n_layer=layers, n_embd=width, n_head=width // 64, n_positions=128)
 
 
-def _module(policy: str, engine: str, url: str | None, verify: bool = False):
+def _module(policy: str, engine: str, url: str | None, verify: bool = False, transport: str = "memory"):
     import torch
 
     from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
     from lightning_ppo.tasks.digits import DigitsReward
 
-    servers = {"server_urls": [url], "verify_sync": verify} if url else {}
+    servers = {"server_urls": [url], "verify_sync": verify, "sync_transport": transport} if url else {}
     generation = GenerationConfig(
         max_new_tokens=16, stop_token="=", engine=engine, gpu_memory_utilization=0.1, **servers
     )
@@ -65,8 +71,9 @@ def child_syncs(policy: str, engine: str, url: str | None, repeats: int) -> dict
     import torch
 
     results = {}
-    for verify in (False, True) if url else (False,):
-        module = _module(policy, engine, url, verify)
+    variants = [("file", False), ("memory", False), ("memory", True)] if url else [("memory", False)]
+    for transport, verify in variants:
+        module = _module(policy, engine, url, verify, transport)
         engine_ = module.engine
         engine_.sync_weights(module.policy)
         took = []
@@ -76,8 +83,63 @@ def child_syncs(policy: str, engine: str, url: str | None, repeats: int) -> dict
             start = time.perf_counter()
             engine_.sync_weights(module.policy)
             took.append(time.perf_counter() - start)
-        results["verified" if verify else "plain"] = statistics.median(took)
+        results[transport + (" verified" if verify else "")] = statistics.median(took)
     return results
+
+
+def child_rollouts(policy: str, url: str, rounds: int) -> dict[str, list[float]]:
+    """Seconds of one 512-prompt x 64-token rollout under each way of sending it, alternated."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from lightning_ppo import GenerationConfig
+    from lightning_ppo.models.loading import load_causal_lm
+    from lightning_ppo.rollout.engines import Placement
+    from lightning_ppo.rollout.engines import server as server_module
+    from lightning_ppo.rollout.sampling import hf_generation_config
+
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    config = GenerationConfig(max_new_tokens=64, engine="vllm_server", server_urls=[url], server_timeout=600)
+    hf = hf_generation_config(config, None, tokenizer.pad_token_id)
+    engine = server_module.VLLMServerEngine(config, hf, Placement(), tokenizer, len(tokenizer))
+    engine.sync_weights(load_causal_lm(policy))
+    distinct = torch.randint(0, 10, (512, 6))
+    grouped = torch.randint(0, 10, (64, 6)).repeat_interleave(8, dim=0)
+    mask = torch.ones(512, 6, dtype=torch.long)
+    ways = {
+        "64 in flight (before)": (64, distinct, False),
+        "all in flight": (server_module.MAX_IN_FLIGHT, distinct, False),
+        "64 x 8, a request per row": (server_module.MAX_IN_FLIGHT, grouped, True),
+        "64 x 8, grouped (n = 8)": (server_module.MAX_IN_FLIGHT, grouped, False),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    real_groups = server_module.prompt_groups
+    for _ in range(rounds):
+        for name, (in_flight, prompts, per_row) in ways.items():
+            engine.max_in_flight = in_flight
+            server_module.prompt_groups = (
+                (lambda rows: [(i, 1) for i in range(len(rows))]) if per_row else real_groups
+            )
+            start = time.perf_counter()
+            engine.generate(prompts, mask)
+            times[name].append(time.perf_counter() - start)
+    server_module.prompt_groups = real_groups
+    return times
+
+
+def rollout_table(policy: Path, work: Path, rounds: int) -> None:
+    server = _start_server(policy, work / "server-rollouts.log")
+    try:
+        times = _child(["rollouts", str(policy), "vllm_server", server.url, str(rounds)])
+    finally:
+        server.stop()
+    print(f"\nOne rollout, 512 x 64 new tokens, one server, {rounds} rounds alternated")
+    print("| requests | s / rollout (median) | min | max |")
+    print("| --- | --- | --- | --- |")
+    base = statistics.median(next(iter(times.values())))
+    for name, took in times.items():
+        median = statistics.median(took)
+        print(f"| {name} | {median:.2f} ({median / base:.2f}x) | {min(took):.2f} | {max(took):.2f} |")
 
 
 def _start_server(policy: Path, log: Path):
@@ -99,12 +161,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--sizes", default="4x256,8x512,12x768")
     parser.add_argument("--child", nargs="*")
+    parser.add_argument("--only", choices=["iterations", "syncs", "rollouts"], help="One table only.")
     args = parser.parse_args()
     if args.child:
         kind, policy, engine, url, count = args.child
         url = None if url == "-" else url
         if kind == "iterations":
             print(json.dumps(child_iterations(policy, engine, url, int(count))))
+        elif kind == "rollouts":
+            print(json.dumps(child_rollouts(policy, url, int(count))))
         else:
             print(json.dumps(child_syncs(policy, engine, url, int(count))))
         return
@@ -114,6 +179,12 @@ def main() -> None:
     sizes = args.sizes.split(",")
     policies = {s: make_tiny_checkpoint(work / s, _spec(s), alphabet="0123456789=") for s in sizes}
     first = policies[sizes[0]]
+    if args.only == "rollouts":
+        rollout_table(first, work, args.rounds)
+        return
+    if args.only == "syncs":
+        sync_table(policies, work)
+        return
     server = _start_server(first, work / "server.log")
     try:
         per_variant: dict[str, list[float]] = {"colocated": [], "server": []}
@@ -131,7 +202,9 @@ def main() -> None:
     for name, times in per_variant.items():
         median = statistics.median(times)
         print(f"| {name} | {median:.3f} ({median / base:.2f}x) | {min(times):.3f} | {max(times):.3f} |")
-    sync_table(policies, work)
+    if args.only is None:
+        sync_table(policies, work)
+        rollout_table(first, work, args.rounds)
 
 
 def sync_table(policies: dict[str, Path], work: Path) -> None:
@@ -140,9 +213,10 @@ def sync_table(policies: dict[str, Path], work: Path) -> None:
     from lightning_ppo.models.loading import load_causal_lm
 
     print(
-        "\n| model | parameters | fp32 MiB | colocated reload s | server sync s | server sync + checksums s |"
+        "\n| model | parameters | fp32 MiB | colocated reload s | server sync, file s | server sync, "
+        "memory s (x file) | memory + checksums s |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for size, policy in policies.items():
         params = sum(p.numel() for p in load_causal_lm(str(policy)).parameters())
         colocated = _child(["syncs", str(policy), "vllm", "-", "5"])
@@ -152,9 +226,10 @@ def sync_table(policies: dict[str, Path], work: Path) -> None:
         finally:
             server.stop()
         mib = params * torch.finfo(torch.float32).bits / 8 / 2**20
+        file, memory = served["file"], served["memory"]
         print(
-            f"| {size} | {params / 1e6:.1f} M | {mib:.0f} | {colocated['plain']:.3f} | "
-            f"{served['plain']:.3f} | {served['verified']:.3f} |",
+            f"| {size} | {params / 1e6:.1f} M | {mib:.0f} | {colocated['memory']:.3f} | {file:.3f} | "
+            f"{memory:.3f} ({memory / file:.2f}x) | {served['memory verified']:.3f} |",
             flush=True,
         )
 

@@ -311,7 +311,8 @@ def test_a_hung_server_stops_the_batch_within_one_timeout(stuck, tiny_policy):
     one per wave of 64 requests in flight: 5 x 1.5 s), and every thread left waiting is a daemon,
     which does not hold the process's exit."""
     engine = _server_engine(tiny_policy, stuck, timeout=1.5)
-    ids, mask = torch.ones(300, 3, dtype=torch.long), torch.ones(300, 3, dtype=torch.long)
+    ids = torch.tensor([[i // 100, i // 10 % 10, i % 10] for i in range(300)])  # 300 distinct prompts
+    mask = torch.ones(300, 3, dtype=torch.long)
     start = time.monotonic()
     with pytest.raises(GenerationServerError, match=r"\(/v1/completions\): no (completion|answer)"):
         engine.generate(ids, mask)
@@ -452,3 +453,21 @@ def test_weights_sent_in_memory_arrive_whole_in_buckets_on_every_receiver():
     with pytest.raises(Exception):  # noqa: B017 (torch's store raises its own timeout types)
         open_group("127.0.0.1", free_port(), 0, 2, 2, "127.0.0.1")
     assert time.monotonic() - start < 20
+
+
+def test_a_groups_copies_go_as_one_request_seeded_as_the_colocated_engine_seeds_its_rows():
+    """Consecutive copies of one prompt (``num_generations``) are one request of ``n`` samples, which
+    vLLM seeds seed + i; the colocated engine gives its rows the same seeds. Without copies, one
+    draw per row, as before."""
+    from lightning_ppo.rollout.engines.completions import group_seeds, prompt_groups, row_seeds
+
+    rows = [[1, 2], [1, 2], [1, 2], [3], [1, 2]]
+    assert prompt_groups(rows) == [(0, 3), (3, 1), (4, 1)]
+    torch.manual_seed(5)
+    drawn = group_seeds(prompt_groups(rows))
+    torch.manual_seed(5)
+    assert row_seeds(rows) == [drawn[0], drawn[0] + 1, drawn[0] + 2, drawn[1], drawn[2]]
+    torch.manual_seed(5)
+    before = torch.randint(0, 2**31 - 1, (3,)).tolist()
+    torch.manual_seed(5)
+    assert row_seeds([[1], [2], [1]]) == before

@@ -219,25 +219,35 @@ def test_a_lora_policy_is_synced_as_base_plus_delta(servers, policy, transport):
     assert not any(getattr(m, "merged", False) for m in lora.modules())
 
 
-def test_a_sync_that_moves_nothing_is_caught(servers, policy, tmp_path, monkeypatch):
+@pytest.mark.parametrize("transport", ["memory", "file"])
+def test_a_sync_that_moves_nothing_is_caught(servers, policy, tmp_path, monkeypatch, transport):
     """The server is handed the weights it already holds while the trainer's moved (a load that
-    moved nothing): the checksums of what it holds name the first parameter that differs."""
+    moved nothing), in memory or through a file: the checksums of what it holds name the first
+    parameter that differs."""
     from lightning_ppo.rollout.engines import server as server_module
+    from lightning_ppo.rollout.engines import server_memory
     from lightning_ppo.rollout.engines.server_sync import WrittenWeights, write_weights
     from lightning_ppo.rollout.engines.weights import hf_weights
 
-    engine, model = _engine(policy, [servers[1].url], verify_sync=True)
+    engine, model = _engine(policy, [servers[1].url], verify_sync=True, sync_transport=transport)
     engine.sync_weights(model)
-    held = write_weights(hf_weights(model), tmp_path, torch.float32)
+    held = {name: tensor.clone() for name, tensor in hf_weights(model)}
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight.add_(1e-3)
 
-    def moved_nothing(weights, folder, dtype):
+    def file_of_held(weights, folder, dtype):
         new = write_weights(weights, folder, dtype)
         new.path.unlink()
-        return WrittenWeights(held.path, new.checksums, new.bytes)
+        return WrittenWeights(write_weights(iter(held.items()), folder, dtype).path, new.checksums, new.bytes)
 
-    monkeypatch.setattr(server_module, "write_weights", moved_nothing)
+    def held_in_memory(weights, dtype, sums, sent=server_memory._in_dtype):
+        for name, _ in sent(weights, dtype, sums):  # the trainer's checksums, of its moved weights
+            yield name, held[name].to(dtype)
+
+    if transport == "file":
+        monkeypatch.setattr(server_module, "write_weights", file_of_held)
+    else:
+        monkeypatch.setattr(server_memory, "_in_dtype", held_in_memory)
     with pytest.raises(GenerationServerError) as caught:
         engine.sync_weights(model)
     monkeypatch.undo()
@@ -263,6 +273,23 @@ def test_two_servers_serve_one_batch_as_one_server_does(servers, policy):
     assert torch.equal(spread.response_ids, single.response_ids)
     assert torch.allclose(spread.engine_logprobs, single.engine_logprobs, atol=1e-6)
     assert both.requests_sent == [8, 8]
+
+
+def test_a_groups_one_request_samples_as_its_rows_would_one_by_one(servers, policy):
+    """n = 4 samples of one prompt in one request (seed s) equal four requests seeded s, s+1, s+2,
+    s+3: the seeds the colocated engine gives a group's rows (completions.row_seeds)."""
+    engine, model = _engine(policy, [servers[0].url])
+    engine.sync_weights(model)
+    engine.served_names = [engine._served_name(engine.servers[0])]
+    prompt = _prompts(policy)[0][3][-3:].tolist()
+    grouped = engine._complete(0, prompt, 1234, 4)
+    one_by_one = [engine._complete(0, prompt, 1234 + i, 1)[0] for i in range(4)]
+    assert [tokens for tokens, _ in grouped] == [tokens for tokens, _ in one_by_one]
+    assert all(
+        torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
+        for (_, a), (_, b) in zip(grouped, one_by_one, strict=True)
+    )
+    assert len({tuple(tokens) for tokens, _ in grouped}) > 1  # four different samples
 
 
 def test_every_route_needs_the_api_key(servers, monkeypatch):

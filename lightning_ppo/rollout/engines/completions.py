@@ -36,3 +36,30 @@ def completions_to_rollout(
         ended.to(device),
         engine_logprobs=engine_logprobs.masked_fill(~mask, 0.0).to(device),
     )
+
+
+def prompt_groups(rows: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """``(first row, count)`` of each run of identical consecutive prompts: a group's copies
+    (``ppo.num_generations``) after ``repeat_interleave``, sent as one request of ``n`` samples."""
+    groups: list[tuple[int, int]] = []
+    for index, row in enumerate(rows):
+        if groups and rows[groups[-1][0]] == row:
+            groups[-1] = (groups[-1][0], groups[-1][1] + 1)
+        else:
+            groups.append((index, 1))
+    return groups
+
+
+def group_seeds(groups: Sequence[tuple[int, int]]) -> list[int]:
+    """One seed per group from torch's generator (``seed_everything`` fixes the draws; ranks, whose
+    generators are offset, draw differently); a group's ``i``-th row samples with seed + ``i``,
+    as vLLM seeds the ``n`` samples of one seeded request. Without repeated prompts: one draw per
+    row, as before groups were sent whole."""
+    return torch.randint(0, 2**31 - 1, (len(groups),)).tolist()
+
+
+def row_seeds(rows: Sequence[Sequence[int]]) -> list[int]:
+    """Each row's seed, the same a server's grouped request gives it (:func:`group_seeds`)."""
+    groups = prompt_groups(rows)
+    seeds = group_seeds(groups)
+    return [seed + i for (_, count), seed in zip(groups, seeds, strict=True) for i in range(count)]

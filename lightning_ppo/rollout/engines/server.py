@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from lightning_ppo.config import GenerationConfig
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rollout.engines import Placement
-from lightning_ppo.rollout.engines.completions import completions_to_rollout
+from lightning_ppo.rollout.engines.completions import completions_to_rollout, group_seeds, prompt_groups
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
 from lightning_ppo.rollout.engines.server_memory import MemorySync, sync_address
 from lightning_ppo.rollout.engines.server_requests import Stalled, send_all
@@ -45,8 +45,9 @@ from lightning_ppo.rollout.engines.weights import hf_weights
 
 # Letters, digits, punctuation, spaces and a few words: where two tokenizers usually part ways.
 _TOKENIZER_PROBE = "The quick brown fox, 0123456789 = 42; x+y*z? (a|b) [done] naïve\n\tend."
-# Requests in flight at once, per rank.
-_MAX_REQUESTS = 64
+# Requests in flight at once, per rank: as many as a batch has (up to this), so the server's own
+# scheduler, not a cap here, sets how many sequences it decodes together.
+MAX_IN_FLIGHT = 1024
 
 
 class VLLMServerEngine:
@@ -75,6 +76,7 @@ class VLLMServerEngine:
         self.requests_sent = [0] * len(self.servers)
         self.last_sync_seconds = 0.0
         self._memory: MemorySync | None = None
+        self.max_in_flight = MAX_IN_FLIGHT
 
     # --- weights -------------------------------------------------------------------------------
 
@@ -216,15 +218,17 @@ class VLLMServerEngine:
             self.served_names = [self._served_name(server) for server in self.servers]
         self._check_versions()
         prompts = [row[mask].tolist() for row, mask in zip(prompt_ids, prompt_mask.bool(), strict=True)]
-        # As the colocated engine: one seed per request from torch's generator (seeded per rank).
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
-        first = self.placement.rank * len(prompts)  # spreads every rank's requests over the servers
+        # One request per group of identical prompts, n samples seeded seed + i (as the colocated
+        # engine seeds its rows): a group shares one server's prefix cache.
+        groups = prompt_groups(prompts)
+        seeds = group_seeds(groups)
+        first = self.placement.rank * len(groups)  # spreads every rank's requests over the servers
         calls = [
-            partial(self._complete, (first + i) % len(self.servers), prompt, seed)
-            for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))
+            partial(self._complete, (first + i) % len(self.servers), prompts[start], seed, count)
+            for i, ((start, count), seed) in enumerate(zip(groups, seeds, strict=True))
         ]
         try:
-            answers = send_all(calls, self.config.server_timeout, _MAX_REQUESTS)
+            answers = send_all(calls, self.config.server_timeout, self.max_in_flight)
         except Stalled as stalled:
             server = self.servers[(first + stalled.waiting[0]) % len(self.servers)]
             raise server.error(
@@ -232,8 +236,8 @@ class VLLMServerEngine:
                 f"no completion of {len(stalled.waiting)} request(s) within {server.timeout:g} s "
                 "(generation.server_timeout)",
             ) from None
-        tokens = [answer[0] for answer in answers]
-        logprobs = [answer[1] for answer in answers]
+        tokens = [row for answer in answers for row, _ in answer]
+        logprobs = [row for answer in answers for _, row in answer]
         pad = self.hf_generation.pad_token_id
         return completions_to_rollout(prompt_ids, prompt_mask, tokens, logprobs, self._stop_id(), pad)
 
@@ -252,26 +256,32 @@ class VLLMServerEngine:
                     "to sync it again",
                 )
 
-    def _complete(self, index: int, prompt: list[int], seed: int) -> tuple[list[int], list[float]]:
+    def _complete(
+        self, index: int, prompt: list[int], seed: int, n: int
+    ) -> list[tuple[list[int], list[float]]]:
+        """``n`` samples of ``prompt`` from server ``index``: each one's tokens and log-probs."""
         server = self.servers[index]
         self.requests_sent[index] += 1
-        answer = server.post("/v1/completions", self._request(self.served_names[index], prompt, seed))
+        answer = server.post("/v1/completions", self._request(self.served_names[index], prompt, seed, n))
         try:
-            choice = answer["choices"][0]
-            tokens = list(choice["token_ids"])
-            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+            samples = [
+                (list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]]) for c in choices
+            ]
         except (KeyError, IndexError, TypeError):
             raise server.error(
                 "/v1/completions", f"answered without token ids or log-probs: {str(answer)[:200]!r}"
             ) from None
-        if len(logprobs) != len(tokens):
-            raise server.error("/v1/completions", f"gave {len(tokens)} tokens but {len(logprobs)} log-probs")
-        return tokens, logprobs
+        if len(samples) != n or any(len(tokens) != len(logprobs) for tokens, logprobs in samples):
+            raise server.error(
+                "/v1/completions", f"gave {len(samples)} samples (of {n}) or tokens without their log-probs"
+            )
+        return samples
 
     def _stop_id(self) -> int | None:
         return self.hf_generation.eos_token_id
 
-    def _request(self, model: str, prompt: list[int], seed: int) -> dict[str, Any]:
+    def _request(self, model: str, prompt: list[int], seed: int, n: int = 1) -> dict[str, Any]:
         """One completion request under exactly ``hf_generation``'s settings (nothing from the server's
         defaults: it runs with ``--generation-config vllm``)."""
         gen = self.hf_generation
@@ -282,6 +292,7 @@ class VLLMServerEngine:
         request: dict[str, Any] = {
             "model": model,
             "prompt": prompt,
+            "n": n,
             "max_tokens": gen.max_new_tokens,
             "temperature": gen.temperature if sampled else 0.0,
             "top_k": (gen.top_k or -1) if sampled else -1,

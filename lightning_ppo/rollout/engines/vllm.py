@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lightning_ppo.config import GenerationConfig
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rollout.engines import Placement
-from lightning_ppo.rollout.engines.completions import completions_to_rollout
+from lightning_ppo.rollout.engines.completions import completions_to_rollout, row_seeds
 from lightning_ppo.rollout.engines.weights import hf_weights
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.preflight import VLLM_INSTALL_HINT as INSTALL_HINT
@@ -161,13 +161,9 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()
 
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor) -> Rollout:
-        prompts = [
-            self.vllm.TokensPrompt(prompt_token_ids=row[mask].tolist())
-            for row, mask in zip(prompt_ids, prompt_mask.bool(), strict=True)
-        ]
-        # Per-request seeds from torch's generator: seed_everything fixes the draws, and ranks
-        # (whose generators setup offsets) draw differently.
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        rows = [row[mask].tolist() for row, mask in zip(prompt_ids, prompt_mask.bool(), strict=True)]
+        prompts = [self.vllm.TokensPrompt(prompt_token_ids=row) for row in rows]
+        seeds = row_seeds(rows)  # per request, as the server engine's grouped requests seed them
         allowed = self.allowed_token_ids()
         params = [self.sampling_params(seed, allowed) for seed in seeds]
         with untouched_global_rng():
