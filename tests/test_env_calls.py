@@ -19,7 +19,7 @@ from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.rollout.answers import BadEnvironmentReward, EnvironmentTimeout
 from lightning_ppo.rollout.episodes import Environment, StepResult, Turn
-from lightning_ppo.runs.background_loop import LoopBlocked
+from lightning_ppo.runs.background_loop import LoopBlocked, background_loop
 from lightning_ppo.runs.bounded_calls import CallExited, run_bounded
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
@@ -161,6 +161,17 @@ def test_an_exit_in_the_users_code_stops_the_run_in_one_line_and_the_loop_lives_
         _finishes_within(20, run_bounded, [answers, call], 5, 4)
     outcomes = _finishes_within(20, run_bounded, [answers, answers], 5, 4)
     assert [o.value for o in outcomes] == ["still here"] * 2
+
+
+def test_a_stopped_loop_is_replaced_rather_than_waited_on():
+    loop = background_loop()
+    loop.call_soon_threadsafe(loop.stop)
+    for _ in range(400):  # bounded wait for its thread to leave run_forever
+        if not loop.is_running():
+            break
+        time.sleep(0.05)
+    outcomes = _finishes_within(20, run_bounded, [answers], 5, 4)
+    assert outcomes[0].value == "still here" and background_loop() is not loop
 
 
 async def cancels() -> None:
