@@ -480,3 +480,20 @@ def test_one_ranks_failed_background_job_stops_every_rank(tiny_digits, tmp_path)
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("lightning-ppo: error: rank 1's background sampling failed"), run.stderr[-3000:]
     assert "rank 1's environment broke" in last
+
+
+def test_behaviour_logprobs_in_row_groups_equal_one_forward(tiny_digits):
+    """``generation.forward_chunk_size`` bounds the behaviour log-probs' forwards as the trainer's own
+    (no fp32 batch x response x vocabulary at once): the same numbers as one forward of the batch."""
+    from lightning_ppo.rollout.ahead import with_behaviour_logprobs
+    from lightning_ppo.rollout.sampling import generate
+
+    module = _module(tiny_digits, 1)
+    ids = torch.randint(0, 10, (12, 6))
+    mask = torch.ones_like(ids)
+    mask[:5, :3] = 0  # left padding: rows of different lengths
+    rollout = generate(module.policy, ids, mask, module.hf_generation)
+    whole = with_behaviour_logprobs(rollout, module.policy, module.token_logprobs)
+    chunked = with_behaviour_logprobs(rollout, module.policy, module.token_logprobs, chunk_size=4)
+    assert torch.allclose(whole.engine_logprobs, chunked.engine_logprobs, atol=1e-6)
+    assert whole.engine_logprobs[rollout.response_mask].abs().sum() > 0

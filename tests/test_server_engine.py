@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
+from lightning_ppo.models.loading import load_causal_lm
 from lightning_ppo.rollout.engines import Placement
 from lightning_ppo.rollout.engines.server import VLLMServerEngine
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
@@ -471,3 +472,26 @@ def test_a_groups_copies_go_as_one_request_seeded_as_the_colocated_engine_seeds_
     before = torch.randint(0, 2**31 - 1, (3,)).tolist()
     torch.manual_seed(5)
     assert row_seeds([[1], [2], [1]]) == before
+
+
+def test_any_failure_of_rank_zeros_sync_is_one_line_for_every_rank(tmp_path, tiny_policy):
+    """A weights file that cannot be written (``sync_dir`` is a file): not an OSError escaping rank 0
+    before the verdict is broadcast (the other ranks would wait for it), but the one-line error
+    every rank raises."""
+    (tmp_path / "not-a-folder").write_text("")
+    engine = _server_engine(tiny_policy, "http://127.0.0.1:9", timeout=5)
+    engine.config = GenerationConfig(
+        engine="vllm_server",
+        server_urls=["http://127.0.0.1:9"],
+        sync_transport="file",
+        sync_dir=str(tmp_path / "not-a-folder" / "sync"),
+    )
+    engine.sync_dir = Path(engine.config.sync_dir)
+    engine.described = [{"dtype": "float32", "packed_modules": {}, "workers": 1}]
+    verdicts = []
+    engine.from_rank_zero = lambda error: verdicts.append(error) or error
+    with pytest.raises(
+        GenerationServerError, match="weight sync failed: (FileExistsError|NotADirectoryError)"
+    ):
+        engine.sync_weights(load_causal_lm(str(tiny_policy)))
+    assert len(verdicts) == 1 and verdicts[0].startswith("weight sync failed")
