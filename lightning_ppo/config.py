@@ -201,8 +201,9 @@ class PPOConfig:
             share of the minibatch's tokens, so the update is the unsplit minibatch's. Not with
             FSDP2 (its ranks must run equally many forwards).
         clip_range: Policy ratio clip epsilon (> 0).
-        clip_range_low, clip_range_high: The two sides of the clip, ``1 - low`` and ``1 + high``
-            (each > 0; ``None``: ``clip_range``). A larger ``high`` is DAPO's "clip-higher".
+        clip_range_low: The lower side of the clip, ``1 - low`` (> 0; ``None``: ``clip_range``).
+        clip_range_high: The upper side of the clip, ``1 + high`` (> 0; ``None``: ``clip_range``).
+            A larger ``high`` than ``low`` is DAPO's "clip-higher".
         loss_aggregation: How per-token policy (and in-loss KL) terms become the loss:
             ``token_mean`` (every token of the minibatch weighs the same; DAPO, TRL's default),
             ``sequence_mean`` (every response weighs the same; GRPO as published) or ``constant``
