@@ -21,11 +21,11 @@ from lightning_ppo.rollout.sampling import OneDtypeStaticCache, generate, hf_gen
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.preflight import check_precision
 from lightning_ppo.tasks.tiny import ARCHS, TinyModelSpec, make_tiny_checkpoint
-from tests.helpers import CountCharReward, prompt_data, quiet_trainer
+from tests.helpers import CountCharReward, cli_usage_error, prompt_data, quickstart_fit_args, quiet_trainer
 
-PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
+PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 # the dtype the trained weights live in under each precision
-WEIGHT_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+WEIGHT_DTYPES = {"bf16-true": torch.bfloat16}
 ITERATIONS, EPOCHS, MINIBATCHES = 2, 1, 1
 
 
@@ -121,6 +121,25 @@ def test_under_autocast_the_static_cache_samples_as_one_that_keeps_fp32_keys(
 def test_a_precision_the_package_cannot_serve_is_refused_saying_what_to_use(precision):
     with pytest.raises(UsageError, match=r"trainer.precision .*bf16-mixed"):
         check_precision(precision)
+
+
+def test_16_true_is_refused_in_one_line_before_any_model_loads(capsys, tmp_path):
+    """float16 weights and AdamW state: the quickstart's steps went NaN after three (AdamW's eps 1e-8
+    is 0 in float16). Refused before the policy is even looked for: the folder named does not exist,
+    and the error is the precision's, naming what to use instead."""
+    args = quickstart_fit_args(tmp_path / "no-such-policy", tmp_path, [], "--trainer.precision", "16-true")
+    message = cli_usage_error(capsys, args)
+    assert message.startswith("trainer.precision '16-true' is not supported")
+    assert "16-mixed" in message and "bf16-true" in message
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_16_true_is_refused_by_the_python_api_before_training(tiny_gpt2):
+    module = PPOLightningModule(str(tiny_gpt2), reward_fn=CountCharReward())
+    trainer = quiet_trainer("unused", iterations=1, precision="16-true")
+    with pytest.raises(UsageError, match=r"trainer.precision '16-true'.*16-mixed"):
+        trainer.fit(module, datamodule=prompt_data(4))
+    assert module.iteration == 0
 
 
 @pytest.mark.parametrize("precision", [*PRECISIONS, "64-true", 32, "bf16", 16, None])

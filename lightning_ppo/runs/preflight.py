@@ -53,6 +53,14 @@ REFUSED_PRECISIONS = {
     "compute) or bf16-true"
     for name in ("transformer-engine", "transformer-engine-float16")
 }
+# float16 weights and optimizer state, with no loss scaling: AdamW's eps (1e-8) is 0 in float16 and a
+# squared gradient below 6e-8 too, so an update divides by 0 (the quickstart at lr 1e-3: NaN after three
+# steps); an update of lr 1e-5 is below float16's resolution (2^-11 of the weight) and rounds away.
+REFUSED_PRECISIONS["16-true"] = (
+    "float16 weights and AdamW state underflow (AdamW's eps 1e-8 and small squared gradients round to 0 "
+    "in float16, and steps go NaN) and small updates round away; use 16-mixed (fp32 weights and optimizer "
+    "state, float16 compute with loss scaling), bf16-mixed, or bf16-true"
+)
 # Strategies whose package Lightning looks for only when the Trainer is built, after every model has
 # loaded: (strategy class, its package, how to install it).
 STRATEGY_PACKAGES = (
@@ -233,8 +241,8 @@ def check_packages(model: Mapping[str, Any], strategy: Any) -> None:
 def check_precision(precision: Any, field: str = "trainer.precision") -> None:
     """Refuse, before any model loads, a Trainer precision this package cannot serve.
 
-    Every other precision Lightning offers runs (tests/test_precision.py: 32-true, the mixed and the
-    true 16-bit ones, 64-true, with GPT-2 and the RoPE families).
+    Every other precision Lightning offers runs (tests/test_precision.py: 32-true, 16-mixed, bf16-mixed,
+    bf16-true, 64-true, with GPT-2 and the RoPE families).
     """
     if str(precision) in REFUSED_PRECISIONS:
         raise UsageError(f"{field} {precision!r} is not supported: {REFUSED_PRECISIONS[str(precision)]}")
