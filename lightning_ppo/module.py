@@ -79,7 +79,7 @@ from lightning_ppo.rollout.prompts import PromptBatch, PromptEndWarning
 from lightning_ppo.rollout.sampling import SamplingSetup, generate
 from lightning_ppo.rollout.tools import prompt_tools
 from lightning_ppo.runs.ctrl_c import training_started
-from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.errors import RunStopped, UsageError
 from lightning_ppo.runs.preflight import check_precision, check_sequence_fits, response_budget
 from lightning_ppo.runs.quiet import silence_intended_warnings
 from lightning_ppo.runs.resume import check_resumable
@@ -425,7 +425,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.iteration += 1
         self.dropped_in_a_row += 1
         if self.dropped_in_a_row >= self.ppo.max_consecutive_skips:
-            raise FloatingPointError(
+            raise RunStopped(
                 f"the reward {self.reward_label!r} returned only NaN/inf for {self.dropped_in_a_row} "
                 f"iterations in a row (ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): "
                 f"stopping. {newest_checkpoint(self._trainer)}"
@@ -659,7 +659,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         for ok in stepped:
             self.consecutive_skips = 0 if ok else self.consecutive_skips + 1
             if self.consecutive_skips >= self.ppo.max_consecutive_skips:
-                raise FloatingPointError(
+                raise RunStopped(
                     f"{self.consecutive_skips} optimizer steps in a row had NaN/inf gradients "
                     f"(ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): stopping. "
                     f"{newest_checkpoint(self._trainer)} Check the learning rate, the reward scale "

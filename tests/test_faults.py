@@ -7,6 +7,7 @@ import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig
 from lightning_ppo.checkpoint import PPOCheckpoint
+from lightning_ppo.runs.errors import RunStopped
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from tests.helpers import NaNFromIteration, NaNLossModule, quiet_trainer
 
@@ -44,7 +45,8 @@ def test_a_nan_loss_skips_that_step_and_counts_it(tiny_digits, tmp_path, optimiz
 
 def test_nan_every_step_stops_with_a_message(tiny_digits, tmp_path):
     module = _module(tiny_digits, nan_steps=range(100), max_consecutive_skips=3)
-    with pytest.raises(FloatingPointError, match="3 optimizer steps in a row had NaN/inf gradients"):
+    # a deliberate stop: the command prints it in one line and exits 2 (RunStopped is a UsageError)
+    with pytest.raises(RunStopped, match="3 optimizer steps in a row had NaN/inf gradients"):
         quiet_trainer(tmp_path, iterations=2).fit(module, datamodule=_data())
 
 
@@ -53,7 +55,7 @@ def test_reward_nan_forever_stops_and_leaves_the_last_good_checkpoint(tiny_digit
         tiny_digits, reward=NaNFromIteration(start=2), on_bad_reward="drop", max_consecutive_skips=2
     )
     saver = PPOCheckpoint(every_n_iterations=1, dirpath=tmp_path / "ckpt")
-    with pytest.raises(FloatingPointError, match="returned only NaN/inf for 2 iterations in a row"):
+    with pytest.raises(RunStopped, match="returned only NaN/inf for 2 iterations in a row"):
         quiet_trainer(tmp_path, iterations=6, callbacks=[saver]).fit(module, datamodule=_data())
     state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     assert state["ppo_state"]["iteration"] == 2  # the last iteration that trained; 3 and 4 were all NaN

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -93,7 +94,7 @@ def test_a_run_says_nothing_that_is_false_for_it(tiny_digits, tmp_path):
     assert _iteration(tmp_path / "checkpoints" / "last.ckpt") == 3
 
 
-def test_a_stop_on_nan_names_the_checkpoint_there_is(tiny_digits, tmp_path):
+def test_a_stop_on_nan_names_the_checkpoint_there_is(tiny_digits, tmp_path, capsys):
     """Item 10: "the last checkpoint on disk predates them" was said when there was none."""
     nan = {"class_path": "tests.helpers.NaNFromIteration", "init_args": {"start": 1}}
     args = quickstart_fit_args(
@@ -104,12 +105,11 @@ def test_a_stop_on_nan_names_the_checkpoint_there_is(tiny_digits, tmp_path):
         *("--model.init_args.ppo.on_bad_reward", "drop", "--model.init_args.ppo.max_consecutive_skips", "2"),
         prompts=64,
     )
-    with pytest.raises(
-        FloatingPointError,
-        match=r"in a row \(ppo.max_consecutive_skips = 2\): stopping\. "
-        r"This run saved no checkpoint\.$",
-    ):
-        main(args)
+    # a deliberate stop: one line and exit status 2, no traceback (issue 43)
+    message = cli_usage_error(capsys, args)
+    assert re.search(
+        r"in a row \(ppo.max_consecutive_skips = 2\): stopping\. This run saved no checkpoint\.$", message
+    ), message
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()
 
 

@@ -55,6 +55,12 @@ class UsageTypeError(UsageError, TypeError):
     reward returning text): still a ``TypeError`` for callers."""
 
 
+class RunStopped(UsageError, FloatingPointError):
+    """A run stopped on purpose by a limit the user set (``ppo.max_consecutive_skips``): not a bug, so
+    the command says why in one line and exits with status 2, as for a usage error (the message says
+    what to check). Still a ``FloatingPointError`` for callers that caught the NaN stops before."""
+
+
 def show_tracebacks() -> bool:
     """Whether the user asked for full tracebacks of usage errors too."""
     return os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no")
