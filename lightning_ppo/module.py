@@ -84,7 +84,7 @@ from lightning_ppo.runs.preflight import check_precision, check_sequence_fits, r
 from lightning_ppo.runs.quiet import silence_intended_warnings
 from lightning_ppo.runs.resume import check_resumable
 from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resume
-from lightning_ppo.scoring import Scorer
+from lightning_ppo.scoring import ACCURACY_COLUMN, Scorer
 from lightning_ppo.watch.diversity import Diversity
 from lightning_ppo.watch.every_rank import BatchAnswers
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
@@ -394,6 +394,10 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         scores = check_scores(scores, len(batch), self.reward_label, self.device, allow_nonfinite=True)
         finite = torch.isfinite(scores)
         self.log("eval/scores", scores[finite].mean(), batch_size=int(finite.sum()), sync_dist=True)
+        correct = self.scorer.columns.get(ACCURACY_COLUMN)  # a reward that knows right from wrong
+        if correct is not None:  # greedy pass@1, as users report accuracy
+            accuracy = sum(map(float, correct)) / len(batch)
+            self.log("eval/accuracy", accuracy, batch_size=len(batch), sync_dist=True)
         self.log(
             "eval/length_mean", rollout.response_lengths.float().mean(), batch_size=len(batch), sync_dist=True
         )

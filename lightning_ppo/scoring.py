@@ -13,7 +13,9 @@ The module's rewards (the ``reward_fn`` list, functions and reward models alike,
   whole process, so an async client a reward keeps between calls stays on its loop, and a run
   started from inside a running loop (a notebook) works too; each within ``ppo.reward_timeout``
   (``lightning_ppo.runs.bounded_calls``, which environments' calls share).
-- ``log_metric(name, value)`` and ``log_extra(column, values)``: see :class:`ScoreInputs`.
+- ``log_metric(name, value)`` and ``log_extra(column, values)``: see :class:`ScoreInputs`. A reward
+  that gives ``log_extra("correct", values)`` (1.0 right, 0.0 wrong, per completion) is what
+  validation reports as ``eval/accuracy`` (greedy pass@1 on the held-out prompts).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from torch import Tensor
 from lightning_ppo.rewards import ScoreInputs, TrainerState, check_scores
 from lightning_ppo.runs.bounded_calls import await_bounded
 from lightning_ppo.runs.errors import UsageError
+
+# The log_extra column of per-completion correctness (1.0 / 0.0) that validation logs as eval/accuracy.
+ACCURACY_COLUMN = "correct"
 
 
 class Scorer:
