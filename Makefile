@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install quickstart test test-vllm test-oldest gpu-check lint tiny clean bench bench-engines
+.PHONY: install quickstart test test-vllm test-oldest gpu-check lint tiny clean bench bench-engines docs
 
 # Install CPU torch 2.13.0 first when no torch is present: an unpinned torch would pull CUDA wheels.
 $(STAMP): pyproject.toml
@@ -109,8 +109,19 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
+# The documentation site (mkdocs.yml, docs/): MkDocs with the Material theme, the API reference from
+# the docstrings (mkdocstrings reads the source, imports nothing), --strict: a broken link or anchor,
+# a missing reference or a file a page names that does not exist fails the build. Offline: nothing
+# is fetched at build time and site/index.html opens from disk. A few seconds once installed.
+$(VENV)/.docs-installed: $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 lint: $(STAMP)
 	$(BIN)/ruff check lightning_ppo tests benchmarks
 
 clean:
-	rm -rf runs checkpoints .pytest_cache
+	rm -rf runs checkpoints .pytest_cache site
