@@ -651,9 +651,9 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     def _step_if_finite(self, optimizer: Any) -> Tensor:
         """Clip, then step unless a gradient is NaN/inf; returns whether it stepped (a device bool).
         Gradients are already all-reduced here, so every rank takes the same decision."""
-        if self._grad_scaler is not None:
-            optimizer.step()  # 16-mixed: the grad scaler skips non-finite steps itself
-            return torch.ones((), dtype=torch.bool, device=self.device)
+        if self._grad_scaler is not None:  # 16-mixed: the grad scaler skips non-finite steps itself,
+            optimizer.step()  # and on_before_optimizer_step has read whether it would
+            return ~self._scaler_skips.to(self.device)
         return step_if_finite(optimizer, self.ppo.max_grad_norm)
 
     def _count_skips(self, stepped: list[bool]) -> None:
@@ -707,8 +707,11 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         return loss, stats
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # Under 16-mixed the precision plugin calls this after unscaling, so the clipped norm is real;
-        # without a grad scaler _step_if_finite has clipped already.
+        # Under 16-mixed the precision plugin calls this between backward and step: the gradients are
+        # unscaled (for a fused Adam too), so the clipped norm is real; without a grad scaler
+        # _step_if_finite has clipped already.
+        if self._grad_scaler is not None:
+            self._scaler_skips = optim.scaler_will_skip(self._grad_scaler, optimizer)
         if self._grad_scaler is not None and self.ppo.max_grad_norm is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_norm_(params, self.ppo.max_grad_norm)

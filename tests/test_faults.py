@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_ppo import GenerationConfig, PPOConfig
 from lightning_ppo.checkpoint import PPOCheckpoint
@@ -118,3 +120,66 @@ def test_a_dropped_iteration_and_nan_steps_are_counted_apart(tiny_digits, tmp_pa
     module = _module(tiny_digits, reward=NaNAtFirst(), on_bad_reward="drop", max_consecutive_skips=1)
     with pytest.raises(FloatingPointError, match="returned only NaN/inf for 1 iterations in a row"):
         quiet_trainer(tmp_path, iterations=3).fit(module, datamodule=_data())
+
+
+# 16-mixed: the grad scaler skips non-finite steps itself. Lightning turns precision="16-mixed" into
+# bf16-mixed on CPU (no scaler), but its fp16 plugin and torch's GradScaler run there when given.
+ACCELERATORS = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
+
+
+def _sixteen_mixed(root, iterations: int, accelerator: str) -> pl.Trainer:
+    if accelerator == "cuda":
+        return quiet_trainer(root, iterations, precision="16-mixed", accelerator="cuda")
+    return quiet_trainer(root, iterations, plugins=[MixedPrecision("16-mixed", "cpu")], precision=None)
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+@pytest.mark.parametrize("optimizer_kwargs", [{}, {"foreach": False}], ids=["fused", "unfused"])
+def test_under_16_mixed_the_scalers_skips_are_counted(tiny_digits, tmp_path, optimizer_kwargs, accelerator):
+    """Issue 43: under 16-mixed a skipped step read as taken, train/skipped_updates was 0 and
+    max_consecutive_skips could never fire while the scaler kept halving its scale."""
+    module = _module(tiny_digits, optimizer_kwargs=optimizer_kwargs, nan_steps={1})
+    trainer = _sixteen_mixed(tmp_path, 1, accelerator)
+    scaler = trainer.precision_plugin.scaler
+    start = scaler.get_scale()
+    trainer.fit(module, datamodule=_data())
+    optimizer = module.optimizers().optimizer
+    assert bool(optimizer.param_groups[0].get("fused")) == (not optimizer_kwargs)
+    assert {float(state["step"]) for state in optimizer.state.values()} == {3.0}  # 4 minibatches, 1 skipped
+    assert scaler.get_scale() == start / 2  # the scaler backed off once: it skipped that step itself
+    assert float(trainer.callback_metrics["train/skipped_updates"]) == 1.0
+    assert module.consecutive_skips == 0
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_under_16_mixed_nan_every_step_stops(tiny_digits, tmp_path, accelerator):
+    module = _module(tiny_digits, nan_steps=range(100), max_consecutive_skips=3)
+    trainer = _sixteen_mixed(tmp_path, 2, accelerator)
+    with pytest.raises(RunStopped, match="3 optimizer steps in a row had NaN/inf gradients"):
+        trainer.fit(module, datamodule=_data())
+    assert module.iteration == 1  # stopped at the end of the first iteration (3 of its 4 steps skipped)
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_under_16_mixed_a_fused_optimizer_clips_unscaled_gradients(tiny_digits, tmp_path, accelerator):
+    """Lightning unscales before on_before_optimizer_step only for optimizers that do not unscale in
+    their own step: a fused one's gradients were clipped while still scaled (x 65536), so every step
+    was cut to max_grad_norm / 65536 of its size. Fused and unfused SGD now take the same step."""
+    trained = {}
+    for fused in (True, False):
+        module = _module(tiny_digits, ppo_epochs=1, num_minibatches=1, max_grad_norm=0.5)
+        module.optimizer_factory = lambda p, fused=fused: torch.optim.SGD(p, lr=0.5, fused=fused)
+        before = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+        torch.manual_seed(0)
+        _sixteen_mixed(tmp_path, 1, accelerator).fit(module, datamodule=_data())
+        trained[fused] = {
+            n: p.detach().cpu() - before[n].cpu() for n, p in module.named_parameters() if n in before
+        }
+    moved = torch.cat([d.flatten() for d in trained[False].values()]).norm()
+    assert moved > 0.05  # lr 0.5 x a gradient clipped to norm 0.5 (or smaller): a step that shows
+    for name, delta in trained[True].items():
+        torch.testing.assert_close(delta, trained[False][name], rtol=1e-3, atol=1e-6)

@@ -117,3 +117,22 @@ def _local(norm: torch.Tensor) -> torch.Tensor:
     """A plain tensor for a norm of DTensor gradients (a replicated DTensor), so that the skip
     flag built from it can go to the fused kernel and be stacked with other steps' flags."""
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def scaler_will_skip(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> torch.Tensor:
+    """Under a grad scaler (``16-mixed``), called between the backward and the step: unscale the
+    gradients where they are still scaled, and return whether the scaler's step will skip (a device
+    bool: a NaN/inf gradient), without a host read.
+
+    Lightning unscales before ``on_before_optimizer_step`` only for optimizers that do not unscale in
+    their own step; a fused Adam (the default here on CUDA and CPU) does, so its gradients would be
+    clipped scaled (by a factor of 65536 at the start). Unscaled here, the scaler's step passes the
+    fused kernel no scale and the same ``found_inf``.
+    """
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        scaler.unscale_(optimizer)
+    found = scaler._found_inf_per_device(optimizer)  # what scaler.step reads to skip
+    if not found:  # no gradients at all: the scaler steps (a no-op)
+        return torch.zeros((), dtype=torch.bool)
+    device = next(iter(found.values())).device
+    return torch.stack([flag.to(device) for flag in found.values()]).sum() > 0
