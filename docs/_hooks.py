@@ -28,6 +28,7 @@ FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 PREFIX = "_repo"
 NAMED = re.compile(r"`((?:tests|benchmarks|lightning_ppo|configs|notebooks)/[\w./-]+?)(?:::(\w+))?`")
 log = logging.getLogger("mkdocs.hooks.lightning_ppo")
+RST_ROLE = re.compile(r":(?:meth|class|func|attr|mod|data|exc|obj):<code>([^<]*)")
 _anchors: dict[str, set[str]] = {}  # docs page -> the ids its HTML holds
 
 
@@ -93,7 +94,14 @@ def _check_named(where: str, markdown: str, root: Path) -> None:
             log.warning("Doc file '%s' names `%s`, which has no %s", where, match.group(1), test)
 
 
+def _role_target(name: str) -> str:
+    return name[1:].rsplit(".", 1)[-1] if name.startswith("~") else name
+
+
 def on_page_content(html, page, config, files):
+    # Docstrings cross-reference in Sphinx's roles (:meth:`score`, :class:`~pkg.Name`), which
+    # Markdown leaves as text before a code span: keep the code span, drop the role and the `~`.
+    html = RST_ROLE.sub(lambda m: "<code>" + _role_target(m.group(1)), html)
     _anchors[page.file.src_uri] = set(re.findall(r'id="([^"]+)"', html))
     return html
 
