@@ -406,7 +406,15 @@ class PromptDataModule(pl.LightningDataModule):
             return datasets.load_from_disk(self.dataset_name)
         # datasets>=4 ignores trust_remote_code but logs an error when it is passed as True.
         extra = {"trust_remote_code": True} if self.trust_remote_code else {}
-        return datasets.load_dataset(self.dataset_name, self.dataset_config, **extra)
+        try:
+            return datasets.load_dataset(self.dataset_name, self.dataset_config, **extra)
+        except (ConnectionError, FileNotFoundError) as err:  # no network, no such dataset: one line
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UsageError(
+                f"data.dataset_name {self.dataset_name!r} (data.dataset_config {self.dataset_config!r}) "
+                f"could not be loaded: {first}; without the hub, save its splits where the run can read "
+                "them and give data.data_files (a mapping split -> file)"
+            ) from err
 
     @staticmethod
     def _load_files(data_files: str | list[str] | dict[str, str]) -> datasets.DatasetDict:

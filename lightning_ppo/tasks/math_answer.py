@@ -68,9 +68,9 @@ def _parse_truth(answer: str) -> tuple[Any, ...]:
     return tuple(mv.parse(answer, extraction_config=config, parsing_timeout=_timeout()))
 
 
-def _parse_completion(text: str) -> list[Any]:
-    """A completion's final answer: its last ``\\boxed{}`` first, else an anchored answer or the
-    last number (empty when there is none)."""
+def final_answer(text: str) -> list[Any]:
+    """A completion's final answer as math-verify reads it (``[value, text]``): its last ``\\boxed{}``
+    first, else an anchored answer ("the final answer is 7") or the last number; ``[]`` for none."""
     mv = _verify_module()
     config = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
     return mv.parse(text, extraction_config=config, parsing_timeout=_timeout())
@@ -78,7 +78,7 @@ def _parse_completion(text: str) -> list[Any]:
 
 def is_correct(completion: str, truth: Sequence[Any]) -> bool:
     """Whether ``completion``'s final answer equals the parsed ground truth ``truth``."""
-    answer = _parse_completion(completion)
+    answer = final_answer(completion)
     if not answer:
         return False
     return bool(_verify_module().verify(list(truth), answer, timeout_seconds=_timeout()))
