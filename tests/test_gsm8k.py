@@ -164,9 +164,10 @@ def metrics(cli) -> list[dict[str, str]]:
 
 
 @pytest.mark.parametrize("name", ["ppo", "grpo"])
-def test_the_gsm8k_config_trains_and_validates_offline(name, tiny_qwen, gsm8k, tmp_path, capsys):
-    """Two iterations, a validation on the test split after the second (every 2 instead of 25), then
-    ``validate --ckpt_path`` on the checkpoint it wrote."""
+def test_the_gsm8k_recipe_runs_offline(name, tiny_qwen, gsm8k, tmp_path, capsys):
+    """The recipe's three commands in one folder (docs/gsm8k.md): ``validate`` (the model before
+    training), ``fit`` (two iterations, validating after the second instead of every 25), then
+    ``validate --ckpt_path`` on the checkpoint it wrote, which answers as the trained model did."""
     files, answers = gsm8k
     config = CONFIGS[name]
     shipped = yaml.safe_load(config.read_text())
@@ -174,6 +175,18 @@ def test_the_gsm8k_config_trains_and_validates_offline(name, tiny_qwen, gsm8k, t
     assert shipped["data"]["init_args"]["dataset_name"] == "openai/gsm8k"
     assert shipped["trainer"]["precision"] == "bf16-mixed"
     batch = {"ppo": "8", "grpo": "2"}[name]
+    small = ["--trainer.limit_val_batches", "1", "--data.init_args.batch_size", batch]
+    args = offline_args(config, tiny_qwen, files, tmp_path, *small)
+
+    RecordingMathReward.calls.clear()
+    cli = main(["validate", *args])
+    (before,) = RecordingMathReward.calls
+    check_rows([before], answers)
+    assert float(cli.trainer.callback_metrics["eval/accuracy"]) == pytest.approx(
+        sum(before["scores"]) / int(batch)
+    )
+
+    RecordingMathReward.calls.clear()
     run = [
         "--trainer.max_epochs",
         "1",
@@ -182,43 +195,29 @@ def test_the_gsm8k_config_trains_and_validates_offline(name, tiny_qwen, gsm8k, t
         "--trainer.val_check_interval",
         "2",
     ]
-    run += ["--trainer.limit_val_batches", "1", "--data.init_args.batch_size", batch]
-    RecordingMathReward.calls.clear()
-    cli = main(["fit", *offline_args(config, tiny_qwen, files, tmp_path, *run)])
+    cli = main(["fit", *args, *run])
     ppo = cli.model.ppo
-    assert (ppo.advantage_estimator, cli.model.roles.has_critic) == {
-        "ppo": ("gae", True),
-        "grpo": ("grpo", False),
-    }[name]
+    critic = {"ppo": ("gae", True), "grpo": ("grpo", False)}[name]
+    assert (ppo.advantage_estimator, cli.model.roles.has_critic) == critic
     assert cli.trainer.global_step == 2 * ppo.ppo_epochs * ppo.num_minibatches
     check_rows(RecordingMathReward.calls, answers)
-    rollouts = RecordingMathReward.calls[:2]
+    rollouts, validation = RecordingMathReward.calls[:2], RecordingMathReward.calls[2:]
     assert [len(c["prompts"]) for c in rollouts] == [int(batch) * ppo.num_generations] * 2
-    validation = RecordingMathReward.calls[2:]
-    assert len(validation) == 1 and len(validation[0]["prompts"]) == int(batch)  # greedy: one per question
+    (trained,) = validation  # greedy: one reply per question
+    assert trained["prompts"] == before["prompts"]
     rows = metrics(cli)
     logged = [float(r["eval/accuracy"]) for r in rows if r.get("eval/accuracy")]
-    assert logged == [pytest.approx(sum(validation[0]["scores"]) / int(batch))]
+    assert logged == [pytest.approx(sum(trained["scores"]) / int(batch))]
     assert [r for r in rows if r.get("reward/accuracy")]  # the training batches' accuracy
 
     checkpoint = tmp_path / "checkpoints" / "last.ckpt"
-    assert checkpoint.is_file()
     RecordingMathReward.calls.clear()
     capsys.readouterr()
-    check = ["--trainer.limit_val_batches", "1", "--data.init_args.batch_size", batch]
-    cli = main(
-        [
-            "validate",
-            *offline_args(config, tiny_qwen, files, tmp_path / "v", *check),
-            "--ckpt_path",
-            str(checkpoint),
-        ]
-    )
-    (call,) = RecordingMathReward.calls
-    check_rows([call], answers)
-    assert float(cli.trainer.callback_metrics["eval/accuracy"]) == pytest.approx(
-        sum(call["scores"]) / int(batch)
-    )
+    cli = main(["validate", *args, "--ckpt_path", str(checkpoint)])
+    (after,) = RecordingMathReward.calls
+    assert after["completions"] == trained["completions"]  # the checkpoint's weights answer
+    accuracy = float(cli.trainer.callback_metrics["eval/accuracy"])
+    assert accuracy == pytest.approx(sum(after["scores"]) / int(batch))
     assert "eval/accuracy" in capsys.readouterr().out  # the table validate prints
 
 
