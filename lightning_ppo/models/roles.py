@@ -11,6 +11,8 @@ Three layouts, chosen by ``value_model`` and ``lora``:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -169,6 +171,25 @@ class Roles(nn.Module):
             with self.policy.disable_adapter():
                 return response_logits(self.policy, ids, mask, pos, length)
         return response_logits(self.ref_policy, ids, mask, pos, length)
+
+    @contextmanager
+    def updating(self) -> Iterator[None]:
+        """The trained roles in training mode for the update's passes, in eval mode after.
+
+        Hugging Face models load in eval mode, and HF checkpoints blocks (``gradient_checkpointing``)
+        only in training mode: without this a full policy and a separate critic checkpointed nothing.
+        Dropout is off in every role (models/loading.py), so both modes give the same log-probs.
+        Generation and the rollout's no-grad forwards run in eval mode: with checkpointing in training
+        mode HF ``generate`` drops the KV cache. The frozen roles stay in eval mode throughout.
+        """
+        trained = [role for role in (self.policy, self.value_model, self.value_head) if role is not None]
+        for role in trained:
+            role.train()
+        try:
+            yield
+        finally:
+            for role in trained:
+                role.eval()
 
     @property
     def has_critic(self) -> bool:
