@@ -219,6 +219,8 @@ def test_the_gsm8k_recipe_runs_offline(name, tiny_qwen, gsm8k, tmp_path, capsys)
     accuracy = float(cli.trainer.callback_metrics["eval/accuracy"])
     assert accuracy == pytest.approx(sum(after["scores"]) / int(batch))
     assert "eval/accuracy" in capsys.readouterr().out  # the table validate prints
+    main(["export", str(checkpoint), "--out", str(tmp_path / "exported")])
+    assert (tmp_path / "exported" / "config.json").is_file()
 
 
 def test_accuracy_counts_right_answers_of_greedy_replies(tiny_qwen, gsm8k, tmp_path):
