@@ -108,3 +108,15 @@ def test_through_a_modules_reward_fn(reward_fn, tiny_gpt2):
     bonus = 0.1 if isinstance(reward_fn, MathAnswerReward) else 0.0
     assert scores.tolist() == pytest.approx([1.0 + bonus, 0.0, 1.0])
     assert module.scorer.columns == {"correct": [1.0, 0.0, 1.0]}
+
+
+def test_off_the_main_thread_the_reward_still_answers():
+    """math-verify's timeouts need SIGALRM, which only the main thread may set: a reward run on
+    another thread (an async pipeline, a reward server) checks without them instead of failing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        scores = pool.submit(
+            math_answer_reward, ["q"] * 2, [r"\boxed{1/2}", "3"], answer=["0.5", "4"]
+        ).result()
+    assert scores == [1.0, 0.0]
