@@ -218,6 +218,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self._engine: GenerationEngine | None = None
         self._ahead: RolloutsAhead | None = None  # ppo.max_staleness > 0 (lightning_ppo.rollout.ahead)
         self._restored_pending: list[dict[str, Any]] = []  # a checkpoint's, until sampling starts
+        self._left_running: RolloutsAhead | None = None  # a failed fit's, its job left to end
         self._compiled_loss: Callable | None = None  # ppo_loss under torch.compile (ppo.torch_compile)
         self.optimizer_factory = optimizer or partial(optim.default_optimizer, lora=lora is not None)
         self.scheduler_factory = lr_scheduler
@@ -304,7 +305,10 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         if self._ahead is not None:
             self._ahead.close(wait)
             self._restored_pending = [to_saved(b) for b in self._ahead.pending()]
-            self._ahead = None
+            self._ahead, self._left_running = None, None if wait else self._ahead
+        elif wait and self._left_running is not None:  # a failed fit's job ends before a new fit starts
+            self._left_running.close(wait=True)
+            self._left_running = None
 
     def configure_callbacks(self) -> list[Callback]:
         return [EndSamplingOnFailure()]  # a failed fit leaves no pipeline for the next one
@@ -764,7 +768,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_resumable(checkpoint, dict(self.hparams), without_frozen(self.state_dict(), self))
         PPOState.from_dict(checkpoint.get(PPO_STATE_KEY, {})).restore(self)
+        saved_copies = checkpoint.get("hyper_parameters", {}).get("ppo", {}).get("num_generations", 1)
         self._restored_pending = pending_of_rank(
-            checkpoint.get(PENDING_KEY), self._trainer, self.ppo.max_staleness
+            checkpoint.get(PENDING_KEY), self._trainer, self.ppo.max_staleness, saved_copies
         )
         self._resumed_at = self.iteration

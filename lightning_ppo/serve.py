@@ -77,6 +77,9 @@ def server_command(policy: str, host: str, port: int, dtype: str, extra: list[st
     for flag in REQUIRED_FLAGS:
         if any(arg == flag or arg.startswith(flag + "=") for arg in extra):
             raise UsageError(f"lightning-ppo serve sets {flag} {REQUIRED_FLAGS[flag]} itself; leave it out")
+    for flag in ("--host", "--port", "--uds"):
+        if any(arg == flag or arg.startswith(flag + "=") for arg in extra):
+            raise UsageError(f"lightning-ppo serve: give {flag} before `--` (it is checked there), not after")
     if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in extra):
         raise UsageError(
             f"lightning-ppo serve: give the key in the environment variable {API_KEY_VARIABLE}, not "
@@ -91,7 +94,7 @@ def server_command(policy: str, host: str, port: int, dtype: str, extra: list[st
 
 def check_exposure(host: str, keyless_ok: bool) -> None:
     """Refuse to open dev mode's routes beyond this machine without a key, unless told to."""
-    if host not in LOOPBACK and not os.environ.get(API_KEY_VARIABLE) and not keyless_ok:
+    if host not in LOOPBACK and not os.environ.get(API_KEY_VARIABLE, "").strip() and not keyless_ok:
         raise UsageError(
             f"lightning-ppo serve --host {host}: set {API_KEY_VARIABLE} (the trainer sends the same "
             "variable's value) or pass --no-api-key on a private network: the server's dev-mode routes "

@@ -497,3 +497,44 @@ def test_behaviour_logprobs_in_row_groups_equal_one_forward(tiny_digits):
     chunked = with_behaviour_logprobs(rollout, module.policy, module.token_logprobs, chunk_size=4)
     assert torch.allclose(whole.engine_logprobs, chunked.engine_logprobs, atol=1e-6)
     assert whole.engine_logprobs[rollout.response_mask].abs().sum() > 0
+
+
+def test_a_batch_saved_before_batches_were_kept_as_handed_in_is_not_copied_twice():
+    """A checkpoint written before this change kept each pending batch after its num_generations
+    copies (no ``handed_in`` mark): read back, each prompt is there once, not G x G times."""
+    from lightning_ppo.rollout.ahead import as_handed_in, to_saved
+    from lightning_ppo.rollout.prompts import PromptBatch
+
+    batch = PromptBatch(
+        torch.tensor([[1, 2], [3, 4]]),
+        torch.ones(2, 2, dtype=torch.long),
+        ["a", "b"],
+        {"target": ["x", "y"]},
+        None,
+    )
+    old = to_saved(batch.repeat_interleave(4))
+    del old["handed_in"]
+    mine = as_handed_in(old, copies=4)
+    assert mine["prompts"] == ["a", "b"] and mine["extras"] == {"target": ["x", "y"]}
+    assert torch.equal(mine["prompt_ids"], batch.prompt_ids)
+    assert as_handed_in(to_saved(batch), copies=4)["prompts"] == ["a", "b"]  # a new one as it is
+    assert pending_of_rank([[old]], type("One", (), {"world_size": 1, "global_rank": 0})(), 1, 4)[0][
+        "prompts"
+    ] == ["a", "b"]
+
+
+def test_a_start_that_failed_on_another_rank_stops_this_one_too():
+    """A snapshot that could not be taken on rank 1 (out of memory): rank 0 hears it in the same
+    agreement and stops, rather than train on and wait for rank 1 in the gradients' all-reduce."""
+    from lightning_ppo.rollout.ahead import RolloutsAhead, Sampled, SamplingStopped
+
+    def rank_one_failed(failure):
+        return [failure, "OutOfMemoryError: no room for the snapshot"]
+
+    ahead = RolloutsAhead(1, lambda batch, position: lambda: Sampled(batch, None, 0), rank_one_failed)
+    try:
+        with pytest.raises(SamplingStopped, match="rank 1's background sampling failed"):
+            ahead.next("batch 0", 0)
+        assert ahead.pending() == ["batch 0"]
+    finally:
+        ahead.close()

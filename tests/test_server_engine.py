@@ -258,7 +258,7 @@ class _Stuck(http.server.BaseHTTPRequestHandler):
     """A server whose workers answer the weights-version call (``version``) and whose completions
     never come (a hung engine); records the Authorization header of each call."""
 
-    version = "1"
+    version = "run/1"
     authorizations: list[str | None] = []
     release = threading.Event()
 
@@ -303,7 +303,7 @@ def _server_engine(tiny_policy: Path, url: str, timeout: float) -> VLLMServerEng
     )
     hf = hf_generation_config(config, tokenizer.convert_tokens_to_ids("="), tokenizer.pad_token_id)
     engine = VLLMServerEngine(config, hf, Placement(), tokenizer, len(tokenizer))
-    engine.served_names, engine.syncs = ["policy"], 1  # as after the first sync
+    engine.served_names, engine.syncs, engine.tag = ["policy"], 1, "run"  # as after the first sync
     return engine
 
 
@@ -326,10 +326,10 @@ def test_a_server_restarted_since_the_last_sync_stops_the_run_before_sampling(st
     _Stuck.version = ""  # a restarted server holds its startup checkpoint
     try:
         engine = _server_engine(tiny_policy, stuck, timeout=5)
-        with pytest.raises(GenerationServerError, match="holds weights version none .* last sync was 1"):
+        with pytest.raises(GenerationServerError, match=r"holds weights version none .* last sync \(run/1\)"):
             engine.generate(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))
     finally:
-        _Stuck.version = "1"
+        _Stuck.version = "run/1"
 
 
 def test_the_api_key_travels_from_the_environment(stuck, monkeypatch):
@@ -407,14 +407,18 @@ def test_the_weights_file_is_readable_by_others_and_a_killed_runs_files_are_swep
     written = write_weights(iter([("a", torch.randn(2))]), folder, torch.float32)
     assert written.path.stat().st_mode & 0o777 == open_mode()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    here = socket.gethostname()
     leftovers = [
-        folder / f"lightning-ppo-weights-{int(dead.stdout)}-abc.safetensors",
-        folder / f".lightning-ppo-weights-{int(dead.stdout)}-def.partial",
+        folder / f"lightning-ppo-weights-{here}-{int(dead.stdout)}-abc.safetensors",
+        folder / f".lightning-ppo-weights-{here}-{int(dead.stdout)}-def.partial",
     ]
-    for path in leftovers:
+    elsewhere = folder / f"lightning-ppo-weights-another-node-{int(dead.stdout)}-abc.safetensors"
+    for path in [*leftovers, elsewhere]:
         path.write_bytes(b"x")
     assert sorted(sweep_leftovers(folder)) == sorted(leftovers)
-    assert [p.name for p in folder.iterdir()] == [written.path.name]  # this live process's own
+    # this live process's own, and another machine's (a shared folder: its process ids are not ours)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([written.path.name, elsewhere.name])
+    elsewhere.unlink()
 
     def fails(tensors, path):
         Path(path).write_bytes(b"half")
@@ -494,4 +498,88 @@ def test_any_failure_of_rank_zeros_sync_is_one_line_for_every_rank(tmp_path, tin
         GenerationServerError, match="weight sync failed: (FileExistsError|NotADirectoryError)"
     ):
         engine.sync_weights(load_causal_lm(str(tiny_policy)))
-    assert len(verdicts) == 1 and verdicts[0].startswith("weight sync failed")
+    assert len(verdicts) == 1 and verdicts[0][0].startswith("weight sync failed")  # (error, run tag)
+
+
+class _OneAtATime(http.server.BaseHTTPRequestHandler):
+    """A busy server: completes one request every 0.4 s, in turn (vLLM answers a non-streamed
+    request only when it is done, so a queued one's socket is silent until then)."""
+
+    lock = threading.Lock()
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        length = int(self.headers.get("Content-Length", 0))
+        request = json.loads(self.rfile.read(length) or b"{}")
+        if self.path == "/collective_rpc":
+            answer = {"results": [_Stuck.version]}
+        else:
+            with _OneAtATime.lock:
+                time.sleep(0.4)
+            choice = {"index": 0, "token_ids": [3, 4], "logprobs": {"token_logprobs": [-0.5, -0.25]}}
+            answer = {"choices": [{**choice, "index": i} for i in range(request["n"])]}
+        body = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_busy_server_that_keeps_answering_is_not_a_hung_one(tiny_policy):
+    """8 requests answered one every 0.4 s with server_timeout 1 s: the last waits 3.2 s, longer than
+    the timeout, but the batch is making progress, so it completes (a socket limit of one timeout
+    per request failed it)."""
+    server = _Backlogged(("127.0.0.1", 0), _OneAtATime)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = _server_engine(tiny_policy, f"http://127.0.0.1:{server.server_port}", timeout=1.0)
+        ids = torch.tensor([[i, 1, 2] for i in range(8)])
+        rollout = engine.generate(ids, torch.ones_like(ids))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert rollout.response_ids.shape == (8, 2)
+    assert torch.allclose(rollout.engine_logprobs[0], torch.tensor([-0.5, -0.25]))
+
+
+def test_the_api_key_is_read_without_its_line_end_and_never_echoed(monkeypatch):
+    from lightning_ppo.rollout.engines.server_client import auth_headers
+
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret\r\n")  # a secret made from a file
+    assert auth_headers() == {"Authorization": "Bearer s3cret"}
+    monkeypatch.setenv("VLLM_API_KEY", "s3c ret")
+    with pytest.raises(UsageError) as caught:
+        auth_headers()
+    assert "s3c" not in str(caught.value)
+
+
+def test_serve_refuses_an_address_after_the_double_dash(tmp_path):
+    """``-- --host 0.0.0.0`` would win over the checked ``--host`` (vLLM keeps the last one)."""
+    for extra in (["--host", "0.0.0.0"], ["--host=0.0.0.0"], ["--port", "1"], ["--uds", "/tmp/s"]):
+        with pytest.raises(UsageError, match="before `--`"):
+            server_command(str(tmp_path), "127.0.0.1", 1, "auto", extra)
+
+
+def test_only_a_cors_preflight_passes_the_guard_without_the_key(monkeypatch):
+    """A plain OPTIONS reached /metrics (Prometheus' app ignores the method)."""
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    guard = GuardEveryRoute(app)
+
+    def status(headers: list[tuple[bytes, bytes]]) -> int:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "OPTIONS", "path": "/metrics/", "headers": headers}
+        asyncio.run(guard(scope, None, send))
+        return sent[0]["status"]
+
+    assert status([]) == 401
+    assert status([(b"origin", b"http://x"), (b"access-control-request-method", b"GET")]) == 200

@@ -187,6 +187,23 @@ def to_saved(batch: PromptBatch) -> dict[str, Any]:
         "prompts": list(batch.prompts),
         "extras": dict(batch.extras),
         "messages": batch.messages,
+        "handed_in": True,  # before its num_generations copies (checkpoints older than this: after)
+    }
+
+
+def as_handed_in(saved: dict[str, Any], copies: int) -> dict[str, Any]:
+    """A saved batch as handed in: one written before batches were kept so (no ``handed_in``) holds
+    each prompt ``copies`` times in a row (the ``num_generations`` of the run that saved it)."""
+    if saved.get("handed_in") or copies <= 1:
+        return saved
+    one = slice(None, None, copies)
+    return {
+        "prompt_ids": saved["prompt_ids"][one],
+        "prompt_mask": saved["prompt_mask"][one],
+        "prompts": saved["prompts"][one],
+        "extras": {key: values[one] for key, values in saved["extras"].items()},
+        "messages": None if saved["messages"] is None else saved["messages"][one],
+        "handed_in": True,
     }
 
 
@@ -278,17 +295,22 @@ class RolloutsAhead:
 
     def _wait(self, job: _Job) -> Sampled:
         """The job's rollout, once every rank's job of this step has ended, and none failed."""
+        return self._agreed(job.future.result)
+
+    def _agreed(self, step: Callable[[], Any]) -> Any:
+        """``step()``'s result once every rank has done its own and none failed; a failure anywhere
+        is raised on every rank (this rank's own error, or :class:`SamplingStopped`)."""
         try:
-            sampled, failure = job.future.result(), None
+            result, failure = step(), None
         except BaseException as err:  # noqa: BLE001  (every rank must hear of it before raising)
-            sampled, failure, raised = None, f"{type(err).__name__}: {err}", err
+            result, failure, raised = None, f"{type(err).__name__}: {err}", err
         failures = self.agree(failure)
         if failure is not None:
             raise raised
         for rank, other in enumerate(failures):
             if other is not None:
                 raise SamplingStopped(f"rank {rank}'s background sampling failed ({other}); every rank stops")
-        return sampled
+        return result
 
     def _start_waiting(self, version: int, training: bool) -> None:
         """Start the batches waiting, up to ``max_staleness`` jobs ahead of the one training."""
@@ -299,7 +321,7 @@ class RolloutsAhead:
         """Start the oldest unsampled batch; it leaves ``unsampled`` only once its job is submitted.
         Its position: the iteration it will train at (``training``: one batch trains at ``version``)."""
         position = version + len(self.jobs) + int(training)
-        sample = self.prepare(self.unsampled[0], position)
+        sample = self._agreed(partial(self.prepare, self.unsampled[0], position))
         batch = self.unsampled.popleft()
         self.jobs.append(_Job(batch, self.worker.submit(sample)))
 
@@ -343,7 +365,7 @@ def gather_objects(trainer: Any, mine: list[Any]) -> list[list[Any]]:
 
 
 def pending_of_rank(
-    saved: list[list[dict[str, Any]]] | None, trainer: Any, max_staleness: int
+    saved: list[list[dict[str, Any]]] | None, trainer: Any, max_staleness: int, copies: int = 1
 ) -> list[dict[str, Any]]:
     """This rank's saved batches (:func:`to_saved`) a checkpoint kept; refused if the ranks differ
     in number (each rank's pipeline must hold as many batches as the others', or they would train
@@ -362,7 +384,7 @@ def pending_of_rank(
             "with ppo.max_staleness 0 they are not trained (resume with ppo.max_staleness >= 1 to train them)"
         )
         return []
-    return list(saved[rank])
+    return [as_handed_in(batch, copies) for batch in saved[rank]]
 
 
 def say_untrained(count: int, max_staleness: int) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -45,9 +46,9 @@ from lightning_ppo.rollout.engines.weights import hf_weights
 
 # Letters, digits, punctuation, spaces and a few words: where two tokenizers usually part ways.
 _TOKENIZER_PROBE = "The quick brown fox, 0123456789 = 42; x+y*z? (a|b) [done] naïve\n\tend."
-# Requests in flight at once, per rank: as many as a batch has (up to this), so the server's own
-# scheduler, not a cap here, sets how many sequences it decodes together.
-MAX_IN_FLIGHT = 1024
+# Requests in flight at once, per rank: vLLM's default batch (max_num_seqs), so the server's own
+# scheduler, not a cap here, sets how many sequences it decodes together; each is one socket.
+MAX_IN_FLIGHT = 256
 
 
 class VLLMServerEngine:
@@ -73,10 +74,14 @@ class VLLMServerEngine:
         self.served_names: list[str] = []
         self.described: list[dict[str, Any]] = []
         self.syncs = 0
+        # The weights' version a server holds: rank 0's run tag (shared by its ranks at each sync) and
+        # the sync's count, so another run's sync of the same count is not taken for this one's.
+        self.tag = uuid.uuid4().hex[:12]
         self.requests_sent = [0] * len(self.servers)
         self.last_sync_seconds = 0.0
         self._memory: MemorySync | None = None
         self.max_in_flight = MAX_IN_FLIGHT
+        self.batch_requests = 1
 
     # --- weights -------------------------------------------------------------------------------
 
@@ -97,7 +102,7 @@ class VLLMServerEngine:
         else:
             for _ in weights:  # FSDP2: every rank joins each gather
                 pass
-        error = self.from_rank_zero(error)
+        error, self.tag = self.from_rank_zero((error, self.tag))
         if error is not None:
             raise GenerationServerError(error)
         self.syncs += 1
@@ -110,7 +115,7 @@ class VLLMServerEngine:
                 sweep_leftovers(self.sync_dir)  # a killed run's weight files
         dtype = getattr(torch, self.described[0]["dtype"])
         verify = self.config.verify_sync or self.syncs == 0
-        version = str(self.syncs + 1)
+        version = self._version(self.syncs + 1)
         if self.memory is not None:
             sums, held = self.memory.load(weights, dtype, verify, version)
         else:
@@ -125,7 +130,7 @@ class VLLMServerEngine:
         self, weights: Any, dtype: torch.dtype, verify: bool, version: str
     ) -> tuple[dict[str, Any], list[list[Any]]]:
         """``generation.sync_transport: file``: one safetensors file every server loads."""
-        written = write_weights(weights, self.sync_dir, dtype)
+        written = write_weights(weights, self.sync_dir, dtype, with_checksums=verify)
         try:
             flag = "1" if verify else "0"
             return written.checksums, [
@@ -227,6 +232,7 @@ class VLLMServerEngine:
             partial(self._complete, (first + i) % len(self.servers), prompts[start], seed, count)
             for i, ((start, count), seed) in enumerate(zip(groups, seeds, strict=True))
         ]
+        self.batch_requests = len(calls)
         try:
             answers = send_all(calls, self.config.server_timeout, self.max_in_flight)
         except Stalled as stalled:
@@ -241,6 +247,9 @@ class VLLMServerEngine:
         pad = self.hf_generation.pad_token_id
         return completions_to_rollout(prompt_ids, prompt_mask, tokens, logprobs, self._stop_id(), pad)
 
+    def _version(self, syncs: int) -> str:
+        return f"{self.tag}/{syncs}"
+
     def _check_versions(self) -> None:
         """Each server holds the weights of this engine's last sync (a server restarted since serves
         its startup checkpoint, and would answer as if nothing happened)."""
@@ -248,12 +257,12 @@ class VLLMServerEngine:
             return
         for server in self.servers:
             held = server.rpc("lppo_version")
-            if held != str(self.syncs):
+            if held != self._version(self.syncs):
                 raise server.error(
                     "weights version",
-                    f"holds weights version {held or 'none (its startup checkpoint)'}, the trainer's last "
-                    f"sync was {self.syncs}: the server restarted since? Resume the run (--ckpt_path last) "
-                    "to sync it again",
+                    f"holds weights version {held or 'none (its startup checkpoint)'}, not this run's last "
+                    f"sync ({self._version(self.syncs)}): restarted since, or synced by another run? Resume "
+                    "the run (--ckpt_path last) to sync it again",
                 )
 
     def _complete(
@@ -262,7 +271,12 @@ class VLLMServerEngine:
         """``n`` samples of ``prompt`` from server ``index``: each one's tokens and log-probs."""
         server = self.servers[index]
         self.requests_sent[index] += 1
-        answer = server.post("/v1/completions", self._request(self.served_names[index], prompt, seed, n))
+        request = self._request(self.served_names[index], prompt, seed, n)
+        # The socket may wait behind the whole batch (vLLM answers a request when it is done); a batch
+        # that makes no progress is stopped after server_timeout by send_all.
+        answer = server.post(
+            "/v1/completions", request, timeout=self.config.server_timeout * self.batch_requests
+        )
         try:
             choices = sorted(answer["choices"], key=lambda choice: choice["index"])
             samples = [

@@ -44,13 +44,17 @@ class ServerClient:
         self.timeout = timeout
 
     def get(self, route: str) -> Any:
-        return self._call(urllib.request.Request(self.url + route, headers=auth_headers()), route)
+        return self._call(
+            urllib.request.Request(self.url + route, headers=auth_headers()), route, self.timeout
+        )
 
-    def post(self, route: str, body: dict[str, Any] | None = None) -> Any:
+    def post(self, route: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        """``timeout``: the socket's limit for this call, where it is longer than ``self.timeout`` (a
+        completion queued behind a batch's others; the batch is bounded by :mod:`.server_requests`)."""
         data = json.dumps(body or {}).encode()
         headers = {"Content-Type": "application/json", **auth_headers()}
         request = urllib.request.Request(self.url + route, data=data, headers=headers, method="POST")
-        return self._call(request, route)
+        return self._call(request, route, timeout or self.timeout)
 
     def rpc(self, method: str, *args: str) -> Any:
         """A call of the worker extension's ``method`` (:mod:`.server_worker`): the first worker's
@@ -68,24 +72,22 @@ class ServerClient:
     def error(self, route: str, what: str) -> GenerationServerError:
         return GenerationServerError(f"generation server {self.url} ({route}): {what}", what)
 
-    def _call(self, request: urllib.request.Request, route: str) -> Any:
+    def _call(self, request: urllib.request.Request, route: str, timeout: float) -> Any:
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 body = response.read()
         except urllib.error.HTTPError as err:
             hint = f" (the server wants an API key: set {API_KEY_VARIABLE} to it)" if err.code == 401 else ""
             raise self.error(route, f"HTTP {err.code}: {_message(err.read())}{hint}") from None
         except TimeoutError:
-            raise self.error(
-                route, f"no answer within {self.timeout:g} s (generation.server_timeout)"
-            ) from None
+            raise self.error(route, f"no answer within {timeout:g} s (generation.server_timeout)") from None
         except http.client.HTTPException as err:  # IncompleteRead, a malformed status line...
             raise self.error(route, f"broke off its answer ({type(err).__name__}: {err})") from None
         except (urllib.error.URLError, ConnectionError, OSError) as err:
             reason = getattr(err, "reason", err)
             if isinstance(reason, TimeoutError | socket.timeout):
                 raise self.error(
-                    route, f"no answer within {self.timeout:g} s (generation.server_timeout)"
+                    route, f"no answer within {timeout:g} s (generation.server_timeout)"
                 ) from None
             raise self.error(
                 route, f"unreachable ({reason}); is it running? Start one with `lightning-ppo serve`"
@@ -98,8 +100,18 @@ class ServerClient:
             raise self.error(route, f"answered with something other than JSON: {body[:200]!r}") from None
 
 
+def api_key() -> str | None:
+    """``VLLM_API_KEY`` without the line end a file-made secret carries; refused (without echoing
+    it: it would reach logs) where it holds other control characters or spaces."""
+    key = (os.environ.get(API_KEY_VARIABLE) or "").strip()
+    if any(ord(c) < 33 or ord(c) == 127 for c in key):
+        raise UsageError(f"{API_KEY_VARIABLE} holds spaces or control characters: set it to the key alone")
+    return key or None
+
+
 def auth_headers() -> dict[str, str]:
-    key = os.environ.get(API_KEY_VARIABLE)
+    """The bearer token of ``VLLM_API_KEY``, where it is set."""
+    key = api_key()
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from lightning_ppo.rollout.engines.server_client import API_KEY_VARIABLE
+from lightning_ppo.rollout.engines.server_client import api_key
 
 OPEN_ROUTES = ("/health", "/ping")  # what a load balancer or LocalServer.wait_ready polls, key-less
 Asgi = Callable[
@@ -32,7 +31,7 @@ class GuardEveryRoute:
 
     def __init__(self, app: Asgi) -> None:
         self.app = app
-        key = os.environ.get(API_KEY_VARIABLE)
+        key = api_key()
         self.digest = hashlib.sha256(key.encode()).digest() if key else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -50,8 +49,12 @@ class GuardEveryRoute:
 
     @staticmethod
     def _open(scope: dict[str, Any]) -> bool:
+        """The health checks, and CORS preflights (an OPTIONS with both preflight headers: a plain
+        OPTIONS would reach routes that ignore the method, ``/metrics``)."""
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
-        return scope.get("method") == "OPTIONS" or path in OPEN_ROUTES
+        headers = dict(scope.get("headers") or [])
+        preflight = b"origin" in headers and b"access-control-request-method" in headers
+        return path in OPEN_ROUTES or (scope.get("method") == "OPTIONS" and preflight)
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
         headers = dict(scope.get("headers") or [])

@@ -11,6 +11,7 @@ the checksums of what it holds, as the file path does. Every wait is bounded by
 
 from __future__ import annotations
 
+import secrets
 import socket
 from collections.abc import Iterable, Iterator
 from functools import partial
@@ -29,11 +30,19 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def sync_address(configured: str | None, urls: list[str]) -> str:
-    """Where the servers reach rank 0: as configured, else this machine as the servers see it."""
+    """Where the servers reach rank 0: as configured, else this machine's address towards them."""
     if configured:
         return configured
     local = all(urlparse(url).hostname in LOOPBACK for url in urls)
-    return "127.0.0.1" if local else socket.gethostname()
+    return "127.0.0.1" if local else _address_towards(urlparse(urls[0]).hostname or "")
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on the interface that routes to ``host`` (no packet is sent): not its
+    name, which some systems map to 127.0.1.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
 
 
 class MemorySync:
@@ -42,36 +51,48 @@ class MemorySync:
     def __init__(self, servers: list[ServerClient], workers: list[int], address: str, timeout: float) -> None:
         self.servers, self.workers, self.address, self.timeout = servers, workers, address, timeout
         self.group: Any = None
+        self.secret = ""
 
     def load(
         self, weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype, verify: bool, version: str
     ) -> tuple[dict[str, Checksum], list[list[Any]]]:
         """Every server holds ``weights`` (in ``dtype``) as ``version``: the trainer's checksums, and
         each server's workers' answers (their checksums where ``verify``)."""
-        if self.group is None:
+        if self.group is None or not self._still_joined():
             self.group = self._join()
         sums: dict[str, Checksum] = {}
         calls = [partial(s.rpc_all, "lppo_receive", "1" if verify else "0", version) for s in self.servers]
         receiving = Requests(calls, len(calls))
         try:
-            send(self.group, _in_dtype(weights, dtype, sums))
+            send(self.group, _in_dtype(weights, dtype, sums if verify else None))
+            return sums, receiving.wait(self.timeout)
         except Exception as err:
-            self.group = None  # a broken broadcast leaves the group unusable
-            raise receiving.failure() or self._error("broadcast", err) from None
-        return sums, receiving.wait(self.timeout)
+            self.group = None  # a broken sync leaves the group unusable: the next one joins anew
+            failure = receiving.failure()
+            if failure is None and isinstance(err, GenerationServerError):
+                raise
+            raise failure or self._error("broadcast", err) from None
+
+    def _still_joined(self) -> bool:
+        """Every worker of every server still holds this group (a restarted server holds none)."""
+        return all(held == self.secret for s in self.servers for held in s.rpc_all("lppo_group"))
 
     def _join(self) -> Any:
         world = 1 + sum(self.workers)
         port = _free_port(self.address)
-        device = "127.0.0.1" if self.address in LOOPBACK else ""
+        self.secret = secrets.token_hex(16)
         calls, first = [], 1
         for server, count in zip(self.servers, self.workers, strict=True):
-            args = (self.address, str(port), str(world), str(first), str(self.timeout), device)
+            # each worker is reached at the address the trainer reaches its server at
+            device = _device_host(urlparse(server.url).hostname or "")
+            args = (self.address, str(port), str(world), str(first), str(self.timeout), device, self.secret)
             calls.append(partial(server.rpc_all, "lppo_join", *args))
             first += count
         joining = Requests(calls, len(calls))
         try:
-            group = open_group(self.address, port, 0, world, self.timeout, device or None)
+            group = open_group(
+                self.address, port, 0, world, self.timeout, _device_host(self.address), self.secret
+            )
         except Exception as err:
             raise joining.failure() or self._error("joining", err) from None
         joining.wait(self.timeout)
@@ -87,13 +108,21 @@ class MemorySync:
 
 
 def _in_dtype(
-    weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype, sums: dict
+    weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype, sums: dict | None
 ) -> Iterator[tuple[str, Tensor]]:
-    """Each weight on the host in the servers' dtype (rounded once, here), its checksum noted."""
+    """Each weight on the host in the servers' dtype (rounded once, here); its checksum noted in
+    ``sums`` (a sync that is checked: they cost about as much as the broadcast)."""
     for name, tensor in weights:
         tensor = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-        sums[name] = checksum(tensor)
+        if sums is not None:
+            sums[name] = checksum(tensor)
         yield name, tensor
+
+
+def _device_host(address: str) -> str:
+    """The address gloo advertises for a process: explicit, since its default (the machine's name)
+    maps to 127.0.1.1 on some systems, which other machines cannot reach."""
+    return "127.0.0.1" if address in LOOPBACK else address
 
 
 def _free_port(address: str) -> int:

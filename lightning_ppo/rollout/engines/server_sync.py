@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -52,16 +53,18 @@ def checksum(tensor: Tensor) -> Checksum:
     return values.sum().item(), values.square().sum().item()
 
 
-_PREFIX = "lightning-ppo-weights-"  # then the writing process's id, a dash and a random hex
+_PREFIX = "lightning-ppo-weights-"  # then the writing machine's name, its process id, a random hex
 
 
-def write_weights(weights: Iterable[tuple[str, Tensor]], folder: Path, dtype: torch.dtype) -> WrittenWeights:
+def write_weights(
+    weights: Iterable[tuple[str, Tensor]], folder: Path, dtype: torch.dtype, with_checksums: bool = True
+) -> WrittenWeights:
     """Write ``weights`` in ``dtype`` (the server's, so each rounds once, here) to a new file in
     ``folder``: written under a temporary name and renamed, so the name appears only when whole; a
-    write that fails leaves nothing behind."""
+    write that fails leaves nothing behind. Their checksums where asked (a sync that is checked)."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().to(device="cpu", dtype=dtype).contiguous() for name, tensor in weights}
-    name = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+    name = f"{_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
     partial, path = folder / f".{name}.partial", folder / f"{name}.safetensors"
     try:
         save_file(tensors, str(partial))
@@ -70,19 +73,21 @@ def write_weights(weights: Iterable[tuple[str, Tensor]], folder: Path, dtype: to
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    sums = {name: checksum(tensor) for name, tensor in tensors.items()}
+    sums = {name: checksum(tensor) for name, tensor in tensors.items()} if with_checksums else {}
     return WrittenWeights(path, sums, sum(t.numel() * t.element_size() for t in tensors.values()))
 
 
 def sweep_leftovers(folder: Path) -> list[Path]:
     """Remove the weight files a killed run left in ``folder`` (between its write and its unlink):
-    those of processes no longer running on this machine. Another live run's files are kept, so runs
-    may share a folder. The files removed."""
-    removed = []
-    for path in folder.glob(f"*{_PREFIX}*"):
-        pid = path.name.lstrip(".").removeprefix(_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not _running(int(pid)):
-            with contextlib.suppress(FileNotFoundError):
+    this user's, written on this machine by a process no longer running. Another live run's files,
+    another machine's (a shared folder) and another user's are left alone. The files removed."""
+    removed, here = [], socket.gethostname()
+    for path in folder.glob(f"*{_PREFIX}{here}-*"):
+        pid = path.name.lstrip(".").removeprefix(f"{_PREFIX}{here}-").split("-", 1)[0]
+        if not pid.isdigit() or _running(int(pid)):
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+            if path.stat().st_uid == os.getuid():
                 path.unlink()
                 removed.append(path)
     return removed

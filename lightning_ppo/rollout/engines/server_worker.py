@@ -92,23 +92,35 @@ class WeightSyncExtension:
         self.lppo_weights_version = version
         return checksums(model) if with_checksums == "1" else None
 
-    def lppo_join(self, host: str, port: str, world: str, first: str, timeout: str, device: str) -> int:
+    def lppo_join(
+        self, host: str, port: str, world: str, first: str, timeout: str, device: str, secret: str = ""
+    ) -> int:
         """Join the trainer's weights group (:mod:`.weight_group`) as rank ``first`` + this worker's
-        rank within the server; returns once the group is whole (every worker and the trainer)."""
+        rank within the server; returns once the group is whole (every worker and the trainer).
+        The group's ``secret`` names it: :meth:`lppo_group` answers it, so the trainer sees a worker
+        that holds another group or none (a restarted server) and joins it again."""
         from lightning_ppo.rollout.engines.weight_group import open_group
 
+        self.lppo_group_secret = ""
         rank = int(first) + int(getattr(self, "rank", 0))
-        self.lppo_group = open_group(host, int(port), rank, int(world), float(timeout), device or None)
+        group = open_group(host, int(port), rank, int(world), float(timeout), device or None, secret)
+        self.lppo_weights_group, self.lppo_group_secret = group, secret
         return rank
+
+    def lppo_group(self) -> str:
+        """The secret of the weights group this worker holds ("" for none)."""
+        return getattr(self, "lppo_group_secret", "")
 
     def lppo_receive(self, with_checksums: str = "1", version: str = "") -> dict[str, list[float]] | None:
         """Load the weights the trainer broadcasts over its group, as they arrive, as ``version``;
         the checksums after, as :meth:`lppo_load`."""
         from lightning_ppo.rollout.engines.weight_group import receive
 
+        if not self.lppo_group():
+            raise RuntimeError("this server holds no weights group of a trainer (restarted since it joined?)")
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         self.lppo_weights_version = ""
-        self.reload_weights(weights_iterator=receive(self.lppo_group))  # type: ignore[attr-defined]
+        self.reload_weights(weights_iterator=receive(self.lppo_weights_group))  # type: ignore[attr-defined]
         _repack_embedding_gemms(model)
         self.lppo_weights_version = version
         return checksums(model) if with_checksums == "1" else None
