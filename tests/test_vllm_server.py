@@ -292,6 +292,22 @@ def test_a_groups_one_request_samples_as_its_rows_would_one_by_one(servers, poli
     assert len({tuple(tokens) for tokens, _ in grouped}) > 1  # four different samples
 
 
+def test_a_server_whose_worker_lost_the_weights_group_is_joined_again(servers, policy):
+    """Another engine (another run, or a second module in a notebook) joins the server into its own
+    group: this engine's next sync sees the worker holds another group, joins it again and syncs,
+    checked by the checksums (it waited for a broadcast nobody received before)."""
+    first, model = _engine(policy, [servers[0].url], verify_sync=True)
+    first.sync_weights(model)
+    other, _ = _engine(policy, [servers[0].url])
+    other.sync_weights(model)
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight.add_(1e-3)
+    start = time.monotonic()
+    first.sync_weights(model)
+    assert time.monotonic() - start < 30  # joined again, not a wait for the group's timeout (60 s)
+    assert first.memory.secret == first.servers[0].rpc("lppo_group")
+
+
 def test_every_route_needs_the_api_key(servers, monkeypatch):
     """vLLM guards /v1 only; lightning-ppo serve's middleware guards dev mode's routes too."""
     monkeypatch.delenv("VLLM_API_KEY")
