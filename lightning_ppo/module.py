@@ -294,7 +294,14 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         check_training_plan(self.trainer, self.ppo)
         training_started()  # a Ctrl-C from now on may find checkpoints written (lightning_ppo.runs.ctrl_c)
 
+    def on_train_end(self) -> None:
+        # Strategy.teardown, next, copies the optimizer state to the host (AdamW: 8 bytes per trained
+        # parameter): set aside, it stays where it is, and comes back in on_fit_end, after it.
+        self._set_aside = optim.set_aside_states(self.trainer.optimizers)
+
     def on_fit_end(self) -> None:
+        optim.restore_states(getattr(self, "_set_aside", []))  # for a trainer.save_checkpoint after fit
+        self._set_aside = []
         explain_idle_resume(self.trainer, getattr(self, "_resumed_at", None), self.iteration)
         self.end_sampling_ahead(wait=True)
         say_untrained(len(self._restored_pending), self.ppo.max_staleness)
