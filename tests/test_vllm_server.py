@@ -235,8 +235,8 @@ def test_a_sync_that_moves_nothing_is_caught(servers, policy, tmp_path, monkeypa
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight.add_(1e-3)
 
-    def file_of_held(weights, folder, dtype):
-        new = write_weights(weights, folder, dtype)
+    def file_of_held(weights, folder, dtype, with_checksums=True):
+        new = write_weights(weights, folder, dtype, with_checksums)
         new.path.unlink()
         return WrittenWeights(write_weights(iter(held.items()), folder, dtype).path, new.checksums, new.bytes)
 
