@@ -59,10 +59,14 @@ def load_trained_policy(checkpoint: dict) -> PreTrainedModel:
 
 
 def trained_dtype(trained: dict[str, torch.Tensor]) -> torch.dtype | str:
-    """The widest float dtype of the trained weights (fp32 for a run's policy or LoRA adapters, which
-    merge into a base upcast to it); ``"auto"`` (the base checkpoint's) when the file holds none."""
-    floats = [t.dtype for t in trained.values() if t.dtype.is_floating_point]
-    return max(floats, key=lambda d: d.itemsize) if floats else "auto"
+    """The float dtype most of the trained weights' values are in (fp32 for a run's policy or LoRA
+    adapters, which merge into a base upcast to it; bf16 for a bf16-true run, whatever a small buffer
+    kept in fp32 says); ``"auto"`` (the base checkpoint's) when the file holds none."""
+    counts: dict[torch.dtype, int] = {}
+    for tensor in trained.values():
+        if tensor.dtype.is_floating_point:
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return max(counts, key=lambda dtype: (counts[dtype], dtype.itemsize)) if counts else "auto"
 
 
 def export_dtype(name: str | None) -> torch.dtype | None:

@@ -84,7 +84,7 @@ from lightning_ppo.runs.preflight import check_precision, check_sequence_fits, r
 from lightning_ppo.runs.quiet import silence_intended_warnings
 from lightning_ppo.runs.resume import check_resumable
 from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resume
-from lightning_ppo.scoring import ACCURACY_COLUMN, Scorer
+from lightning_ppo.scoring import ACCURACY_COLUMN, Scorer, answer_accuracy
 from lightning_ppo.watch.diversity import Diversity
 from lightning_ppo.watch.every_rank import BatchAnswers
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
@@ -283,7 +283,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         budget_field, budget = response_budget({**self.hparams, "environment": self.episode_runner})
         max_prompt_length = getattr(self.trainer.datamodule, "max_prompt_length", None)
         check_sequence_fits(self.policy.config, "model.policy", max_prompt_length, budget, budget_field)
-        if self.episode_runner is not None:  # e.g. episode.keep_cache refuses sliding-window models
+        if self.episode_runner is not None and self.generation_config.engine == "hf":  # keep_cache's own
             self.episode_runner.check_model(self.policy.config)
         seed_ranks_apart(self.trainer)
         if stage == "fit":  # a previous fit's pipeline (one that raised) holds batches of its own
@@ -373,7 +373,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         stats.update(diversity.on(self.device))
         # the iteration's one host read: what the host decides on and what it logs
         host = HostView.read(
-            stats, stepped, raw, exp.kl.sum(1), scores.shaped, ~scores.dropped, self.mean_over_ranks
+            stats, stepped, raw, exp.kl.sum(1), scores.shaped, ~scores.dropped, self.mean_over_ranks, reduce
         )
         self._count_skips(host.stepped)
         logged = host.logged
@@ -387,7 +387,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     def heed_guardrails(self, completions: list[str], host: HostView, diversity: Diversity) -> None:
         """The guardrails' one-time warnings (lightning_ppo.watch.guardrails), spoken by rank 0."""
-        lr = float(self.optimizers().param_groups[0]["lr"])  # the one in use, also after a resume
+        group = self.optimizers().param_groups[0]  # the configured rate (a scheduler's base), as resumed
+        lr = float(group.get("initial_lr", group["lr"]))
         if self.guardrails is None:  # else restored with a checkpoint (checkpoint.PPOState)
             self.guardrails = Guardrails(self.ppo, lr)
         self.guardrails.lr = lr
@@ -407,7 +408,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.log("eval/scores", scores[finite].mean(), batch_size=int(finite.sum()), sync_dist=True)
         correct = self.scorer.columns.get(ACCURACY_COLUMN)  # a reward that knows right from wrong
         if correct is not None:  # greedy pass@1, as users report accuracy
-            accuracy = sum(map(float, correct)) / len(batch)
+            accuracy = answer_accuracy(correct, len(batch))
             self.log("eval/accuracy", accuracy, batch_size=len(batch), sync_dist=True)
         self.log(
             "eval/length_mean", rollout.response_lengths.float().mean(), batch_size=len(batch), sync_dist=True

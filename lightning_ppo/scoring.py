@@ -39,6 +39,17 @@ from lightning_ppo.runs.errors import UsageError
 ACCURACY_COLUMN = "correct"
 
 
+def answer_accuracy(correct: list[Any], batch_size: int) -> float:
+    """The share of right answers in a reward's ``correct`` column (numbers: 1 right, 0 wrong)."""
+    try:
+        return sum(float(value) for value in correct) / batch_size
+    except (TypeError, ValueError):
+        raise UsageError(
+            f"a reward's log_extra column {ACCURACY_COLUMN!r} holds {correct[:3]!r}...: it is read as "
+            "eval/accuracy, so it must hold numbers (1.0 right, 0.0 wrong); name another column"
+        ) from None
+
+
 class Scorer:
     """Scores batches for a ``PPOLightningModule`` and keeps what the latest call produced: the rows
     no reward scored (for :meth:`check_total`) and the columns rewards gave ``log_extra``."""

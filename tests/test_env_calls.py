@@ -183,7 +183,12 @@ def test_a_cancelled_error_from_the_users_code_is_that_calls_error():
     assert isinstance(cancelled.error, asyncio.CancelledError) and fine.value == "still here"
 
 
-def test_threads_of_timed_out_calls_are_bounded_and_later_calls_wait_for_them_within_their_limit():
+def test_threads_of_timed_out_calls_are_bounded_and_a_stuck_function_stops_the_run():
+    """Two calls hang past their limit (max_concurrency 2): the next call of the function starts no
+    third thread and stops the run in one line (waiting out a limit for every later call would hide
+    a stuck environment as timeouts); once the threads end, calls start again."""
+    from lightning_ppo.runs.bounded_calls import _LEFTOVERS, CallsStuck, call_name
+
     release, started, lock = threading.Event(), [0], threading.Lock()
 
     def hangs() -> None:
@@ -192,14 +197,48 @@ def test_threads_of_timed_out_calls_are_bounded_and_later_calls_wait_for_them_wi
         release.wait(60)
 
     try:
-        for _ in range(3):  # a persistently hung function: three batches of two calls
-            outcomes = run_bounded([hangs, hangs], timeout=0.1, max_concurrency=2)
-            assert all(o.timed_out for o in outcomes)
-        assert started[0] == 2  # not 6: the later calls waited for a thread left over, none ended
+        outcomes = run_bounded([hangs, hangs], timeout=0.1, max_concurrency=2)
+        assert all(o.timed_out for o in outcomes)
+        with pytest.raises(CallsStuck, match=r"^2 calls of .*hangs are still running after their time limit"):
+            run_bounded([hangs], timeout=0.1, max_concurrency=2)
+        assert started[0] == 2  # no third thread
     finally:
         release.set()
-    outcomes = run_bounded([hangs], timeout=10, max_concurrency=2)  # once they end, calls start again
+    deadline = time.monotonic() + 30
+    while _LEFTOVERS.count(call_name(hangs)) and time.monotonic() < deadline:  # their threads end
+        time.sleep(0.01)
+    outcomes = run_bounded([hangs], timeout=10, max_concurrency=2)
     assert outcomes[0].value is None and not outcomes[0].timed_out and started[0] == 3
+
+
+def test_an_async_call_that_ignores_its_cancellation_is_not_waited_for():
+    """Past its limit the call is reported timed out at once, however long its cleanup takes."""
+
+    async def stubborn() -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(3)
+            return "late"
+        return "never"
+
+    start = time.monotonic()
+    outcomes = run_bounded([stubborn], timeout=0.2, max_concurrency=2)
+    assert outcomes[0].timed_out and time.monotonic() - start < 2.5
+
+
+def test_an_exit_in_a_call_nested_in_another_still_stops_the_run():
+    """A tool that calls sys.exit inside an environment's step (a call in a call): the step's outcome
+    is not an error that on_error: drop could drop, the run stops in one line."""
+
+    def exits() -> None:
+        sys.exit(3)
+
+    def step() -> list:
+        return run_bounded([exits], timeout=5, max_concurrency=2)
+
+    with pytest.raises(CallExited, match=r"exits raised SystemExit\(3\)"):
+        run_bounded([step], timeout=5, max_concurrency=2)
 
 
 class BlocksTheLoop:
@@ -440,3 +479,46 @@ def test_an_async_environment_that_blocks_the_loop_is_named_in_one_line(tiny_dig
             _finishes_within(60, _episodes, module)
     finally:
         AsyncBlocks.release.set()
+
+
+class _Index:
+    """A tool's object that cannot be copied (it holds a lock), as a client or an index would."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.copies = 0
+
+    def search(self, query: str) -> str:
+        """Look the query up.
+
+        Args:
+            query: What to look up.
+        """
+        return query.upper()
+
+
+class _SaysShared(Environment):
+    def __init__(self) -> None:
+        self.shared = True  # the user's own attribute of that name: not the class's list
+
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(done=True)
+
+
+def test_a_tools_object_is_shared_by_the_episodes_and_shared_is_read_from_the_class():
+    """tools=[index.search]: the episodes' copies call the one index (it could not be copied); an
+    environment's own attribute named `shared` is not taken for the list of shared attributes."""
+    from lightning_ppo.rollout.episodes import copy_for_an_episode
+    from lightning_ppo.rollout.tools import ToolEnvironment
+
+    index = _Index()
+    environment = ToolEnvironment([index.search])
+    copied = copy_for_an_episode(environment)
+    assert copied.tools["search"].__self__ is index
+    assert copy_for_an_episode(_SaysShared()).shared is True
+
+    class Misspelt(Environment):
+        shared = "lock"  # a string, not a tuple
+
+    with pytest.raises(UsageError, match=r"Misspelt.shared must be a tuple of attribute names"):
+        copy_for_an_episode(Misspelt())

@@ -107,3 +107,32 @@ def test_the_host_view_logs_every_statistic_averaged_over_ranks_in_one_reduce_an
     assert host.scores_std == 1.0
     alone = HostView.read(stats, torch.tensor([True]), *[torch.tensor([2.0])] * 3, torch.tensor([True]))
     assert alone.logged == {name: float(value) for name, value in stats.items()} and alone.scores_std is None
+
+
+def test_the_spread_the_guardrails_judge_is_every_ranks():
+    """One kept score per rank, on two ranks holding the same batch (``total`` stands for the sum over
+    them): the spread is judged over both ranks' two scores (0.0), not on this rank's one (None)."""
+    from lightning_ppo.watch.metrics import HOST_STATS, HostView
+
+    stats = {name: torch.tensor(0.0) for name in HOST_STATS}
+    used, kept = torch.tensor([1.0]), torch.tensor([True])
+    alone = HostView.read(stats, torch.tensor([True]), used, used, used, kept)
+    both = HostView.read(stats, torch.tensor([True]), used, used, used, kept, None, lambda t: t * 2)
+    assert alone.scores_std is None and both.scores_std == 0.0
+
+
+def test_the_export_dtype_is_the_one_most_trained_values_are_in():
+    from lightning_ppo.export import trained_dtype
+
+    bf16_run = {"w": torch.zeros(64, 64, dtype=torch.bfloat16), "bias": torch.zeros(4, dtype=torch.float32)}
+    assert trained_dtype(bf16_run) == torch.bfloat16  # not fp32 for one small buffer kept in fp32
+    assert trained_dtype({"w": torch.zeros(4), "step": torch.tensor(3)}) == torch.float32
+
+
+def test_an_accuracy_column_that_is_not_numbers_is_one_line():
+    from lightning_ppo.runs.errors import UsageError
+    from lightning_ppo.scoring import answer_accuracy
+
+    assert answer_accuracy([1.0, 0.0, True, 0], 4) == 0.5
+    with pytest.raises(UsageError, match="'correct' holds \\['yes', 'no'\\]"):
+        answer_accuracy(["yes", "no"], 2)

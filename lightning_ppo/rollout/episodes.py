@@ -385,18 +385,34 @@ def copy_for_an_episode(environment: Environment) -> Environment:
     inner = environment.inner if isinstance(environment, ToolEnvironment) else None
     user = inner if inner is not None else environment
     memo: dict[int, Any] = {}
-    for name in getattr(user, "shared", ()):
-        if hasattr(user, name):
-            value = getattr(user, name)
-            memo[id(value)] = value  # deepcopy hands back what its memo holds: this very object
+    for value in _shared_objects(user):
+        memo[id(value)] = value  # deepcopy hands back what its memo holds: this very object
+    if isinstance(environment, ToolEnvironment):  # a tool's object (a client's bound method): one for all
+        for tool in environment.tools.values():
+            owner = getattr(tool, "__self__", None)
+            if owner is not None:
+                memo[id(owner)] = owner
     try:
         return copy.deepcopy(environment, memo)
     except Exception as err:  # TypeError: cannot pickle '_thread.lock' object, copy.Error, ...
+        tools_only = isinstance(environment, ToolEnvironment) and inner is None
+        what = "model.tools: a tool's object" if tools_only else type(user).__name__
         raise UsageError(
-            f"model.environment: {type(user).__name__} cannot be copied for each episode (copy.deepcopy "
+            f"model.environment: {what} cannot be copied for each episode (copy.deepcopy "
             f"raised {type(err).__name__}: {err}): name the attribute in the class's `shared` tuple "
             "(one object for every episode) or create it in reset() (one per episode)"
         ) from err
+
+
+def _shared_objects(user: Any) -> list[Any]:
+    """The objects the environment's ``shared`` names (attribute names, a tuple or list of strings)."""
+    names = getattr(type(user), "shared", ())
+    if not isinstance(names, tuple | list) or not all(isinstance(name, str) for name in names):
+        raise UsageError(
+            f"model.environment: {type(user).__name__}.shared must be a tuple of attribute names "
+            f"(strings), like ('client',); it is {names!r}"
+        )
+    return [getattr(user, name) for name in names if hasattr(user, name)]
 
 
 def make_episode_runner(

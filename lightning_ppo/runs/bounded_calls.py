@@ -14,9 +14,12 @@ The outcomes come back in the order of the calls, whatever order they finished i
 caller does with them is deterministic. What a time limit does not do:
 
 - A plain call that times out cannot be stopped: its thread is left running (a daemon: it never
-  keeps the process alive). Those threads are bounded: while ``leftovers`` (default
-  ``max_concurrency``) timed-out calls of the same function still run, a new call of it waits for
-  one to end, within its own time limit, rather than start another thread.
+  keeps the process alive). Those threads are bounded: once ``leftovers`` (default
+  ``max_concurrency``) timed-out calls of the same function still run, the function is stuck, and
+  the next call of it stops the run with one line saying so (:class:`CallsStuck`), rather than
+  start another thread or wait out a limit for every later call.
+- An ``async def`` that ignores its cancellation is not waited for past its limit: it is reported
+  timed out and left to end on the loop.
 - An ``async def`` that blocks (``time.sleep``) holds the one loop, so no time limit can fire:
   such a call is named in one line once it has held the loop past its limit (``LoopBlocked``), and
   a new loop serves the calls after it.
@@ -36,10 +39,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_ppo.runs.background_loop import POLL_S, background_loop, wait_on_loop
+from lightning_ppo.runs.background_loop import LoopBlocked, background_loop, wait_on_loop
 from lightning_ppo.runs.errors import UsageError
 
-__all__ = ["CallExited", "Outcome", "await_bounded", "background_loop", "run_bounded"]
+__all__ = ["CallExited", "CallsStuck", "Outcome", "await_bounded", "background_loop", "run_bounded"]
 
 # A blocked loop is judged so this long after the call's own time limit (scheduling noise on a
 # loaded machine must not read as a block).
@@ -57,6 +60,10 @@ class Outcome:
 
 class CallExited(UsageError):
     """The user's code raised ``SystemExit`` or ``KeyboardInterrupt`` inside a call."""
+
+
+class CallsStuck(UsageError):
+    """As many calls of one function as may be left running after their time limit still run."""
 
 
 def run_bounded(
@@ -120,8 +127,12 @@ def _on_loop(run_all: Callable[[], Awaitable[list[Outcome]]], timeout: float | N
 
 
 def _raise_exits(outcomes: list[Outcome], names: list[str]) -> list[Outcome]:
-    """The outcomes, unless one is the user's code exiting: that stops the run, in one line."""
+    """The outcomes, unless one stops the run (in one line): the user's code exiting, a stuck
+    function, a blocked loop; also from a call nested in this one (a tool inside an environment's
+    step), so that ``on_error: drop`` does not drop what must stop."""
     for outcome, name in zip(outcomes, names, strict=True):
+        if isinstance(outcome.error, (CallExited, CallsStuck, LoopBlocked)):
+            raise outcome.error
         if isinstance(outcome.error, (SystemExit, KeyboardInterrupt)):
             kind = type(outcome.error).__name__
             raise CallExited(
@@ -145,24 +156,26 @@ async def _bounded(
 
 async def _within(start: Callable[[], Awaitable[Any]], name: str, timeout: float | None) -> Outcome:
     """``await start()`` within ``timeout``, on a task named after the call (what a blocked loop
-    names), whatever it raises caught inside that task."""
+    names), whatever it raises caught inside that task. Past the limit the task is cancelled and not
+    awaited: a call that ignores its cancellation is not waited for."""
     task = asyncio.get_running_loop().create_task(_guarded(start), name=name)
     try:
-        return await asyncio.wait_for(task, timeout)
-    except asyncio.TimeoutError:
-        return Outcome(timed_out=True)
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:  # the batch was cancelled (a Ctrl-C): so is the call
+        task.cancel()
+        raise
+    if task in done:
+        return task.result()
+    task.cancel()
+    return Outcome(timed_out=True)
 
 
 async def _guarded(start: Callable[[], Awaitable[Any]]) -> Outcome:
     # Caught here, inside the task that runs the user's code: a SystemExit or KeyboardInterrupt that
-    # left a task would end the loop's thread, and every later call would wait forever.
+    # left a task would end the loop's thread, and every later call would wait forever. A
+    # CancelledError is the call's outcome too (its own, or the time limit's: then nobody reads it).
     try:
         return Outcome(value=await start())
-    except asyncio.CancelledError as err:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():  # our own cancellation (the time limit): let it pass
-            raise
-        return Outcome(error=err)  # the user's code raised it
     except BaseException as err:  # noqa: BLE001  (the call's outcome; the caller says whose call it was)
         return Outcome(error=err)
 
@@ -191,9 +204,14 @@ class _Leftovers:
             return self._running[name]
 
     async def run(self, call: Callable[[], Any], name: str, leftovers: int) -> Any:
-        """``call()`` on a daemon thread of its own, once fewer than ``leftovers`` are left over."""
-        while self.count(name) >= leftovers:  # within the call's time limit (the caller's wait_for)
-            await asyncio.sleep(POLL_S)
+        """``call()`` on a daemon thread of its own, unless ``leftovers`` of them still run past
+        their limit: the function is stuck, and waiting out a limit per later call would only
+        hide it (every episode failing as a timeout)."""
+        if self.count(name) >= leftovers:
+            raise CallsStuck(
+                f"{self.count(name)} calls of {name} are still running after their time limit (hung, "
+                "their threads cannot be stopped): it is stuck; the run stops here"
+            )
         job = _Job(call, asyncio.get_running_loop(), self)
         try:
             return await job.future

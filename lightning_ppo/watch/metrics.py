@@ -143,15 +143,18 @@ class HostView:
         used: Tensor,
         kept: Tensor,
         mean: F.Reduce | None = None,
+        total: F.Reduce | None = None,
     ) -> HostView:
         """``stats`` (at least :data:`HOST_STATS`, scalars), ``stepped`` (steps,), ``scores`` and ``kl``
         (B,) as the host sees them; ``used`` (B,) the scores the update used where ``kept``; ``mean``
-        averages over the data-parallel ranks (``None``: one process)."""
-        spread = F.masked_var(used, kept, unbiased=False).sqrt()
+        averages over the data-parallel ranks and ``total`` sums (``None``: one process): the spread
+        the guardrails judge is every rank's."""
+        spread = F.masked_var(used, kept, unbiased=False, reduce=total).sqrt()
+        kept_count = kept.sum().float() if total is None else total(kept.sum().float())
         names = sorted(stats, key=lambda name: name in OVER_RANKS)  # this rank's own first
         own = sum(name not in OVER_RANKS for name in names)
         # float32 holds every float32, bf16 and fp16 value exactly (scores are float32: check_scores)
-        scalars = torch.stack([stats[name].float() for name in names] + [spread.float(), kept.sum().float()])
+        scalars = torch.stack([stats[name].float() for name in names] + [spread.float(), kept_count])
         averaged = [] if mean is None else [mean(scalars[:own])]
         flat = torch.cat([scalars, *averaged, stepped.float(), scores.float(), kl.float()]).tolist()
         values, rest = flat[: len(names)], flat[len(scalars) :]
