@@ -10,6 +10,7 @@ import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.checkpoint import PPOCheckpoint
+from lightning_ppo.runs.warn import LightningPPOWarning
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
 from tests.helpers import fit_warnings
@@ -31,6 +32,20 @@ def test_a_step_far_outside_the_trust_region_names_the_learning_rate_once():
     assert rails.observe(_view(3, approx_kl=4.5)) == []  # once
     late = Guardrails(PPOConfig(), lr=1e-3)
     assert late.observe(_view(11, approx_kl=4.5)) == []  # only the first iterations judge the step size
+
+
+def test_a_guardrail_warns_as_the_errors_read_one_line_without_a_source_path():
+    """Printed before as ``/.../lightning_ppo/watch/guardrails.py:121: policy/approxkl_avg ...``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Guardrails(PPOConfig(), lr=1e-3).heed(_view(1, approx_kl=4.5, clipfrac=0.55))
+    (warning,) = caught
+    assert warning.category is LightningPPOWarning and issubclass(LightningPPOWarning, UserWarning)
+    shown = warnings.formatwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    assert shown.startswith("lightning-ppo: warning: policy/approxkl_avg 4.5 and policy/clipfrac_avg 0.55")
+    assert shown.count("\n") == 1 and ".py:" not in shown
+    other = warnings.formatwarning("a plain warning", UserWarning, "/x/other.py", 7)
+    assert other.startswith("/x/other.py:7: UserWarning: a plain warning")  # every other warning as before
 
 
 def test_collapse_fires_after_three_identical_or_empty_batches_in_a_row():

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
+PROG = "lightning-ppo"  # how the command names itself in its errors and warnings (runs/warn.py)
 TRACEBACK_ENV = "LIGHTNING_PPO_TRACEBACK"
 USAGE_EXIT_CODE = 2  # argparse's status for a bad command line
 VLLM_INSTALL_HINT = (
@@ -133,7 +134,7 @@ def _exit_with(prog: str, message: str) -> NoReturn:
 
 
 @contextmanager
-def usage_errors_exit(prog: str = "lightning-ppo") -> Iterator[None]:
+def usage_errors_exit(prog: str = PROG) -> Iterator[None]:
     """Report usage errors raised inside as ``PROG: error: MESSAGE`` on stderr and exit with status 2.
 
     jsonargparse's own errors must reach here as exceptions (``exit_on_error=False``): its default

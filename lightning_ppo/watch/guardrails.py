@@ -4,7 +4,7 @@ Each check watches one symptom of a run going wrong, and says once which metric,
 what to do, with advice that matches the configuration (it never suggests a setting that is
 already on). Pure Python on the iteration's statistics and decoded responses, every rank's (the same on
 each rank): the module passes them in, and :meth:`Guardrails.heed` warns (on rank 0) with
-whatever comes back.
+whatever comes back, as ``lightning-ppo: warning: MESSAGE`` (lightning_ppo.runs.warn).
 
 The thresholds come from a user's collapsed run (a warm-started policy at torch's default lr
 1e-3: approxkl 4.5 and clipfrac 0.55 at iteration 1, every answer ``'admin.'``, then ``''``,
@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning.pytorch.utilities import rank_zero_warn
-
 from lightning_ppo.config import PPOConfig
+from lightning_ppo.runs.warn import warn
 from lightning_ppo.watch.diversity import Diversity
 from lightning_ppo.watch.metrics import HostView, reward_drowned
 
@@ -118,7 +117,7 @@ class Guardrails:
     def heed(self, view: IterationView) -> None:
         """Warn, on rank 0, with each warning due this iteration."""
         for message in self.observe(view):
-            rank_zero_warn(message)
+            warn(message)
 
     def observe(self, view: IterationView) -> list[str]:
         checks = (
