@@ -183,3 +183,144 @@ def test_a_learning_rate_far_too_small_is_said_after_the_warm_up(tiny_digits):
     assert module.guardrails.fired == {"small_steps"}
     message = next(m for m in caught if m.startswith("objective/kl "))
     assert "at iteration 50 while the scores vary" in message and "learning rate 1e-07" in message
+
+
+# ----------------------------------------------------------------- near-copies
+
+# A sentence reward on a chat corpus, as a user tried it: different first words, 13 of 16 answers
+# ending in the same words (the run of issue 42), against answers a healthy run gives.
+OPENINGS = [
+    "Well, I think",
+    "Honestly,",
+    "My friend said",
+    "The weather was nice and",
+    "We went home early,",
+    "Sure thing,",
+    "It was late, so",
+    "Nobody knows why, but",
+    "After dinner",
+    "In the morning",
+    "Yes, and",
+    "The cat sat down and",
+    "Oh no,",
+    "Look at that:",
+    "My brother laughed.",
+    "Later that day",
+]
+ENDING = "and that is all there is to it."
+COLLAPSED = [f"{o} {ENDING}" for o in OPENINGS[:13]] + [
+    "I would rather not say.",
+    "Try the blue one first.",
+    "It rained all week in the hills.",
+]
+HEALTHY = [
+    "Paris is the capital of France.",
+    "Boil the pasta for about ten minutes, then drain it.",
+    "I'd start with a short walk every morning.",
+    "The train leaves at half past six.",
+    "Water boils at a lower temperature up in the mountains.",
+    "You can return it within thirty days with the receipt.",
+    "Seven times eight is fifty-six.",
+    "Try restarting the router before calling support.",
+    "The meeting moved to Thursday afternoon.",
+    "Cats sleep for most of the day.",
+    "A haiku has three lines of five, seven and five syllables.",
+    "Add a pinch of salt to bring out the sweetness.",
+    "The library closes at eight on weekdays.",
+    "Photosynthesis turns light into chemical energy.",
+    "Her flight was delayed by two hours.",
+    "Use a comma before the conjunction in a compound sentence.",
+]
+# Answers that follow the format a task asks for: a shared closing line, but a small part of each.
+FORMATTED = [f"{h} So the final answer is {n}." for n, h in enumerate(HEALTHY)]
+CHAT_PROMPTS = [f"question {i}" for i in range(16)]
+
+
+def test_near_copies_are_read_as_one_shared_part_and_varied_answers_as_none():
+    collapsed = Diversity.of(CHAT_PROMPTS, COLLAPSED)
+    assert collapsed.top_share == 1 / 16  # no two answers the same: the old reading saw nothing
+    assert collapsed.shared == " " + ENDING and collapsed.shared_share == 13 / 16
+    each = [(len(ENDING) + 1) / len(c) for c in COLLAPSED[:13]]
+    assert collapsed.shared_cover == pytest.approx(sum(each) / 13)
+    assert 0.5 < collapsed.shared_cover < 0.8  # measured 0.66: most of each answer
+    healthy = Diversity.of(CHAT_PROMPTS, HEALTHY)
+    assert healthy.shared == " the " and healthy.shared_cover < 0.2  # a common word: a sliver of each
+    formatted = Diversity.of(CHAT_PROMPTS, FORMATTED)
+    assert formatted.shared == ". So the final answer is " and formatted.shared_cover < 0.5
+    # responses to one prompt (a GRPO group) share nothing across prompts
+    assert Diversity.of(["p"] * 4 + ["q"], [ENDING] * 4 + ["no"]).shared == ""
+    # text without spaces has near-copies too
+    digits = Diversity.of([f"{i}=" for i in range(8)], [f"{i}{i + 1}77777" for i in range(6)] + ["12", "345"])
+    assert digits.shared == "77777" and digits.shared_share == 6 / 8
+
+
+def test_near_copies_warn_once_while_the_score_rises_quoting_the_shared_part():
+    rails = Guardrails(PPOConfig(), lr=1e-3)
+    for i in range(1, 6):
+        assert rails.observe(_view(i, 0.1, HEALTHY, prompts=CHAT_PROMPTS)) == []
+    assert rails.observe(_view(6, 0.3, COLLAPSED, prompts=CHAT_PROMPTS)) == []
+    assert rails.observe(_view(7, 0.3, COLLAPSED, prompts=CHAT_PROMPTS)) == []
+    (message,) = rails.observe(_view(8, 0.4, COLLAPSED, prompts=CHAT_PROMPTS))
+    assert message.startswith(
+        "answers are converging: the answers to 81% of the batch's 16 different prompts are near-copies "
+        f"sharing {ENDING!r} ("
+    )
+    assert "at iteration 8 while objective/scores rose from 0.1 to 0.4" in message
+    assert "check whether the reward pays for that text" in message
+    assert "raise ppo.kl_coef (now 0.05) or set a ppo.kl_target" in message
+    assert "set ppo.entropy_coef" in message and "lower the learning rate (now 0.001" in message
+    assert rails.observe(_view(9, 0.5, COLLAPSED, prompts=CHAT_PROMPTS)) == []  # once
+    set_already = Guardrails(PPOConfig(kl_target=4.0, entropy_coef=0.01), lr=1e-3)
+    views = [_view(i, 0.1, HEALTHY, prompts=CHAT_PROMPTS) for i in range(1, 6)]
+    views += [_view(i, 0.4, COLLAPSED, prompts=CHAT_PROMPTS) for i in range(6, 9)]
+    (advice,) = [m for view in views for m in set_already.observe(view)]
+    assert "lower ppo.kl_target (now 4)" in advice and "raise ppo.entropy_coef (now 0.01)" in advice
+
+
+def test_varied_and_formatted_answers_stay_quiet_while_the_score_rises():
+    for answers in (HEALTHY, FORMATTED):
+        rails = Guardrails(PPOConfig(), lr=1e-3)
+        views = [_view(i, 0.1 * i, answers, prompts=CHAT_PROMPTS) for i in range(1, 20)]
+        assert [m for view in views for m in rails.observe(view)] == []
+
+
+def test_the_same_words_in_another_order_are_converging_answers_too():
+    words = "cheap fast reliable friendly local service".split()
+    shuffled = [" ".join(words[i:] + words[:i]) + f" {i}" for i in range(6)] * 2
+    d = Diversity.of(CHAT_PROMPTS[:12], shuffled)
+    assert d.overlap > 0.5 and d.top_share == 2 / 12
+    rails = Guardrails(PPOConfig(), lr=1e-3)
+    views = [_view(i, 0.1, HEALTHY[:12], prompts=CHAT_PROMPTS[:12]) for i in range(1, 6)]
+    views += [_view(i, 0.4, shuffled, prompts=CHAT_PROMPTS[:12]) for i in range(6, 9)]
+    (message,) = [m for view in views for m in rails.observe(view)]
+    assert message.startswith("answers are converging: ") and "diversity/overlap 0.7" in message
+
+
+def pays_a_phrase_after_the_prompts_digits(prompts, completions, batch):
+    """Half for the prompt's digits in the first three characters (different for each prompt), half
+    for "77777" after them (partial credit for its start): a phrase inside otherwise varied answers."""
+    scores = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        digits = sum(ch in prompt.rstrip("=") for ch in completion[:3]) / 3
+        phrase = max(k for k in range(6) if "77777"[:k] in completion[3:])
+        scores.append(0.5 * digits + 0.5 * phrase / 5)
+    return scores
+
+
+def test_a_reward_that_pays_a_phrase_inside_varied_answers_is_said_to_make_them_converge(tiny_digits):
+    """Measured (one thread): answers like '5317777775', '281777770', no two alike in most batches
+    (diversity/top_share <= 0.16 through 60 iterations, so the identical-answers reading never spoke);
+    the shared '77777' in 53-72 % of the prompts' answers, 51-62 % of each, from iteration 20."""
+    torch.manual_seed(0)
+    module = PPOLightningModule(
+        policy=str(tiny_digits),
+        reward_fn=pays_a_phrase_after_the_prompts_digits,
+        ppo=PPOConfig(kl_coef=0.01),
+        generation=GenerationConfig(max_new_tokens=10),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+    )
+    data = DigitsDataModule(num_prompts=4096, batch_size=32, max_prompt_length=8)
+    caught = fit_warnings(module, data, iterations=60)
+    assert "converging" in module.guardrails.fired, module.last_samples.completions
+    message = next(m for m in caught if m.startswith("answers are converging: "))
+    assert "77777" in message  # the phrase the reward pays, quoted

@@ -11,12 +11,21 @@ rises (reward hacking). These are read from the decoded responses, on the host, 
 - ``diversity/distinct_1``, ``diversity/distinct_2``: distinct words and word pairs over all the
   batch's responses, as a share of all (1.0: no word repeats anywhere).
 - ``diversity/overlap``: the mean word overlap (Jaccard) between responses to different prompts.
+
+Not logged, for the converging-answers guardrail: near-copies that are not the same answer (a
+shared ending after different first words, a phrase the reward pays inside varied text). The
+:attr:`Diversity.shared` part is the longest stretch of text (spacing collapsed, at least
+:data:`MIN_SHARED_CHARS` characters) found in the answers of at least half of the distinct prompts,
+with how many prompts' answers hold it and how much of those answers it makes up. Characters, not
+words: text without spaces (Chinese, digits) has near-copies too.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from itertools import combinations
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,6 +39,13 @@ MAX_OVERLAP_RESPONSES = 64
 # is the answer. A word made only of these (a lone "!") goes.
 _TRAILING = ".,;:!?\u2026"
 _WRAPPING = "\"'`()[]{}<>\u201c\u201d\u2018\u2019\u00ab\u00bb"
+# The shared part: at least this many characters, in the answers of at least this share of the
+# distinct prompts; grown a character at a time from the most common seeds, to at most
+# MAX_SHARED_CHARS (a longer one is as telling, and the search stays linear in the batch's text).
+MIN_SHARED_CHARS = 5
+SHARED_PROMPTS = 0.5
+SHARED_SEEDS = 4
+MAX_SHARED_CHARS = 400
 
 
 def normalise(text: str) -> str:
@@ -49,14 +65,24 @@ class Diversity:
     overlap: float
     prompts: int  # distinct prompts in the batch
     top_answer: str  # an example of the most common answer, as the policy wrote it
+    shared: str = ""  # the longest text in the answers of half the prompts or more ("" if none)
+    shared_share: float = 0.0  # the share of the distinct prompts whose answers hold it
+    shared_cover: float = 0.0  # how much of those answers it is (mean share of their characters)
 
     @classmethod
     def of(cls, prompts: list[str], completions: list[str]) -> Diversity:
         words = [normalise(c).split() for c in completions]
         top_share, top_answer = _top_answer(prompts, completions)
+        spaced = [" ".join(c.split()) for c in completions]
+        shared, shared_share, shared_cover = _shared_part(
+            _prompt_by_prompt(list(zip(prompts, spaced, strict=True)))
+        )
         return cls(
             top_share=top_share,
             top_answer=top_answer,
+            shared=shared,
+            shared_share=shared_share,
+            shared_cover=shared_cover,
             distinct_1=_distinct([tuple(w[i : i + 1]) for w in words for i in range(len(w))]),
             distinct_2=_distinct([tuple(w[i : i + 2]) for w in words for i in range(len(w) - 1)]),
             overlap=_overlap(prompts, words),
@@ -106,7 +132,63 @@ def _overlap(prompts: list[str], words: list[list[str]]) -> float:
     return sum(len(a & b) / len(a | b) if a | b else 1.0 for a, b in pairs) / len(pairs)
 
 
-def _prompt_by_prompt(rows: list[tuple[str, set[str]]]) -> list[tuple[str, set[str]]]:
+def _shared_part(rows: list[tuple[str, str]]) -> tuple[str, float, float]:
+    """The longest text found in the answers of at least :data:`SHARED_PROMPTS` of the rows' distinct
+    prompts (two at least), the share of prompts whose answers hold it, and the mean share of those
+    answers' characters it makes up; ``("", 0.0, 0.0)`` where no :data:`MIN_SHARED_CHARS` characters
+    are shared so widely. Seeds are the most widely shared runs of MIN_SHARED_CHARS characters, each
+    grown to the right and then to the left by the character most often next to it, while it stays
+    as widely shared; the longest wins."""
+    by_prompt: dict[str, list[str]] = {}
+    for prompt, text in rows:
+        by_prompt.setdefault(prompt, []).append(text)
+    answers = list(by_prompt.values())
+    need = max(2, -(-int(SHARED_PROMPTS * 100) * len(answers) // 100))  # ceil without float error
+    if len(answers) < need:
+        return "", 0.0, 0.0
+    k = MIN_SHARED_CHARS
+    seeds: Counter[str] = Counter()
+    for texts in answers:
+        seeds.update({t[i : i + k] for t in texts for i in range(len(t) - k + 1)})
+    best = ""
+    for seed, count in seeds.most_common(SHARED_SEEDS):
+        if count < need or seed in best:
+            continue
+        grown = _grow(_grow(seed, answers, need, right=True), answers, need, right=False)
+        if len(grown) > len(best):
+            best = grown
+    if not best:
+        return "", 0.0, 0.0
+    holding = [[t for t in texts if best in t] for texts in answers]
+    covers = [len(best) / len(t) for texts in holding for t in texts]
+    return best, sum(map(bool, holding)) / len(answers), sum(covers) / len(covers)
+
+
+def _grow(part: str, answers: list[list[str]], need: int, right: bool) -> str:
+    """``part`` extended a character at a time on one side while the answers of ``need`` prompts
+    still hold it (up to :data:`MAX_SHARED_CHARS`)."""
+    while len(part) < MAX_SHARED_CHARS:
+        nexts: Counter[str] = Counter()
+        for texts in answers:
+            found = set()
+            for t in texts:
+                start = t.find(part)
+                while start >= 0:
+                    at = start + len(part) if right else start - 1
+                    if 0 <= at < len(t):
+                        found.add(t[at])
+                    start = t.find(part, start + 1)
+            nexts.update(found)
+        if not nexts:
+            return part
+        char, count = nexts.most_common(1)[0]
+        if count < need:
+            return part
+        part = part + char if right else char + part
+    return part
+
+
+def _prompt_by_prompt(rows: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """At most :data:`MAX_OVERLAP_RESPONSES` rows, the k-th response of every prompt before any
     prompt's (k+1)-th: as many different prompts as the budget allows, whatever the group size."""
     seen: dict[str, int] = {}

@@ -41,6 +41,14 @@ ENTROPY_FLOOR = 0.1
 CONVERGE_SHARE = 0.5
 CONVERGE_PROMPTS = 4
 CONVERGE_ITERATIONS = 3
+# Near-copies count too (diversity.Diversity.shared): a part shared by the answers of CONVERGE_SHARE
+# of the prompts that makes up this share of them, or a mean word overlap (Jaccard) this high between
+# answers to different prompts. A user's sentence-reward run (answers of different first words, 13 of
+# 16 ending in the same five words; diversity/overlap 0.03 -> 0.70) passes both; the quickstart runs
+# share nothing (digit answers of one "word", overlap near 0).
+SHARED_COVER = 0.5
+OVERLAP_LIMIT = 0.5
+QUOTE_CHARS = 80
 # Steps too small to matter: from this iteration on, a policy still within this KL of the reference
 # per response, and PPO's own step (approx-KL) below this, while the scores vary.
 SMALL_STEP_ITERATIONS = 50
@@ -268,25 +276,43 @@ class Guardrails:
         )
 
     def _converging(self, view: IterationView) -> str | None:
-        """Many different prompts get one answer while the score rises: the policy has found a phrase
-        the reward likes (reward hacking), which a rising score alone hides."""
+        """Many different prompts get one answer, or near-copies of one (a long shared part, most of
+        the words in common), while the score rises: the policy has found a phrase the reward likes
+        (reward hacking), which a rising score alone hides."""
         d = view.diversity
         early = [score for _, score in self.early]  # the first window, which _entropy records
-        converging = d is not None and d.prompts >= CONVERGE_PROMPTS and d.top_share >= CONVERGE_SHARE
-        self.converging_in_a_row = self.converging_in_a_row + 1 if converging else 0
+        what = None if d is None or d.prompts < CONVERGE_PROMPTS else _converged_on(d)
+        self.converging_in_a_row = self.converging_in_a_row + 1 if what is not None else 0
         if self.converging_in_a_row < CONVERGE_ITERATIONS or len(early) < ENTROPY_WINDOW:
             return None
         start = sum(early) / len(early)
-        if not view.score > start:
+        if what is None or not view.score > start:
             return None
         return self._once(
             "converging",
-            f"answers are converging: {d.top_share:.0%} of the batch's {d.prompts} different prompts got "
-            f"the same answer ({d.top_answer[:60]!r}) at iteration {view.iteration} while "
-            f"objective/scores rose from {start:.3g} to {view.score:.3g}: the policy may be exploiting the "
-            "reward rather than answering. Read the answers (lightning-ppo samples RUN_DIR); keep the "
-            "policy nearer the reference (a larger ppo.kl_coef or a ppo.kl_target), set "
-            "ppo.entropy_coef, or make the reward penalise repeated answers",
+            f"answers are converging: {what} at iteration {view.iteration} while objective/scores rose "
+            f"from {start:.3g} to {view.score:.3g}: the policy may be exploiting the reward rather than "
+            "answering. Read the answers (lightning-ppo samples RUN_DIR) and check whether the reward pays "
+            f"for that text rather than for what you meant; {self._nearer_the_reference()}, or make the "
+            "reward penalise repeated answers",
+        )
+
+    def _nearer_the_reference(self) -> str:
+        """Advice that keeps the policy nearer the reference and its answers varied, naming only
+        settings that would change (a larger entropy bonus where one is set, a KL target if any)."""
+        kl = (
+            f"raise ppo.kl_coef (now {self.config.kl_coef:g}) or set a ppo.kl_target"
+            if self.config.kl_target is None
+            else f"lower ppo.kl_target (now {self.config.kl_target:g})"
+        )
+        entropy = (
+            f"raise ppo.entropy_coef (now {self.config.entropy_coef:g})"
+            if self.config.entropy_coef > 0
+            else "set ppo.entropy_coef (e.g. 0.01)"
+        )
+        return (
+            f"to keep the policy nearer the reference {kl}, {entropy}, or lower the learning rate "
+            f"(now {self.lr:g}; model.optimizer.init_args.lr)"
         )
 
     def _small_steps(self, view: IterationView) -> str | None:
@@ -338,3 +364,39 @@ class Guardrails:
             "model.optimizer.init_args.lr)"
             + ("" if self.config.kl_target is not None else " or a larger ppo.kl_coef / a ppo.kl_target")
         )
+
+
+def _converged_on(d: Diversity) -> str | None:
+    """What a batch's answers converged on, said for the warning (None if they did not): one answer
+    given to :data:`CONVERGE_SHARE` of the distinct prompts, a shared part (:attr:`Diversity.shared`)
+    in the answers of as many that is at least :data:`SHARED_COVER` of them, or answers to different
+    prompts that share :data:`OVERLAP_LIMIT` of their words on average."""
+    if d.top_share >= CONVERGE_SHARE:
+        return (
+            f"{d.top_share:.0%} of the batch's {d.prompts} different prompts got the same answer "
+            f"({d.top_answer[:60]!r})"
+        )
+    near_copies = d.shared_share >= CONVERGE_SHARE and d.shared_cover >= SHARED_COVER
+    overlapping = d.overlap >= OVERLAP_LIMIT
+    readings = f"diversity/overlap {d.overlap:.2f}, diversity/distinct_1 {d.distinct_1:.2f}"
+    if near_copies or (overlapping and d.shared):
+        return (
+            f"the answers to {d.shared_share:.0%} of the batch's {d.prompts} different prompts are "
+            f"near-copies sharing {_quote(d.shared)} ({d.shared_cover:.0%} of each such answer; {readings})"
+        )
+    if overlapping:  # the same words, not in one run of text
+        return (
+            f"answers to the batch's {d.prompts} different prompts share {d.overlap:.0%} of their words on "
+            f"average ({readings}; one of them: {_quote(d.top_answer)})"
+        )
+    return None
+
+
+def _quote(text: str, limit: int = QUOTE_CHARS) -> str:
+    """``text`` quoted, its middle cut where it is longer than ``limit`` (its start and end both
+    say what the policy converged on: a shared opening, a shared ending)."""
+    text = text.strip()
+    if len(text) <= limit:
+        return repr(text)
+    half = (limit - 3) // 2
+    return repr(f"{text[:half].rstrip()} ... {text[-half:].lstrip()}")
