@@ -68,12 +68,22 @@ def child_iterations(policy: str, engine: str, url: str | None, iterations: int)
 
 def child_syncs(policy: str, engine: str, url: str | None, repeats: int) -> dict[str, float]:
     """Median seconds of one sync (the first, with its one-off checks, left out)."""
+    from functools import partial
+
     import torch
+
+    from lightning_ppo.rollout.engines import server as server_module
 
     results = {}
     variants = [("file", False), ("memory", False), ("memory", True)] if url else [("memory", False)]
+    if url:
+        variants.insert(0, ("file before", False))  # as before issue 40: the trainer's checksums every sync
+    real_write = server_module.write_weights
     for transport, verify in variants:
-        module = _module(policy, engine, url, verify, transport)
+        # "file before": the trainer's checksums computed at every sync, as before issue 40
+        always = partial(_write_with_checksums, real_write)
+        server_module.write_weights = always if transport == "file before" else real_write
+        module = _module(policy, engine, url, verify, transport.split()[0])
         engine_ = module.engine
         engine_.sync_weights(module.policy)
         took = []
@@ -140,6 +150,10 @@ def rollout_table(policy: Path, work: Path, rounds: int) -> None:
     for name, took in times.items():
         median = statistics.median(took)
         print(f"| {name} | {median:.2f} ({median / base:.2f}x) | {min(took):.2f} | {max(took):.2f} |")
+
+
+def _write_with_checksums(write, weights, folder, dtype, with_checksums=True):
+    return write(weights, folder, dtype, True)
 
 
 def _start_server(policy: Path, log: Path):
@@ -213,10 +227,10 @@ def sync_table(policies: dict[str, Path], work: Path) -> None:
     from lightning_ppo.models.loading import load_causal_lm
 
     print(
-        "\n| model | parameters | fp32 MiB | colocated reload s | server sync, file s | server sync, "
-        "memory s (x file) | memory + checksums s |"
+        "\n| model | parameters | fp32 MiB | colocated reload s | file, before s | file s | "
+        "memory s | memory + checksums s |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for size, policy in policies.items():
         params = sum(p.numel() for p in load_causal_lm(str(policy)).parameters())
         colocated = _child(["syncs", str(policy), "vllm", "-", "5"])
@@ -226,10 +240,11 @@ def sync_table(policies: dict[str, Path], work: Path) -> None:
         finally:
             server.stop()
         mib = params * torch.finfo(torch.float32).bits / 8 / 2**20
-        file, memory = served["file"], served["memory"]
+        before, file, memory = served["file before"], served["file"], served["memory"]
         print(
-            f"| {size} | {params / 1e6:.1f} M | {mib:.0f} | {colocated['memory']:.3f} | {file:.3f} | "
-            f"{memory:.3f} ({memory / file:.2f}x) | {served['memory verified']:.3f} |",
+            f"| {size} | {params / 1e6:.1f} M | {mib:.0f} | {colocated['memory']:.3f} | {before:.3f} | "
+            f"{file:.3f} | {memory:.3f} ({memory / before:.2f}x before, {memory / file:.2f}x file) | "
+            f"{served['memory verified']:.3f} |",
             flush=True,
         )
 
