@@ -16,7 +16,7 @@ the server's load as the buckets arrive), each measured in the same run, and the
 the checksums (``verify_sync``: the server's checksums and the trainer's comparison).
 
 **One rollout of 512 prompts x 64 new tokens** on one server: at most 64 requests in flight per
-rank (as before issue 40) against all of them (``MAX_IN_FLIGHT``), alternated in the same run;
+rank (as before issue 40) against ``MAX_IN_FLIGHT`` (256), alternated in the same run;
 and 64 prompts x 8 samples sent as 512 requests against 64 grouped requests of ``n`` 8.
 """
 
@@ -110,7 +110,8 @@ def child_rollouts(policy: str, url: str, rounds: int) -> dict[str, list[float]]
 
     tokenizer = AutoTokenizer.from_pretrained(policy)
     config = GenerationConfig(max_new_tokens=64, engine="vllm_server", server_urls=[url], server_timeout=600)
-    hf = hf_generation_config(config, None, tokenizer.pad_token_id)
+    # a stop id past the vocabulary: no response stops early, every one is 64 tokens
+    hf = hf_generation_config(config, len(tokenizer), tokenizer.pad_token_id)
     engine = server_module.VLLMServerEngine(config, hf, Placement(), tokenizer, len(tokenizer))
     engine.sync_weights(load_causal_lm(policy))
     distinct = torch.randint(0, 10, (512, 6))
@@ -118,7 +119,7 @@ def child_rollouts(policy: str, url: str, rounds: int) -> dict[str, list[float]]
     mask = torch.ones(512, 6, dtype=torch.long)
     ways = {
         "64 in flight (before)": (64, distinct, False),
-        "all in flight": (server_module.MAX_IN_FLIGHT, distinct, False),
+        f"{server_module.MAX_IN_FLIGHT} in flight (now)": (server_module.MAX_IN_FLIGHT, distinct, False),
         "64 x 8, a request per row": (server_module.MAX_IN_FLIGHT, grouped, True),
         "64 x 8, grouped (n = 8)": (server_module.MAX_IN_FLIGHT, grouped, False),
     }
