@@ -16,6 +16,7 @@ for every key of the module, so it could not leave them out).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -82,7 +83,7 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             error = None
         except BaseException as err:  # a full disk, Ctrl-C: decided with the other ranks below
             error = err
-        failure = first_failure(error, self.world_size)  # also the barrier: every rank has written
+        failure = first_failure(error, self.world_size, temp)  # also the barrier: every rank has written
         if failure is None and self.is_global_zero:
             try:
                 publish(temp, target)
@@ -156,10 +157,12 @@ def install_sharded_checkpointing(strategy: Strategy) -> None:
         strategy.__class__ = AtomicModelParallelStrategy
 
 
-def first_failure(error: BaseException | None, world_size: int) -> tuple[int, int | None, str] | None:
+def first_failure(
+    error: BaseException | None, world_size: int, folder: Path | None = None
+) -> tuple[int, int | None, str] | None:
     """``(rank, errno, reason)`` of the lowest rank whose write failed, the same on every rank; None if
     every rank wrote its part. A collective: every rank calls it."""
-    local = None if error is None else describe(error)
+    local = None if error is None else describe(error, folder)
     reports = [local] * world_size
     if world_size > 1:
         dist.all_gather_object(reports, local)
@@ -169,9 +172,11 @@ def first_failure(error: BaseException | None, world_size: int) -> tuple[int, in
     return None
 
 
-def describe(error: BaseException) -> tuple[int | None, str]:
+def describe(error: BaseException, folder: Path | None = None) -> tuple[int | None, str]:
     """``(errno, reason)`` of a failed write: the ``OSError`` behind it (also one that another rank
-    hit inside the distributed writer), else the exception itself."""
+    hit inside the distributed writer); a full disk where the write was going (torch's zip writer
+    reports a short write as ``RuntimeError: [enforce fail ...] unexpected pos``, no OSError); else
+    the exception itself."""
     causes = [error]
     if isinstance(error, CheckpointException):  # the writer's failures of every rank, in rank order
         causes = [failure[0] for _, failure in sorted(error.failures.items())] + causes
@@ -179,7 +184,20 @@ def describe(error: BaseException) -> tuple[int | None, str]:
         os_error = os_error_in(cause)
         if os_error is not None:
             return os_error.errno, os_error.strerror or str(os_error)
+    if folder is not None and _disk_full(folder):
+        return errno.ENOSPC, os.strerror(errno.ENOSPC)
     return None, f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+def _disk_full(folder: Path) -> bool:
+    """Whether the filesystem holding ``folder`` (or its nearest existing parent) has no room left."""
+    path = folder
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free < 64 * 1024
+    except OSError:
+        return False
 
 
 def raise_save_failure(
@@ -189,7 +207,7 @@ def raise_save_failure(
     rank, errno, reason = failure
     if errno is not None:
         raise save_error(OSError(errno, reason), target) from error
-    if error is not None and not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit
+    if error is not None and not isinstance(error, Exception | CheckpointException):  # Ctrl-C, exit
         raise error
     left = f"the previous {target.name} is intact" if target.exists() else f"no {target.name} was written"
     raise RuntimeError(
