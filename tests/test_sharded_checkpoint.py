@@ -114,7 +114,8 @@ def test_full_disk_during_a_sharded_save_keeps_the_previous_last_ckpt_and_says_s
     # every rank says the same (rank 1 ran out of space, or both), and it is the last line
     lines = done.stderr.strip().splitlines()
     errors = [line for line in lines if "could not write checkpoint" in line]
-    assert errors and all(line.endswith(f"OSError: [Errno 28] {message}") for line in errors), done.stderr[-6000:]
+    said = all(line.endswith(f"OSError: [Errno 28] {message}") for line in errors)
+    assert errors and said, done.stderr[-6000:]
     assert lines[-1] in errors
     assert _iteration(last) == 1
     assert _side_folders(root / "ckpt") == []  # the failed write removed
