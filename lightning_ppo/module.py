@@ -56,15 +56,14 @@ from lightning_ppo.reward_setup import RewardSetup
 from lightning_ppo.rewards import RewardLike, RunningMoments, ScoreInputs, check_scores
 from lightning_ppo.rollout.ahead import (
     PENDING_KEY,
-    BackgroundJobs,
     EndSamplingOnFailure,
     EpisodeRecord,
     RolloutsAhead,
     Sampled,
     check_ahead,
-    from_saved,
     gather_objects,
     pending_of_rank,
+    pipeline_for,
     say_untrained,
     to_saved,
 )
@@ -456,23 +455,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             batch = batch.repeat_interleave(self.ppo.num_generations)
             return Sampled(batch, self.generate(batch), self.iteration, EpisodeRecord.of(self.episode_runner))
         if self._ahead is None:
-            jobs = BackgroundJobs(
-                self.policy,
-                lambda: self.iteration,
-                self.engine if self.generation_config.engine == "vllm_server" else None,
-                self.hf_generation,
-                self.generation_config.cache_implementation,
-                self.episode_runner,
-                self.token_logprobs,
-                self.global_rank,
-                self.prompt_end.check,
-                self.ppo.max_staleness,
-                self.ppo.num_generations,
-                self.generation_config.forward_chunk_size,
-            )
-            agree = partial(gather_objects, self._trainer)  # every rank's failure, if any
-            self._ahead = RolloutsAhead(self.ppo.max_staleness, jobs.start, agree)
-            self._ahead.restore([from_saved(b, self.device) for b in self._restored_pending])
+            self._ahead = pipeline_for(self)
         return self._ahead.next(batch, self.iteration)
 
     def generate(self, batch: PromptBatch) -> Rollout:

@@ -340,11 +340,13 @@ def test_the_api_key_travels_from_the_environment(stuck, monkeypatch):
     assert _Stuck.authorizations == [None, "Bearer s3cret"]
 
 
-def _asgi(guard: GuardEveryRoute, path: str, key: str | None = None) -> int:
-    """The status the guarded app answers for a POST to ``path``."""
+def _asgi(
+    guard: GuardEveryRoute, path: str, key: str | None = None, method: str = "POST", headers: tuple = ()
+) -> int:
+    """The status the guarded app answers for a request to ``path``."""
     sent: list[dict] = []
-    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
-    scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+    headers = [*headers, *([(b"authorization", f"Bearer {key}".encode())] if key else [])]
+    scope = {"type": "http", "method": method, "path": path, "headers": headers}
 
     async def send(message: dict) -> None:
         sent.append(message)
@@ -570,16 +572,6 @@ def test_only_a_cors_preflight_passes_the_guard_without_the_key(monkeypatch):
 
     monkeypatch.setenv("VLLM_API_KEY", "s3cret")
     guard = GuardEveryRoute(app)
-
-    def status(headers: list[tuple[bytes, bytes]]) -> int:
-        sent: list[dict] = []
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        scope = {"type": "http", "method": "OPTIONS", "path": "/metrics/", "headers": headers}
-        asyncio.run(guard(scope, None, send))
-        return sent[0]["status"]
-
-    assert status([]) == 401
-    assert status([(b"origin", b"http://x"), (b"access-control-request-method", b"GET")]) == 200
+    preflight = ((b"origin", b"http://x"), (b"access-control-request-method", b"GET"))
+    assert _asgi(guard, "/metrics/", method="OPTIONS") == 401
+    assert _asgi(guard, "/metrics/", method="OPTIONS", headers=preflight) == 200

@@ -326,6 +326,30 @@ class RolloutsAhead:
         self.jobs.append(_Job(batch, self.worker.submit(sample)))
 
 
+def pipeline_for(module: Any) -> RolloutsAhead:
+    """A ``PPOLightningModule``'s pipeline: its engine (a server's) or snapshots of its policy, its
+    episodes, every rank's agreement; the batches its checkpoint kept are sampled first."""
+    server = module.engine if module.generation_config.engine == "vllm_server" else None
+    jobs = BackgroundJobs(
+        module.policy,
+        lambda: module.iteration,
+        server,
+        module.hf_generation,
+        module.generation_config.cache_implementation,
+        module.episode_runner,
+        module.token_logprobs,
+        module.global_rank,
+        module.prompt_end.check,
+        module.ppo.max_staleness,
+        module.ppo.num_generations,
+        module.generation_config.forward_chunk_size,
+    )
+    agree = partial(gather_objects, module._trainer)  # every rank's failure, if any
+    ahead = RolloutsAhead(module.ppo.max_staleness, jobs.start, agree)
+    ahead.restore([from_saved(saved, module.device) for saved in module._restored_pending])
+    return ahead
+
+
 def check_ahead(max_staleness: int, generation: GenerationConfig, model_parallel: bool) -> None:
     """Refuse, in one line, what sampling ahead cannot do (before any model is built)."""
     if max_staleness == 0:
