@@ -72,6 +72,7 @@ class Settings:
     minibatches: int = 4
     ppo_epochs: int = 4
     response_length: int = 32
+    prompt_length: int = 0  # tokens per prompt of the main table; 0: the quickstart's 6
     threads: int = 0  # 0: torch's default
     scaling: bool = True
     scaling_config: str = "medium"
@@ -130,6 +131,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--minibatches", type=int, help="minibatches per PPO epoch (4)")
     p.add_argument("--ppo-epochs", type=int, help="PPO epochs per iteration (4)")
     p.add_argument("--response-length", type=int, help="new tokens per response (32)")
+    p.add_argument("--prompt-length", type=int, help="tokens per prompt of the main table (6)")
     p.add_argument("--threads", type=int, help="torch threads per run (default: torch's; --quick: 1)")
     p.add_argument("--scaling", action=argparse.BooleanOptionalAction, help="lightning_ppo scaling table")
     p.add_argument("--scaling-config", help="model preset of the scaling table")
@@ -251,6 +253,7 @@ def plan(
             num_minibatches=s.minibatches,
             ppo_epochs=s.ppo_epochs,
             response_length=s.response_length,
+            prompt_length=s.prompt_length,
             iterations=s.iterations,
             phases=not args.no_phases,
             threads=s.threads,

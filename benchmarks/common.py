@@ -58,12 +58,16 @@ class ModelPreset:
     """
 
     name: str
-    arch: str  # "gpt2" or "llama"
+    arch: str  # "gpt2", "llama" or "qwen2"
     n_layer: int
     n_embd: int
     n_head: int
     n_positions: int = 512
     extra_vocab: int = 0
+    # Llama / Qwen2 only: grouped-query attention's key/value heads (0: one per head) and the MLP
+    # width (0: 4 x n_embd)
+    n_kv_head: int = 0
+    intermediate: int = 0
 
 
 PRESETS = {
@@ -74,6 +78,11 @@ PRESETS = {
     "medium": ModelPreset("medium", "gpt2", 4, 256, 4),
     # ~0.47B parameters with a 32k vocabulary: a Llama-style model for the GPU run.
     "llama-0.5b": ModelPreset("llama-0.5b", "llama", 24, 1024, 16, n_positions=2048, extra_vocab=32000),
+    # Qwen2.5-0.5B-Instruct's shape (configs/gsm8k_*.yaml's model), random weights: 24 x 896, 14 heads
+    # over 2 key/value heads, MLP 4864, its 151936-token vocabulary, tied embeddings (~0.49B)
+    "qwen2.5-0.5b": ModelPreset(
+        "qwen2.5-0.5b", "qwen2", 24, 896, 14, 4096, 151936 - 50, n_kv_head=2, intermediate=4864
+    ),  # 151936 - 50: the char tokenizer's 48 characters, PAD and BOS come first
 }
 
 
@@ -100,6 +109,7 @@ class RunSpec:
     # "variable": prompts of 8 to 2 x response_length tokens, responses cut at 1 to response_length
     # tokens by length_schedule (see variable_prompts).
     workload: str = "fixed"
+    prompt_length: int = 0  # "fixed": tokens per prompt; 0 keeps the quickstart's NUM_DIGITS + 1
     micro_batch_tokens: int | None = None  # lightning_ppo's ppo.micro_batch_tokens
     cache: str = "static"  # lightning_ppo's generation.cache_implementation
     # count aten ops and host reads per iteration (benchmarks.op_count) instead of timing: the
@@ -153,12 +163,23 @@ def build_tokenizer(preset: ModelPreset):
     from lightning_ppo.tasks.tiny import BOS, DEFAULT_ALPHABET, EOS, PAD
 
     # CJK ideographs onwards: single code points, none of them a surrogate for 32k characters.
-    alphabet = DEFAULT_ALPHABET + "".join(chr(0x4E00 + i) for i in range(preset.extra_vocab))
+    alphabet = DEFAULT_ALPHABET + "".join(extra_characters(preset.extra_vocab))
     tokens = [PAD, BOS, *dict.fromkeys(alphabet), EOS]
     tokenizer = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token=PAD))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS, bos_token=BOS)
+
+
+def extra_characters(count: int) -> Iterator[str]:
+    """``count`` single code points from the CJK ideographs on, past the surrogates (which cannot be
+    saved as UTF-8) and the plane's last two non-characters: enough for a 152k vocabulary."""
+    code = 0x4E00
+    while count:
+        if not (0xD800 <= code <= 0xDFFF or code & 0xFFFE == 0xFFFE):
+            yield chr(code)
+            count -= 1
+        code += 1
 
 
 def model_config(preset: ModelPreset, tokenizer: Any, **extra: Any):
@@ -175,15 +196,20 @@ def model_config(preset: ModelPreset, tokenizer: Any, **extra: Any):
             n_positions=preset.n_positions,
             **shared,
         )
-    return LlamaConfig(
+    llama_like = dict(
         num_hidden_layers=preset.n_layer,
         hidden_size=preset.n_embd,
-        intermediate_size=4 * preset.n_embd,
+        intermediate_size=preset.intermediate or 4 * preset.n_embd,
         num_attention_heads=preset.n_head,
-        num_key_value_heads=preset.n_head,
+        num_key_value_heads=preset.n_kv_head or preset.n_head,
         max_position_embeddings=preset.n_positions,
         **shared,
     )
+    if preset.arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(tie_word_embeddings=True, rope_theta=1e6, **llama_like)
+    return LlamaConfig(**llama_like)
 
 
 def build_checkpoints(preset: ModelPreset, out_dir: Path, seed: int = 0) -> tuple[Path, Path]:
@@ -204,11 +230,17 @@ def build_checkpoints(preset: ModelPreset, out_dir: Path, seed: int = 0) -> tupl
     return folders
 
 
-def prompts(num: int, seed: int = 0) -> list[str]:
-    """The quickstart's digit prompts (``"47192="``), the same in every variant."""
+def prompts(num: int, seed: int = 0, length: int = 0) -> list[str]:
+    """The quickstart's digit prompts (``"47192="``), the same in every variant; ``length``: prompts of
+    that many tokens instead (``length - 1`` digits and ``=``), e.g. 200 for the GSM8K recipe's."""
     from lightning_ppo.tasks.digits import digit_prompts
 
-    return digit_prompts(num, NUM_DIGITS, seed)["prompt"]
+    return digit_prompts(num, prompt_digits(length), seed)["prompt"]
+
+
+def prompt_digits(length: int) -> int:
+    """The digits of a fixed-workload prompt of ``length`` tokens (0: the quickstart's)."""
+    return length - 1 if length else NUM_DIGITS
 
 
 # ----------------------------------------------------------------------------- the variable-length workload

@@ -129,7 +129,7 @@ def run(spec: common.RunSpec) -> common.RunResult:
     if spec.workload == "variable":
         texts = common.variable_prompts(spec.batch_size * spec.iterations, spec.response_length, spec.seed)
     else:
-        texts = common.prompts(spec.batch_size * spec.iterations, spec.seed)
+        texts = common.prompts(spec.batch_size * spec.iterations, spec.seed, spec.prompt_length)
     timer = common.PhaseTimer(spec.device, spec.phases)
     clock = common.IterationClock(spec.device)
     result = common.RunResult(spec=vars(spec))

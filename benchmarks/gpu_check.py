@@ -10,9 +10,16 @@ too little is left:
 1. side by side (tiny models, untimed): the GPU-only tests (``tests/test_gpu.py``: every model family
    under every precision, LoRA), and the quickstart on ``cuda`` as configured (fp32,
    ``--quickstart-iterations``) beside every other example config for a few iterations in bf16-mixed;
-2. the benchmark's CUDA table: llama-0.5b, bf16-mixed, batch 64 x 32 new tokens: lightning_ppo
+2. the GSM8K recipe's shapes (``configs/gsm8k_ppo.yaml``): a random-weight model of Qwen2.5-0.5B's
+   config, 64 prompts of 200 tokens, responses of 256 and then 512 tokens, one PPO epoch over 4
+   minibatches: lightning_ppo and the floor, seconds per iteration, generated tokens per second and
+   peak memory;
+3. the benchmark's CUDA table: llama-0.5b, bf16-mixed, batch 64 x 32 new tokens: lightning_ppo
    eager and compiled, the floor and TRL (if importable);
-3. the same at batch 256 x 256 new tokens: lightning_ppo and the floor.
+4. the same at batch 256 x 256 new tokens: lightning_ppo and the floor;
+5. decoding alone (``benchmarks.decoding``, where it exists): ms per step against length.
+
+``--stages`` picks and orders them (a short lease: the rows that matter first).
 
 ``--accelerator cpu`` runs the same stages on the CPU (the benchmark on a tiny Llama), to try the
 check itself where no GPU is at hand. It ends with one table (s / iteration, peak GPU memory, peak
@@ -23,6 +30,7 @@ anything failed; without CUDA (and ``--accelerator cuda``) it says so and exits 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -47,6 +55,14 @@ TINY = {
 # in run order: what the targets compare first, should the time run out
 MAIN_VARIANTS = ("lightning_ppo", "floor", "trl", "lightning_ppo_compiled")
 LONG_VARIANTS = ("lightning_ppo", "floor")
+# Each stage's share of the budget (at most: a stage that ends early leaves its time to the next).
+STAGE_SHARES = {"checks": 0.12, "recipe": 0.4, "bench-64x32": 0.45, "bench-256x256": 0.3, "decoding": 0.15}
+# The GSM8K recipe (configs/gsm8k_ppo.yaml): batch 64, ~200-token prompts, 1 epoch x 4 minibatches
+RECIPE = ["--configs", "qwen2.5-0.5b", "--batch-size", "64", "--prompt-length", "200"]
+RECIPE += ["--ppo-epochs", "1", "--minibatches", "4", "--iterations", "2"]
+RECIPE_LENGTHS = (256, 512)
+# The tests that need CUDA: test_gpu.py, and the CUDA cases of the others (their ids say cuda)
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_faults.py", "-k", "cuda"]
 # the benchmark's stages on the CPU: a tiny Llama, one thread, small batches (these flags come last: they win)
 CPU_TRIAL = ["--device", "cpu", "--configs", "tiny-llama", "--precisions", "bf16-mixed", "--threads", "1"]
 CPU_TRIAL += ["--batch-size", "8", "--response-length", "8", "--minibatches", "2", "--ppo-epochs", "2"]
@@ -71,6 +87,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "runs" / "gpu-check"), help="folder for the logs and table")
     p.add_argument("--budget", type=float, default=480, help="seconds for the whole check")
     p.add_argument("--quickstart-iterations", type=int, default=100)
+    p.add_argument(
+        "--stages",
+        default="checks,recipe,bench-64x32,bench-256x256,decoding",
+        help=f"comma-separated, in run order, of {list(STAGE_SHARES)}",
+    )
     p.add_argument("--config-iterations", type=int, default=3)
     p.add_argument(
         "--accelerator",
@@ -168,10 +189,10 @@ def run_logged(command: list[str], log: Path, timeout: float, **env: str) -> str
 
 def gpu_tests(out: Path, timeout: float) -> list[Line]:
     log = out / "tests.log"
-    failure = run_logged([sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_gpu.py"], log, timeout)
+    failure = run_logged([sys.executable, "-m", "pytest", "-q", "-rs", *GPU_TESTS], log, timeout)
     summary = re.findall(r"^=*\s*(\d+ \w+.*) in [\d.]+s", log.read_text(), flags=re.M)
     status = "ok" if failure is None else "FAILED"
-    return [Line("tests", "tests/test_gpu.py", "all", status, note=(summary or [failure or ""])[-1])]
+    return [Line("tests", " ".join(GPU_TESTS), "all", status, note=(summary or [failure or ""])[-1])]
 
 
 def configs(out: Path, timeout: float, args: argparse.Namespace) -> list[Line]:
@@ -240,13 +261,25 @@ def bench(out: Path, name: str, timeout: float, variants: tuple[str, ...], extra
         mfu = r.get("mfu")
         note = f"training RSS {r.get('train_rss_mib') or r['peak_rss_mib']:.0f} MiB"
         note += f", MFU {100 * mfu:.1f} %" if mfu is not None else ""
+        rate = generated_per_s(r)
+        note += f", generated {rate:,.0f} tok/s" if rate else ""
         note = r["error"][:120] if r["error"] else note
         status = "FAILED" if r["error"] else "ok"
         spec = r["spec"]
         what = f"{spec['variant']} {spec['preset']} b{spec['batch_size']} x {spec['response_length']}"
+        what += f", prompts {spec['prompt_length']}" if spec.get("prompt_length") else ""
         memory = r["peak_gpu_mib"], r["peak_rss_mib"]
         lines.append(Line(name, what, spec["precision"], status, seconds, *memory, note))
     return lines
+
+
+def generated_per_s(result: dict) -> float | None:
+    """Generated tokens per second of generation: rows x new tokens over the ``generate`` phase's
+    seconds (medians of the iterations after the first), where the run timed its phases."""
+    seconds = [phase["generate"] for phase in result.get("phases", []) if "generate" in phase]
+    seconds = seconds[1:] or seconds
+    width, rows = result.get("response_width"), result["spec"]["batch_size"]
+    return rows * width / statistics.median(seconds) if seconds and width else None
 
 
 # ----------------------------------------------------------------------------- the table
@@ -293,24 +326,33 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     facts = [f"gpu-check {time.strftime('%Y-%m-%d %H:%M %Z')}: {versions(args.accelerator)}"]
     print(facts[0], flush=True)
-    # measured on an H200 (with the dynamic-cache variant, since dropped): 54, 296 and 152 s
-    shares = [("checks", 0.15), ("bench-64x32", 0.55), ("bench-256x256", 0.3)]
+    # measured on an H200 (with the dynamic-cache variant, since dropped): checks 54 s, bench-64x32
+    # 296 s, bench-256x256 152 s
+    stages = args.stages.split(",")
+    unknown = sorted(set(stages) - set(STAGE_SHARES))
+    if unknown:
+        raise SystemExit(f"gpu-check: --stages: unknown {unknown}; expected some of {list(STAGE_SHARES)}")
     lines: list[Line] = []
-    for stage, share in shares:
+    for stage in stages:
         left = args.budget - (time.monotonic() - start)
-        allowed = left if stage == shares[-1][0] else min(left, share * args.budget)
+        allowed = left if stage == stages[-1] else min(left, STAGE_SHARES[stage] * args.budget)
         if allowed < 30:
             lines.append(Line(stage, "", "", "skipped", note=f"{left:.0f} s of the budget left"))
             continue
         t0 = time.monotonic()
         lines += run_stage(stage, out, allowed, args)
         print(f"{stage}: {time.monotonic() - t0:.0f} s", flush=True)
+        write_table(out, lines, facts)  # after every stage: a lease that ends early keeps the rows so far
     facts.append(f"whole check: {time.monotonic() - start:.0f} s; logs in {out}")
+    print("\n" + write_table(out, lines, facts))
+    return 1 if any(x.status == "FAILED" for x in lines) else 0
+
+
+def write_table(out: Path, lines: list[Line], facts: list[str]) -> str:
     text = render(lines, facts)
-    print("\n" + text)
     (out / "gpu-check.md").write_text(text)
     (out / "gpu-check.json").write_text(json.dumps([asdict(x) for x in lines], indent=1))
-    return 1 if any(x.status == "FAILED" for x in lines) else 0
+    return text
 
 
 def run_stage(stage: str, out: Path, allowed: float, args: argparse.Namespace) -> list[Line]:
@@ -320,10 +362,41 @@ def run_stage(stage: str, out: Path, allowed: float, args: argparse.Namespace) -
             lines = configs(out, allowed, args)
             return tests.result() + lines
     device = ["--device", "cuda"] if args.accelerator == "cuda" else CPU_TRIAL
+    if stage == "recipe":
+        return recipe(out, allowed, device)
+    if stage == "decoding":
+        return decoding(out, allowed, args.accelerator)
     if stage == "bench-64x32":
         return bench(out, stage, allowed, MAIN_VARIANTS, ["--iterations", "3", *device])
     long = ["--iterations", "2", "--batch-size", "256", "--response-length", "256"]
     return bench(out, stage, allowed, LONG_VARIANTS, [*long, *device])
+
+
+def recipe(out: Path, allowed: float, device: list[str]) -> list[Line]:
+    """The GSM8K recipe's shapes at each response length, lightning_ppo beside the floor."""
+    if device != ["--device", "cuda"]:  # the CPU trial: the tiny Llama, the recipe's prompts and batch
+        device = [*device, "--prompt-length", "200", "--batch-size", "8", "--ppo-epochs", "1"]
+    lines: list[Line] = []
+    deadline = time.monotonic() + allowed
+    for length in RECIPE_LENGTHS:
+        left = deadline - time.monotonic()
+        if left < 30:
+            lines.append(Line("recipe", f"r{length}", "", "skipped", note=f"{left:.0f} s of the stage left"))
+            continue
+        extra = [*RECIPE, "--response-length", str(length), "--precisions", "bf16-mixed", *device]
+        lines += bench(out, f"recipe-{length}", left, LONG_VARIANTS, extra)
+    return lines
+
+
+def decoding(out: Path, allowed: float, accelerator: str) -> list[Line]:
+    """``benchmarks.decoding``'s table (ms per decoding step by cache and length), as its log."""
+    if importlib.util.find_spec("benchmarks.decoding") is None:
+        return [Line("decoding", "benchmarks.decoding", "", "skipped", note="not in this tree")]
+    log = out / "decoding.log"
+    command = [sys.executable, "-m", "benchmarks.decoding", "--device", accelerator]
+    failure = run_logged(command, log, allowed)
+    status = "ok" if failure is None else "FAILED"
+    return [Line("decoding", "benchmarks.decoding", "bf16-mixed", status, note=failure or f"table in {log}")]
 
 
 if __name__ == "__main__":

@@ -188,9 +188,9 @@ def prompt_data(spec: common.RunSpec):
     if spec.workload == "fixed":
         return DigitsDataModule(
             num_prompts=spec.batch_size * spec.iterations,
-            num_digits=common.NUM_DIGITS,
+            num_digits=common.prompt_digits(spec.prompt_length),
             batch_size=spec.batch_size,
-            max_prompt_length=16,
+            max_prompt_length=max(16, spec.prompt_length),
             seed=spec.seed,
         )
     prompts = common.variable_prompts(spec.batch_size * spec.iterations, spec.response_length, spec.seed)

@@ -71,7 +71,7 @@ def run(spec: common.RunSpec) -> common.RunResult:
     reference = AutoModelForCausalLM.from_pretrained(spec.policy)
     value = AutoModelForSequenceClassification.from_pretrained(spec.policy, num_labels=1)
     reward = AutoModelForSequenceClassification.from_pretrained(spec.reward, num_labels=1)
-    texts = common.prompts(spec.batch_size * spec.iterations, spec.seed)
+    texts = common.prompts(spec.batch_size * spec.iterations, spec.seed, spec.prompt_length)
     dataset = Dataset.from_dict({"input_ids": [tokenizer(t)["input_ids"] for t in texts]})
     with tempfile.TemporaryDirectory() as output_dir:
         args = PPOConfig(

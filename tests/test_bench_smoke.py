@@ -79,3 +79,15 @@ def test_trl_is_skipped_cleanly_when_not_importable(tmp_path, capsys, monkeypatc
 def test_gpu_benchmark_skips_without_cuda(tmp_path, capsys):
     assert bench.main(["--device", "cuda", "--out", str(tmp_path)]) == 0
     assert "CUDA is not available" in capsys.readouterr().out
+
+
+def test_gpu_check_counts_generated_tokens_per_second_of_the_steady_iterations():
+    from benchmarks.gpu_check import generated_per_s
+
+    result = {
+        "spec": {"batch_size": 64},
+        "response_width": 256,
+        "phases": [{"generate": 9.0}, {"generate": 2.0}, {"generate": 4.0}, {"train": 1.0}],
+    }
+    assert generated_per_s(result) == 64 * 256 / 3.0  # the first (warm-up) left out, then the median
+    assert generated_per_s({**result, "phases": []}) is None
