@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_ppo.distributed.sharded_checkpoint import remove_stale_folders
@@ -27,6 +27,7 @@ from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.log_continuity import LOGS_KEY, checkpoint_to_load, logger_records
 from lightning_ppo.runs.quiet import DropMessages, stop_dropping, stopped_mid_epoch
 from lightning_ppo.runs.run_lock import RunLock
+from lightning_ppo.runs.warn import warn
 from lightning_ppo.runs.writable import ensure_writable
 from lightning_ppo.watch.guardrails import Guardrails
 
@@ -63,7 +64,7 @@ def restore_rng_states(module: LightningModule, states: Tensor) -> None:
     """Give this rank its saved RNG state back (if the world size is unchanged)."""
     rank, world = module.trainer.global_rank, module.trainer.world_size
     if states.shape[0] != world:
-        rank_zero_warn(
+        warn(
             f"the checkpoint holds RNG states of {states.shape[0]} processes but this run has {world}: "
             "sampling continues from freshly seeded generators, so it will not match the original run"
         )

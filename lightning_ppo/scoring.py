@@ -28,12 +28,12 @@ from functools import partial
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_ppo.rewards import ScoreInputs, TrainerState, check_scores
 from lightning_ppo.runs.bounded_calls import await_bounded
 from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.warn import warn
 
 # The log_extra column of per-completion correctness (1.0 / 0.0) that validation logs as eval/accuracy.
 ACCURACY_COLUMN = "correct"
@@ -133,7 +133,7 @@ class Scorer:
         count = int(self.unscored.sum())
         if count and not self._warned:
             self._warned = True
-            rank_zero_warn(
+            warn(
                 f"{count} of {batch_size} completions were scored by no reward (every reward returned None "
                 "for them): they are left out of the update and of their group's baseline, and counted "
                 "in reward/unscored (this warning is shown once)"

@@ -10,7 +10,6 @@ import re
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from transformers import (
     AutoConfig,
@@ -31,6 +30,7 @@ from lightning_ppo.distributed.sharded_loading import (
     is_skeleton,
 )
 from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.warn import warn
 
 # Names of the dtypes that frozen weights may be loaded in (``frozen_dtype``).
 FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -207,9 +207,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
             raise UsageError(f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token")
         # Safe: masks come from lengths and the stop token, never from comparing ids with the pad id.
         tokenizer.pad_token = tokenizer.eos_token
-        rank_zero_warn(
-            f"tokenizer {name_or_path!r} has no pad token: using its EOS token {tokenizer.eos_token!r}"
-        )
+        warn(f"tokenizer {name_or_path!r} has no pad token: using its EOS token {tokenizer.eos_token!r}")
     return tokenizer
 
 

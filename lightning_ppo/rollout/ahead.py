@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_ppo.config import GenerationConfig
@@ -48,6 +48,7 @@ from lightning_ppo.rollout.engines.hf import HFEngine
 from lightning_ppo.rollout.prompts import PromptBatch
 from lightning_ppo.runs.daemon_worker import DaemonWorker
 from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.warn import warn
 
 
 @dataclass
@@ -403,7 +404,7 @@ def pending_of_rank(
             f"with {len(saved)} ranks (this run has {world}) so that each is trained exactly once"
         )
     if max_staleness == 0:
-        rank_zero_warn(
+        warn(
             f"the checkpoint holds {len(saved[rank])} batch(es) per rank sampled ahead and not yet trained; "
             "with ppo.max_staleness 0 they are not trained (resume with ppo.max_staleness >= 1 to train them)"
         )

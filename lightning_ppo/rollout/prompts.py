@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from transformers import PreTrainedTokenizerBase
+
+from lightning_ppo.runs.warn import warn
 
 
 @dataclass
@@ -65,7 +66,7 @@ class PromptEndWarning:
             return  # prompts are left padded: the last column holds every prompt's last token
         self.warned = True
         token = self.tokenizer.convert_ids_to_tokens(self.stop_token_id)
-        rank_zero_warn(
+        warn(
             f"prompts end with the stop token {token!r}, probably added by the tokenizer: set "
             "`data.add_special_tokens: false`, or another `generation.stop_token`"
         )

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.warn import warn
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def check_resumable(
             + ". Resume with the checkpoint's settings, or start a new run from its exported policy."
         )
     if changes:
-        rank_zero_warn(
+        warn(
             "resuming with settings that differ from the checkpoint's; the run goes on with the "
             "config's values: " + "; ".join(map(str, changes))
         )

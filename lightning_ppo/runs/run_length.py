@@ -17,10 +17,11 @@ import math
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Timer
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_ppo.config import PPOConfig
 from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.warn import warn
 
 
 def steps_per_iteration(ppo: PPOConfig) -> int:
@@ -112,4 +113,4 @@ def explain_idle_resume(trainer: Trainer, resumed_at: int | None, iteration: int
         why = "trainer.max_time was used up already (it counts the whole run, across resumes): give more"
     else:
         why = "the Trainer's loop had nothing left to do"
-    rank_zero_warn(f"nothing trained: resumed from {trainer.ckpt_path} at iteration {iteration}, {why}")
+    warn(f"nothing trained: resumed from {trainer.ckpt_path} at iteration {iteration}, {why}")
