@@ -33,7 +33,7 @@ from lightning_ppo.distributed.sharding import (
     uses_model_parallel,
 )
 from lightning_ppo.models.loading import load_tokenizer
-from lightning_ppo.models.placement import LoadsWhereItRuns
+from lightning_ppo.models.placement import LoadsWhereItRuns, keep_through_teardown
 from lightning_ppo.models.roles import LoraSettings, Roles
 from lightning_ppo.ppo import functional as F
 from lightning_ppo.ppo import optim
@@ -273,6 +273,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         reject_fsdp1(self.trainer.strategy)
         check_precision(self.trainer.precision)
         install_sharded_checkpointing(self.trainer.strategy)  # before a resume loads a folder
+        keep_through_teardown(self.trainer.strategy)  # the roles and optimizer state stay on the device
         check_ahead(
             self.ppo.max_staleness, self.generation_config, uses_model_parallel(self.trainer.strategy)
         )
@@ -293,14 +294,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         check_training_plan(self.trainer, self.ppo)
         training_started()  # a Ctrl-C from now on may find checkpoints written (lightning_ppo.runs.ctrl_c)
 
-    def on_train_end(self) -> None:
-        # Strategy.teardown, next, copies the optimizer state to the host (AdamW: 8 bytes per trained
-        # parameter): set aside, it stays where it is, and comes back in on_fit_end, after it.
-        self._set_aside = optim.set_aside_states(self.trainer.optimizers)
-
     def on_fit_end(self) -> None:
-        optim.restore_states(getattr(self, "_set_aside", []))  # for a trainer.save_checkpoint after fit
-        self._set_aside = []
         explain_idle_resume(self.trainer, getattr(self, "_resumed_at", None), self.iteration)
         self.end_sampling_ahead(wait=True)
         say_untrained(len(self._restored_pending), self.ppo.max_staleness)

@@ -1,11 +1,14 @@
-"""The end of fit (issue 43): Lightning's Strategy.teardown copies every optimizer's state to the host
-(AdamW: 8 bytes per trained parameter, on top of the module). The module sets the state aside before
-it and puts it back after, so teardown finds nothing to copy, and what may follow a fit still works:
-a full ``trainer.save_checkpoint`` that resumes, ``validate``, a second ``fit``."""
+"""The end of a stage (issue 43): Lightning's Strategy.teardown (single device, DDP) moves the module
+and every optimizer's state to the host at the end of fit, validate and test: a host copy of every
+role (trained and frozen) and of AdamW's moments (8 bytes per trained parameter). The module's
+strategy runs it with the roles and the state set aside (``models.placement.keep_through_teardown``),
+so teardown finds nothing to move, and puts them back after, where they ran; what may follow a fit
+still works: a full ``trainer.save_checkpoint`` that resumes, ``validate``, a second ``fit``."""
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
@@ -14,14 +17,18 @@ from tests.helpers import PROMPTS, CountCharReward
 
 
 class TeardownWitness(SingleDeviceStrategy):
-    """Lightning's own single-device strategy; records the optimizer state bytes its teardown moves."""
+    """Lightning's own single-device strategy; records the bytes its teardown moves to the host: the
+    optimizers' state and the module's parameters and buffers (on a GPU each would be copied)."""
 
     def __init__(self) -> None:
         super().__init__(device="cpu")
         self.moved: list[int] = []
 
     def teardown(self) -> None:
-        self.moved.append(sum(_state_bytes(o) for o in self.optimizers))
+        module = self.lightning_module
+        tensors = [*module.parameters(), *module.buffers()] if module is not None else []
+        weights = sum(t.numel() * t.element_size() for t in tensors)
+        self.moved.append(sum(_state_bytes(o) for o in self.optimizers) + weights)
         super().teardown()
 
 
@@ -56,13 +63,17 @@ def _data() -> PromptDataModule:
     return PromptDataModule(prompts=PROMPTS, val_prompts=PROMPTS[:4], batch_size=4, max_prompt_length=8)
 
 
-def test_teardown_moves_no_optimizer_state_and_a_save_after_fit_resumes(tiny_gpt2, tmp_path):
+def test_teardown_moves_nothing_and_a_save_after_fit_resumes(tiny_gpt2, tmp_path):
     module, strategy = _module(tiny_gpt2), TeardownWitness()
     trainer = _trainer(tmp_path, strategy, iterations=2)
     trainer.fit(module, datamodule=_data())
     trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    assert strategy.moved == [0]  # was 8 bytes per trained parameter: AdamW's two fp32 moments
-    assert _state_bytes(trainer.optimizers[0]) == 8 * trained  # back after teardown
+    # was every role (policy, critic, frozen reference: 4 bytes per parameter each) and AdamW's two
+    # fp32 moments (8 bytes per trained parameter)
+    assert strategy.moved == [0]
+    assert _roles(module) == {"policy", "ref_policy", "value_model"}  # back after teardown, as they were
+    assert not any(p.is_meta for p in module.parameters()) and module.device == strategy.root_device
+    assert _state_bytes(trainer.optimizers[0]) == 8 * trained
     moments = {k: v["exp_avg"].clone() for k, v in trainer.optimizers[0].state_dict()["state"].items()}
 
     trainer.save_checkpoint(tmp_path / "after.ckpt")  # after fit, with the moments: it can resume
@@ -84,6 +95,26 @@ def test_validate_and_a_second_fit_follow_a_fit(tiny_gpt2, tmp_path):
     trainer.fit(module, datamodule=data)
     validated = trainer.validate(module, datamodule=data, verbose=False)
     assert torch.isfinite(torch.tensor(validated[0]["eval/scores"]))
+    assert strategy.moved == [0, 0]  # validate's teardown keeps them too
     again = TeardownWitness()
     _trainer(tmp_path, again).fit(module, datamodule=data)  # a new optimizer, set aside in turn
     assert module.iteration == 2 and again.moved == [0]
+    assert _roles(module) == {"policy", "ref_policy", "value_model"}
+
+
+def test_a_teardown_that_raises_leaves_the_roles_in_place(tiny_gpt2, tmp_path):
+    class Failing(TeardownWitness):
+        def teardown(self) -> None:
+            super().teardown()
+            raise RuntimeError("teardown failed")
+
+    module, strategy = _module(tiny_gpt2), Failing()
+    with pytest.raises(RuntimeError, match="teardown failed"):
+        _trainer(tmp_path, strategy).fit(module, datamodule=_data())
+    assert _roles(module) == {"policy", "ref_policy", "value_model"}
+    assert _state_bytes(strategy.optimizers[0]) > 0
+
+
+def _roles(module: PPOLightningModule) -> set[str]:
+    """The roles holding parameters: ``roles.<role>.…`` of every parameter's name."""
+    return {name.split(".")[1] for name, _ in module.named_parameters()}
