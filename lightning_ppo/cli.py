@@ -28,6 +28,7 @@ from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.runs.ctrl_c import ctrl_c_exits
 from lightning_ppo.runs.errors import TRACEBACK_ENV, UsageError, condense_parser_error, usage_errors_exit
 from lightning_ppo.runs.log_continuity import continue_logs
+from lightning_ppo.runs.null_args import nulls_as_sections
 from lightning_ppo.runs.preflight import (
     check_checkpoint_file,
     check_packages,
@@ -238,6 +239,10 @@ def _run(args: list[str] | None) -> PPOLightningCLI | None:
         exported = export_main(argv[1:])
         print(f"wrote {exported.describe()} to {exported.out}")
         return None
+    if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
+        sys.argv[1:] = nulls_as_sections(argv)
+    else:
+        args = nulls_as_sections(argv)
     return PPOLightningCLI(
         PPOLightningModule,
         PromptDataModule,
