@@ -165,6 +165,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"(default: ${VLLM_PYTHON_ENV}, else {DEFAULT_VLLM_PYTHON.relative_to(ROOT)})",
     )
     p.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="folder for the report, results, logs")
+    p.add_argument(
+        "--checkpoints",
+        help="folder to keep the random checkpoints in, reused by a later run (default: temporary)",
+    )
     args = p.parse_args(argv)
     if args.rounds is None:
         args.rounds = 1 if args.quick else 2
@@ -175,6 +179,15 @@ def settings_for(args: argparse.Namespace, device: str) -> Settings:
     base = DEFAULTS["quick" if args.quick else device]
     given = {k: v for k, v in vars(args).items() if k in base.__dataclass_fields__ and v is not None}
     return replace(base, **given)
+
+
+def kept_checkpoints(preset: str, folder: Path) -> tuple[Path, Path]:
+    """``preset``'s random policy and reward model in ``folder``: built there unless a finished build
+    is there (the reward's tokenizer is written last), e.g. by an earlier run with ``--checkpoints``."""
+    policy, reward = folder / "policy", folder / "reward"
+    if (reward / "tokenizer.json").exists() and (policy / "config.json").exists():
+        return policy, reward
+    return common.build_checkpoints(common.PRESETS[preset], folder)
 
 
 def trl_available() -> bool:
@@ -470,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         presets = set(s.configs.split(",")) | ({s.scaling_config} if s.scaling else set())
         presets |= {s.variable_config} if s.variable else set()
-        checkpoints = {p: common.build_checkpoints(common.PRESETS[p], work / p) for p in sorted(presets)}
+        kept = Path(args.checkpoints) if args.checkpoints else work
+        checkpoints = {p: kept_checkpoints(p, kept / p) for p in sorted(presets)}
         flops = report.Flops(checkpoints, args.peak_tflops)
         jobs = plan(args, s, device, checkpoints, frozenset(skip))
         print(f"{len(jobs)} runs on {device}; their logs go to {logs}", flush=True)
