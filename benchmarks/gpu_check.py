@@ -56,7 +56,7 @@ TINY = {
 MAIN_VARIANTS = ("lightning_ppo", "floor", "trl", "lightning_ppo_compiled")
 LONG_VARIANTS = ("lightning_ppo", "floor")
 # Each stage's share of the budget (at most: a stage that ends early leaves its time to the next).
-STAGE_SHARES = {"checks": 0.12, "recipe": 0.4, "bench-64x32": 0.45, "bench-256x256": 0.3, "decoding": 0.15}
+STAGE_SHARES = {"checks": 0.15, "recipe": 0.5, "bench-64x32": 0.45, "bench-256x256": 0.3, "decoding": 0.15}
 # The GSM8K recipe (configs/gsm8k_ppo.yaml): batch 64, ~200-token prompts, 1 epoch x 4 minibatches
 RECIPE = ["--configs", "qwen2.5-0.5b", "--batch-size", "64", "--prompt-length", "200"]
 RECIPE += ["--ppo-epochs", "1", "--minibatches", "4", "--iterations", "2"]
