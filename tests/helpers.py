@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -448,6 +453,372 @@ def start_cli(
         pytest.fail("this test starts several ranks: mark it @pytest.mark.ranks (tests/conftest.py)")
     full_env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(root), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", entry, *args], cwd=root, env=full_env, **popen)
+
+
+def forked_cli_process(args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    """:func:`cli_process` in a process forked from an interpreter that has done the imports (see
+    :func:`start_forked`): the same command, output and exit status, without the interpreter's start."""
+    process = start_forked(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=60)
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def start_forked(
+    args: list[str],
+    entry: str = "lightning_ppo.cli",
+    env: dict[str, str] | None = None,
+    slot: int = 0,
+    **popen: Any,
+) -> ForkedProcess:
+    """:func:`start_cli`'s ``python -m ENTRY ARGS``, forked from a process that has imported what
+    ``lightning_ppo.cli`` imports (``tests/zygote.py``, one per ``slot`` and environment, started on
+    first use): a process of its own (pid, stdio, environment, exit status, signals), ``ENTRY`` run
+    afresh as ``__main__``, only the imports shared; ~5 s of one core less than a new interpreter.
+    Not for a test whose subject is the interpreter's start (the console script, what importing
+    does) or Lightning's launcher (it re-runs the command per rank: use :func:`start_cli`).
+
+    ``slot``: which zygote; the ranks of one run fork from different ones, so that each has its
+    own string hashes (``PYTHONHASHSEED``) as ranks started apart do. ``popen``: ``stdin``,
+    ``stdout``, ``stderr`` (``None``, ``PIPE``, ``DEVNULL``, ``STDOUT``, an open file; ``None`` for
+    stdin is /dev/null), ``text``, ``start_new_session``."""
+    if _several_processes(args) and os.environ.get("LIGHTNING_PPO_TEST_RANKS") == "0":
+        pytest.fail("this test starts several ranks: mark it @pytest.mark.ranks (tests/conftest.py)")
+    full_env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(_ROOT), **(env or {})}
+    unknown = set(popen) - {"stdin", "stdout", "stderr", "text", "start_new_session"}
+    assert not unknown, f"start_forked: {sorted(unknown)} are not supported; use start_cli"
+    return _zygote(slot, full_env).start(entry, list(args), full_env, **popen)
+
+
+_ROOT = Path(__file__).resolve().parents[1]
+_ZYGOTES: dict[tuple[int, frozenset], _Zygote] = {}
+
+
+def _zygote(slot: int, env: dict[str, str]) -> _Zygote:
+    """The zygote of ``slot`` whose environment is ``env`` but for variables read at run time."""
+    from tests.zygote import RUN_TIME_VARIABLES
+
+    key = (slot, frozenset((k, v) for k, v in env.items() if k not in RUN_TIME_VARIABLES))
+    if key not in _ZYGOTES or _ZYGOTES[key].process.poll() is not None:
+        _ZYGOTES[key] = _Zygote(env)
+    return _ZYGOTES[key]
+
+
+class _Zygote:
+    """The client end of one ``tests/zygote.py`` process (it ends, killing the processes it forked
+    that still run, when this process closes its end, at the latest when this process exits)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        log = open(os.path.join(tempfile.gettempdir(), f"lightning-ppo-zygote-{os.getpid()}.log"), "ab")
+        with log, theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.zygote", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                cwd=_ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+        self.control, self.lock = ours, threading.Lock()
+
+    def start(
+        self,
+        entry: str,
+        argv: list[str],
+        env: dict[str, str],
+        stdin: Any = None,
+        stdout: Any = None,
+        stderr: Any = None,
+        text: bool = False,
+        start_new_session: bool = False,
+    ) -> ForkedProcess:
+        opened: list[IO] = []
+
+        def fd_of(spec: Any, inherit: int, capture: bool) -> int:
+            if spec is None:
+                if inherit < 0:
+                    opened.append(open(os.devnull, "rb"))
+                    return opened[-1].fileno()
+                return inherit
+            if spec == subprocess.DEVNULL:
+                opened.append(open(os.devnull, "r+b"))
+                return opened[-1].fileno()
+            if spec == subprocess.PIPE:
+                assert capture, "start_forked: stdin=PIPE is not supported"
+                opened.append(tempfile.TemporaryFile())
+                return opened[-1].fileno()
+            return spec if isinstance(spec, int) else spec.fileno()
+
+        out = fd_of(stdout, 1, capture=True)
+        err = out if stderr == subprocess.STDOUT else fd_of(stderr, 2, capture=True)
+        fds = [fd_of(stdin, -1, capture=False), out, err]
+        status, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        request = {"entry": entry, "argv": argv, "env": env, "cwd": str(_ROOT), "session": start_new_session}
+        try:
+            with self.lock:
+                socket.send_fds(self.control, [json.dumps(request).encode()], [*fds, theirs.fileno()])
+        finally:
+            theirs.close()
+        captured = {
+            name: file
+            for name, spec, file in (("stdout", stdout, out), ("stderr", stderr, err))
+            if spec == subprocess.PIPE
+        }
+        captures = {name: next(f for f in opened if f.fileno() == fd) for name, fd in captured.items()}
+        for file in opened:
+            if file not in captures.values():
+                file.close()
+        return ForkedProcess([sys.executable, "-m", entry, *argv], status, captures, text)
+
+
+class ForkedProcess:
+    """A process :func:`start_forked` started, as a ``subprocess.Popen`` is used: ``pid``, ``args``,
+    ``returncode``, ``poll``, ``wait``, ``communicate`` (what ``PIPE`` captured, once it has ended),
+    ``send_signal``, ``terminate``, ``kill``."""
+
+    def __init__(self, args: list[str], status: socket.socket, captures: dict[str, IO], text: bool) -> None:
+        self.args, self._status, self._captures, self._text = args, status, captures, text
+        self._buffer, self.returncode = b"", None
+        self.pid = self._message(timeout=None)["pid"]  # the zygote may still be importing
+
+    def _message(self, timeout: float | None) -> dict | None:
+        """The next line from the zygote, or None if none came within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0)
+            self._status.settimeout(left)
+            try:
+                chunk = self._status.recv(4096)
+            except (TimeoutError, BlockingIOError):
+                return None
+            if not chunk:
+                raise RuntimeError("the zygote (tests/zygote.py) went away; see its log in the temp folder")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            message = self._message(timeout=0)
+            if message is not None:
+                self.returncode = message["returncode"]
+                self._status.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            message = self._message(timeout)
+            if message is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = message["returncode"]
+            self._status.close()
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+        self.wait(timeout)
+        outputs = []
+        for name in ("stdout", "stderr"):
+            file = self._captures.get(name)
+            if file is None:
+                outputs.append(None)
+                continue
+            file.seek(0)
+            data = file.read()
+            file.close()
+            outputs.append(data.decode(errors="replace") if self._text else data)
+        self._captures = {}
+        return outputs[0], outputs[1]
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def ranks_process(
+    args: list[str], timeout: int = 300, ranks: int | None = None, **env: str
+) -> subprocess.CompletedProcess:
+    """:func:`cli_process` for a multi-rank command line, with every rank started at once (see
+    :func:`start_ranks`), run to the end of all of them. Output captured as text, the ranks' together
+    as Lightning's launcher leaves it (rank 1 writes to rank 0's stdout and stderr); the exit status
+    is rank 0's, or the first other rank's that failed."""
+    started = start_ranks(args, ranks=ranks, env=env, capture=True)
+    try:
+        started.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        started.kill()
+        started.wait(timeout=60)
+        raise
+    stdout, stderr = started.output()
+    return subprocess.CompletedProcess(started.args, started.returncode, stdout, stderr)
+
+
+def start_ranks(
+    args: list[str],
+    ranks: int | None = None,
+    env: dict[str, str] | None = None,
+    capture: bool = False,
+    **popen: Any,
+) -> StartedRanks:
+    """Every rank of ``python -m lightning_ppo.cli ARGS`` (``ranks`` processes, by default the
+    ``--trainer.devices`` of ``args``) started at once, as torchrun or a cluster's scheduler would:
+    each told its rank by the variables Lightning's environment reads (``LOCAL_RANK``, ``NODE_RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so Lightning starts no process itself; each
+    forked from a zygote that has done the imports (:func:`start_forked`, one zygote per rank).
+
+    For a test whose subject is not Lightning's launcher: that launcher starts rank 1 only once rank 0
+    has imported torch, Lightning and transformers and reached ``fit`` (~5 s of one core, one rank
+    after the other, and as much again for rank 1's imports). Lightning's launcher also stops every
+    rank within 5 s of one failing; so does this. ``capture``: both ranks' stdout and stderr into one
+    file each, read with :meth:`StartedRanks.output`. ``popen``: :func:`start_forked`'s, for every
+    rank."""
+    if ranks is None:
+        values = [value for flag, value in zip(args, args[1:], strict=False) if flag == "--trainer.devices"]
+        assert values, "start_ranks: no --trainer.devices in the command line; say how many ranks"
+        ranks = int(values[-1])
+    together = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "NODE_RANK": "0",
+        "WORLD_SIZE": str(ranks),
+    }
+    return _together(
+        lambda rank, **streams: start_forked(
+            args, env={**(env or {}), **together, "LOCAL_RANK": str(rank)}, slot=rank, **streams
+        ),
+        ranks,
+        capture,
+        popen,
+    )
+
+
+def spawn_forked(function: Any, args: tuple = (), nprocs: int = 2, timeout: float = 300) -> None:
+    """``torch.multiprocessing.spawn(function, args, nprocs)``: ``function(rank, *args)`` in
+    ``nprocs`` processes at once, each forked from a zygote that has done the imports (``args`` must
+    be JSON values; ``function`` a module-level function). Raises if a process fails (the others are
+    stopped), with its output."""
+    module, name, values = function.__module__, function.__qualname__, json.dumps(list(args))
+    started = _together(
+        lambda rank, **streams: start_forked(
+            [module, name, str(rank), values], entry="tests.call", slot=rank, **streams
+        ),
+        nprocs,
+        True,
+        {},
+    )
+    try:
+        started.wait(timeout=timeout)
+    finally:
+        if started.returncode is None:
+            started.kill()
+            started.wait(timeout=60)
+    stdout, stderr = started.output()
+    sys.stdout.write(stdout)
+    sys.stderr.write(stderr)
+    codes = [process.returncode for process in started.processes]
+    assert codes == [0] * nprocs, f"{module}.{name}: exit statuses {codes}\n{stderr[-5000:]}"
+
+
+def _together(start: Any, count: int, capture: bool, popen: dict[str, Any]) -> StartedRanks:
+    """``start(rank, **popen)`` for every rank, the processes watched as one."""
+    outputs = None
+    if capture:  # one file for all: a shared offset, as the ranks of Lightning's launcher share rank 0's
+        outputs = tuple(tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") for _ in "12")
+        popen = {**popen, "stdout": outputs[0], "stderr": outputs[1]}
+    processes = []
+    try:
+        for rank in range(count):
+            processes.append(start(rank, **popen))
+    except BaseException:
+        for process in processes:
+            process.kill()
+        raise
+    return StartedRanks(processes, outputs)
+
+
+class StartedRanks:
+    """The processes of :func:`start_ranks`, polled, waited for and killed as one (``pid``: rank 0's).
+    A watcher does what Lightning's launcher does in rank 0: once a rank has failed, the others are
+    given 5 s to end (to print their own error) and then killed, so none waits in a collective for a
+    rank that is gone."""
+
+    GRACE_S = 5.0
+
+    def __init__(self, processes: list[ForkedProcess], outputs: tuple[IO[str], IO[str]] | None) -> None:
+        self.processes, self._outputs = processes, outputs
+        self.args, self.pid = processes[0].args, processes[0].pid
+        self._ended = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="ranks-watcher")
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        """The only reader of the processes' states (a ForkedProcess is polled from one thread)."""
+        failed_at = None
+        while True:
+            codes = [process.poll() for process in self.processes]
+            if None not in codes:
+                self._ended.set()
+                return
+            if failed_at is None and any(code not in (None, 0) for code in codes):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > self.GRACE_S:
+                for process in self.processes:
+                    if process.returncode is None:
+                        process.kill()
+            time.sleep(0.05)
+
+    @property
+    def returncode(self) -> int | None:
+        """Rank 0's exit status, or the first other rank's that failed; None while one still runs."""
+        if not self._ended.is_set():
+            return None
+        return next((p.returncode for p in self.processes if p.returncode != 0), 0)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        for process in self.processes:
+            if process.returncode is None:  # read, not polled: the watcher alone polls
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def output(self) -> tuple[str, str]:
+        """Both ranks' stdout and stderr (``capture=True``), once they have ended."""
+        assert self._outputs is not None and self.returncode is not None
+        texts = []
+        for file in self._outputs:
+            file.seek(0)
+            texts.append(file.read())
+            file.close()
+        return texts[0], texts[1]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a process group's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _several_processes(args: list[str]) -> bool:

@@ -1,0 +1,193 @@
+"""A process that has imported what ``python -m lightning_ppo.cli`` imports and forks a copy of itself
+for each command a test runs (``tests.helpers.start_forked``): a new process, with its own pid,
+stdin/stdout/stderr, environment, exit status and signals, without the ~5 s of one core that
+importing torch, Lightning and transformers costs every new interpreter.
+
+Started by the client as ``python -m tests.zygote FD`` with one end of a ``SOCK_SEQPACKET`` socket
+pair as FD. Each request is one message, JSON with the stdio and a status socket attached as file
+descriptors: ``{"entry", "argv", "env", "cwd", "session"}``. The zygote forks; the child becomes
+``python -m ENTRY ARGV`` (``runpy``, as ``-m`` does) with exactly ``env``; the zygote writes the
+child's pid, then, once it has reaped it, its status (a ``subprocess`` return code: negative for a
+signal) to the status socket. When the client goes away, the children still running are killed.
+
+Only what is the same in every fresh interpreter is shared: the modules (imported with the
+environment the client started the zygote with; the client sends only commands whose environment
+differs from that one in variables read at run time, see ``RUN_TIME_VARIABLES``), nothing run.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+from pathlib import Path
+
+# Variables a command's environment may set differently from the zygote's: none is read at import
+# time by the modules imported here, or they are read again in the child (rank_zero_only's rank,
+# tempfile's folder). PYTEST_CURRENT_TEST changes with every test.
+RUN_TIME_VARIABLES = frozenset(
+    {
+        "LOCAL_RANK",
+        "NODE_RANK",
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TMPDIR",
+        "WANDB_MODE",
+        "LIGHTNING_PPO_TEST_RANKS",
+        "PYTEST_CURRENT_TEST",
+    }
+)
+
+
+def preload() -> None:
+    """Import the modules ``lightning_ppo/cli.py`` imports at its top (not the CLI module itself:
+    under ``python -m`` it is ``__main__``, run afresh in each child)."""
+    source = Path(__file__).resolve().parents[1] / "lightning_ppo" / "cli.py"
+    names = []
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    for name in names:
+        if name != "__future__":
+            importlib.import_module(name)
+
+
+def run_child(request: dict, fds: list[int], keep: list[int]) -> None:
+    """In the forked child: become ``python -m ENTRY ARGV``; never returns."""
+    code = 1
+    try:
+        for fd in keep:
+            os.close(fd)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if request["session"]:
+            os.setsid()
+        for target, fd in zip((0, 1, 2), fds[:3], strict=True):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        code = _run_module(request["entry"], request["argv"])
+    finally:
+        os._exit(code)
+
+
+def _run_module(entry: str, argv: list[str]) -> int:
+    """``python -m ENTRY ARGV`` in this process: the exit status an interpreter would end with."""
+    import atexit
+    import runpy
+    import tempfile
+    import threading
+
+    from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+
+    tempfile.tempdir = None  # chosen again from this environment's TMPDIR
+    rank_zero_only.rank = _get_rank() or 0  # as Lightning sets it on import, from LOCAL_RANK & co.
+    sys.argv = [entry, *argv]  # runpy puts the module's path first, as -m does
+    code = 0
+    try:
+        runpy.run_module(entry, run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        if exit_.code is None:
+            code = 0
+        elif isinstance(exit_.code, int):
+            code = exit_.code
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    # what an interpreter does on its way out: wait for its threads, run atexit, flush
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110 (a closed or broken stream: nothing more to say)
+            pass
+    if code < 0:  # an uncaught KeyboardInterrupt: Python ends by the signal itself
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code & 0xFF
+
+
+def serve(control: socket.socket) -> None:
+    children: dict[int, socket.socket] = {}
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    selector = selectors.DefaultSelector()
+    selector.register(control, selectors.EVENT_READ)
+    selector.register(wake_read, selectors.EVENT_READ)
+    client_gone = False
+    while not client_gone or children:
+        for key, _ in selector.select(timeout=1.0):
+            if key.fileobj is control:
+                message, fds, _, _ = socket.recv_fds(control, 1 << 20, 8)
+                if not message:
+                    client_gone = True
+                    selector.unregister(control)
+                    for pid in children:
+                        _kill(pid)
+                    continue
+                request = json.loads(message)
+                status = socket.socket(fileno=fds[3])
+                pid = os.fork()
+                if pid == 0:
+                    keep = [control.fileno(), wake_read, wake_write, selector.fileno(), status.fileno()]
+                    keep += [s.fileno() for s in children.values()]
+                    run_child(request, fds[:3], keep)
+                for fd in fds[:3]:
+                    os.close(fd)
+                children[pid] = status
+                _send(status, {"pid": pid})
+            else:
+                while True:
+                    try:
+                        os.read(wake_read, 512)
+                    except BlockingIOError:
+                        break
+        while children:
+            pid, status_code = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            status = children.pop(pid)
+            _send(status, {"returncode": os.waitstatus_to_exitcode(status_code)})
+            status.close()
+
+
+def _send(status: socket.socket, message: dict) -> None:
+    try:
+        status.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:  # the client closed its end: it no longer waits for this child
+        pass
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+if __name__ == "__main__":
+    preload()
+    serve(socket.socket(fileno=int(sys.argv[1])))
