@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli_process, quickstart_fit_args, two_cpu_ranks
+from tests.helpers import cli_process, quickstart_fit_args, ranks_process, two_cpu_ranks
 
 pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
 
@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ddp_two_processes_keep_weights_identical_and_sample_differently(tiny_digits, tmp_path):
+    """As a user runs it: one command, and Lightning's launcher starts rank 1 (the other multi-rank
+    tests start their ranks together, tests.helpers.start_ranks)."""
     recorder = {"class_path": "tests.helpers.RankRecorder", "init_args": {"out_dir": str(tmp_path)}}
     # the quickstart's own 40000 prompts: the same data the FSDP2 tests compare against
     args = quickstart_fit_args(tiny_digits, tmp_path, [recorder], *two_cpu_ranks("ddp"), prompts=40000)
@@ -39,7 +41,7 @@ def test_ddp_ranks_with_different_micro_batch_counts_stay_one_model(tiny_digits,
     args = quickstart_fit_args(
         tiny_digits, tmp_path, [recorder], *two_cpu_ranks("ddp"), *budget, prompts=40000
     )
-    done = cli_process(args)
+    done = ranks_process(args)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for row0, row1 in zip(*ranks, strict=True):
