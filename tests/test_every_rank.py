@@ -12,7 +12,7 @@ from lightning.pytorch import Callback
 
 from lightning_ppo.watch.diversity import Diversity
 from lightning_ppo.watch.every_rank import BatchAnswers, prompt_key
-from tests.helpers import cli_process, quickstart_fit_args, two_cpu_ranks
+from tests.helpers import quickstart_fit_args, ranks_process, two_cpu_ranks
 
 NAMES = ("diversity/top_share", "diversity/distinct_1", "diversity/distinct_2", "diversity/overlap")
 
@@ -51,7 +51,7 @@ def test_diversity_and_the_guardrails_judge_both_ranks_answers(tiny_digits, tmp_
         "init_args": {"out_dir": str(tmp_path)},
     }
     args = quickstart_fit_args(tiny_digits, tmp_path, [recorder], *two_cpu_ranks("ddp", iterations=3))
-    done = cli_process(args, timeout=240)
+    done = ranks_process(args, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"answers{r}.json").read_text()) for r in (0, 1)]
     differs = False
