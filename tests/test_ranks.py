@@ -9,28 +9,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_ppo.ppo import functional as F
 from lightning_ppo.rewards import RunningMoments
-from tests.helpers import cli_process, quickstart_fit_args, two_cpu_ranks
+from tests.helpers import free_port, quickstart_fit_args, ranks_process, spawn_forked, two_cpu_ranks
 
 pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
 
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,7 +61,7 @@ def _rank_statistics(rank: int, port: int, out: str) -> None:
 
 
 def test_whitening_and_score_moments_over_two_ranks_equal_one_process_over_the_global_batch(tmp_path):
-    mp.spawn(_rank_statistics, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_forked(_rank_statistics, args=(free_port(), str(tmp_path)), nprocs=WORLD)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     x, mask, scores = _data()
     # One process with the global batch: the two ranks' rows stacked.
@@ -105,7 +97,7 @@ def test_a_rank_whose_batch_is_all_dropped_does_not_hang_and_ranks_keep_one_cont
         *("--model.init_args.ppo.kl_target", "1.0", "--model.init_args.ppo.kl_horizon", "100"),
         *("--model.init_args.ppo.score_norm", "true"),
     )
-    done = cli_process(args, timeout=240)  # a hang is a TimeoutExpired
+    done = ranks_process(args, timeout=240)  # a hang is a TimeoutExpired
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert len(ranks[0]) == len(ranks[1]) == 3
@@ -125,7 +117,7 @@ def test_multi_turn_episodes_on_two_ddp_ranks_train_one_model(tiny_digits, tmp_p
     recorder = {"class_path": "tests.helpers.RankRecorder", "init_args": {"out_dir": str(tmp_path)}}
     config = Path(__file__).resolve().parents[1] / "configs" / "agents.yaml"
     args = quickstart_fit_args(tiny_digits, tmp_path, [recorder], *two_cpu_ranks("ddp", 3), config=config)
-    done = cli_process(args, timeout=240)
+    done = ranks_process(args, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for row0, row1 in zip(*ranks, strict=True):
