@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Timer
 
 from lightning_ppo.cli import main
-from tests.helpers import Throttle, cli_process, quickstart_fit_args, saver
+from tests.helpers import Throttle, quickstart_fit_args, ranks_process, saver
 
 STEPS_PER_ITERATION = 4 * 2  # quickstart.yaml: ppo_epochs 4 x num_minibatches 2
 # Far more than any run here: only the end of the run can write a checkpoint.
@@ -112,7 +112,7 @@ def test_under_ddp_every_rank_saves_the_last_iteration_together(tiny_digits, tmp
     # A save is a collective (the Trainer's barrier): a rank that skipped it would hang the other.
     ranks = ("--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu")
     checkpoints = saver(every_n_iterations=NEVER)
-    done = cli_process(quickstart_fit_args(tiny_digits, tmp_path, [checkpoints], *ranks, *_steps(3)))
+    done = ranks_process(quickstart_fit_args(tiny_digits, tmp_path, [checkpoints], *ranks, *_steps(3)))
     assert done.returncode == 0, done.stderr[-3000:]
     saved = _saved(tmp_path)
     assert saved["ppo_state"]["iteration"] == 3 and _epochs_finished(saved) == 0  # saved in the loop
