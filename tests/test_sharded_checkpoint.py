@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_ppo.distributed.sharded_checkpoint import remove_stale_folders
-from tests.helpers import cli_process, quickstart_fit_args, saver, start_cli, two_cpu_ranks
+from tests.helpers import quickstart_fit_args, ranks_process, saver, start_ranks, two_cpu_ranks
 
 pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
 
@@ -66,12 +65,11 @@ def test_kill_during_a_sharded_save_keeps_the_previous_last_ckpt_and_resumes(
     tiny_digits, tiny_reward, tmp_path
 ):
     reward_model = ("--model.init_args.reward_model", str(tiny_reward))  # a frozen role more to leave out
-    # its own process group: rank 0 and the rank-1 process Lightning's launcher starts, killed together
-    process = start_cli(
+    # both ranks, started together and killed together
+    process = start_ranks(
         _args(tiny_digits, tmp_path, _faulty("stall"), *reward_model),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        start_new_session=True,
     )
     folder, last = tmp_path / "ckpt", tmp_path / "ckpt" / "last.ckpt"
     temp = folder / f".last.ckpt.tmpdir-{socket.gethostname()}-{process.pid}"  # named by rank 0
@@ -80,7 +78,7 @@ def test_kill_during_a_sharded_save_keeps_the_previous_last_ckpt_and_resumes(
     while not (temp.is_dir() and any(temp.iterdir()) and (last / "meta.pt").is_file()):
         assert process.poll() is None and time.monotonic() < deadline, "the second save never started"
         time.sleep(0.1)
-    os.killpg(process.pid, signal.SIGKILL)
+    process.kill()
     process.wait(timeout=30)
 
     assert _iteration(last) == 1  # the previous checkpoint, complete: its metadata and its shards
@@ -89,7 +87,7 @@ def test_kill_during_a_sharded_save_keeps_the_previous_last_ckpt_and_resumes(
     assert not [key for key in saved if key.startswith(("roles.ref_policy.", "reward_model."))]
     assert _side_folders(folder) == [temp.name]  # the killed write, hidden beside it
 
-    done = cli_process([*_args(tiny_digits, tmp_path, FSDP2, *reward_model), "--ckpt_path", "last"])
+    done = ranks_process([*_args(tiny_digits, tmp_path, FSDP2, *reward_model), "--ckpt_path", "last"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert _iteration(last) == ITERATIONS
     assert _side_folders(folder) == []  # the dead run's folder was removed at start
@@ -107,7 +105,7 @@ def test_full_disk_during_a_sharded_save_keeps_the_previous_last_ckpt_and_says_s
     else:
         root = tmp_path
         args = _args(tiny_digits, root, _faulty("ENOSPC", rank=1))
-    done = cli_process(args)
+    done = ranks_process(args)
     last = root / "ckpt" / "last.ckpt"
     message = f"could not write checkpoint {last}: No space left on device; the previous last.ckpt is intact"
     assert done.returncode != 0
