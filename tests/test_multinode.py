@@ -3,7 +3,7 @@
 checkpoint and ``--ckpt_path last``) and by Lightning's own launcher (``NODE_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``; DDP).
 
-They must train what 2 ranks on one node train (``--trainer.devices 2``, Lightning's launcher), bit
+They must train what 2 ranks on one node train (``--trainer.devices 2``, both started at once), bit
 for bit: the world size, the backend (gloo) and every collective are the same, only the way the
 processes are started and find each other differs (measured: max abs weight difference 0.0 under
 DDP and FSDP2). Results are compared by global rank as Lightning sees it: torchrun's c10d
@@ -26,7 +26,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import cli_process, quickstart_fit_args, saver, start_cli
+from tests.helpers import quickstart_fit_args, ranks_process, saver, start_cli
 
 pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
 
@@ -71,13 +71,14 @@ def fit_args(
 
 @pytest.fixture(scope="module")
 def one_node(tiny_digits, tmp_path_factory):
-    """``one_node(strategy)``: the records of 2 ranks on one node, run once per strategy for the module."""
+    """``one_node(strategy)``: the records of 2 ranks on one node, run once per strategy for the module
+    (both ranks started at once, each told its local rank, as Lightning's launcher tells rank 1)."""
     runs: dict[str, Path] = {}
 
     def run(strategy: str) -> Path:
         if strategy not in runs:
             out = tmp_path_factory.mktemp(f"one_node_{strategy}")
-            done = cli_process(fit_args(tiny_digits, out, out, strategy, *ON_ONE_NODE), **THREADS)
+            done = ranks_process(fit_args(tiny_digits, out, out, strategy, *ON_ONE_NODE), **THREADS)
             assert done.returncode == 0, done.stderr[-3000:]
             assert placement(out, "LightningEnvironment") == ONE_NODE
             runs[strategy] = out
