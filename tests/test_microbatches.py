@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import fields
 from pathlib import Path
 
@@ -11,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.ppo.experience import Experience
@@ -24,7 +22,7 @@ from lightning_ppo.ppo.microbatches import (
     plan_minibatch,
 )
 from lightning_ppo.runs.errors import UsageError
-from tests.helpers import CountCharReward
+from tests.helpers import CountCharReward, free_port, spawn_forked
 from tests.test_trimming import _experience
 
 # float32 summation in other orders and shapes (measured below 1e-7 on this model)
@@ -160,10 +158,7 @@ def test_two_ranks_with_uneven_lengths_step_as_one_process_on_the_whole_minibatc
     lengths = exp.response_mask.sum(1)[shortest]
     assert lengths[:8].sum() < lengths[8:].sum()  # uneven: rank 0 holds the short responses
     torch.save(exp, tmp_path / "exp.pt")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_rank_gradients, args=(port, str(tiny_gpt2), str(tmp_path)), nprocs=2, join=True)
+    spawn_forked(_rank_gradients, args=(free_port(), str(tiny_gpt2), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for aggregation in AGGREGATIONS:
         whole = _gradient(_module(str(tiny_gpt2), aggregation), [(exp, Share())])
