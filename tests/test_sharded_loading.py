@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
+
+from tests.helpers import free_port, spawn_forked
 
 pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
 
@@ -100,11 +100,8 @@ def test_sharded_loading_gives_each_rank_todays_weights_in_every_layout(
     tiny_digits, tiny_llama, tiny_reward, tmp_path
 ):
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     paths = {"digits": str(tiny_digits), "llama": str(tiny_llama), "reward": str(tiny_reward)}
-    mp.spawn(_load_both_ways, args=(port, paths, str(tmp_path)), nprocs=2, join=True)
+    spawn_forked(_load_both_ways, args=(free_port(), paths, str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for name, got in report.items():
