@@ -21,7 +21,7 @@ from lightning_ppo.rollout.ahead import check_ahead, pending_of_rank
 from lightning_ppo.rollout.episodes import Environment, StepResult, Turn
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
-from tests.helpers import cli_process, quiet_trainer, start_cli
+from tests.helpers import forked_cli_process, quiet_trainer, ranks_process, start_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -180,7 +180,7 @@ def test_every_prompt_is_trained_exactly_once_across_sigkills_and_resumes(tiny_d
     iterations 3 and 6 and resumed with ``--ckpt_path last`` each time; the prompts trained, counted
     by the iterations the checkpoints kept, are the uninterrupted run's multiset."""
     whole_log = tmp_path / "whole.log"
-    run = cli_process(_fit_args(tiny_digits, tmp_path / "whole", whole_log, 10))
+    run = forked_cli_process(_fit_args(tiny_digits, tmp_path / "whole", whole_log, 10))
     assert run.returncode == 0, run.stderr[-3000:]
     whole = _trained(whole_log)
     assert [i for i, _ in whole][::64] == list(range(1, 10))  # 9 trained, the 10th batch pending
@@ -190,7 +190,7 @@ def test_every_prompt_is_trained_exactly_once_across_sigkills_and_resumes(tiny_d
         args = _fit_args(tiny_digits, root, log, 10) + (
             ["--ckpt_path", "last"] if kept or log.exists() else []
         )
-        process = start_cli(args)
+        process = start_forked(args)
         if kill_after is None:
             assert process.wait(timeout=300) == 0
         else:
@@ -250,7 +250,7 @@ def test_two_ranks_sample_ahead_and_train_the_same_steps(tiny_digits, tmp_path):
         "--trainer.strategy",
         "ddp",
     ]
-    run = cli_process(args)
+    run = ranks_process(args)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = _trained(tmp_path / "log")  # rank 0's: 3 iterations of its 64 prompts
     assert sorted({i for i, _ in lines}) == [1, 2, 3]
@@ -259,7 +259,7 @@ def test_two_ranks_sample_ahead_and_train_the_same_steps(tiny_digits, tmp_path):
     assert pending[0][0]["prompts"] != pending[1][0]["prompts"]  # each rank's own batch
     # The epoch that run cut short counts as finished: one batch of a second epoch trains the pending first.
     resumed_args = _fit_args(tiny_digits, root, tmp_path / "log2", 1) + ["--trainer.max_epochs", "2"]
-    resumed = cli_process(
+    resumed = ranks_process(
         resumed_args + ["--trainer.devices", "2", "--trainer.strategy", "ddp", "--ckpt_path", "last"]
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -475,7 +475,7 @@ def test_one_ranks_failed_background_job_stops_every_rank(tiny_digits, tmp_path)
         *("--model.init_args.environment", "tests.test_async.FailsOnRankOne"),
         *("--model.init_args.episode.max_tokens", "16"),
     ]
-    run = cli_process(args, timeout=240)
+    run = ranks_process(args, timeout=240)
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("lightning-ppo: error: ")]
     # one line from each rank, in whichever order they print: rank 0 names rank 1's failure
