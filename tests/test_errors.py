@@ -29,8 +29,8 @@ from lightning_ppo.tasks.tiny import (
 )
 from tests.helpers import (
     CountCharReward,
-    cli_process,
     cli_usage_error,
+    forked_cli_process,
     one_line_error,
     prompt_data,
     quiet_trainer,
@@ -129,7 +129,7 @@ def test_a_misspelt_key_gets_the_closest_valid_one(where, expected, tmp_path):
         }.get(where, "{}")
     )
     args = ["--model.init_args.ppo.kl_coeff", "0.1"] if where == "command line" else ["--config", str(typo)]
-    done = cli_process(["fit", "--config", QUICKSTART, "--model.init_args.policy", NO_MODEL, *args])
+    done = forked_cli_process(["fit", "--config", QUICKSTART, "--model.init_args.policy", NO_MODEL, *args])
     assert one_line_error(done) == expected
     assert len(done.stderr.strip().splitlines()) == 1
 
@@ -157,8 +157,8 @@ def test_a_suppress_tokens_pattern_matching_no_token_is_one_line(tiny_digits, tm
 
 
 def _fit_process(tmp_path: Path, policy: Path, *extra: str) -> subprocess.CompletedProcess:
-    """``lightning-ppo fit`` of :func:`_fit_args` in a process of its own."""
-    return cli_process(["fit", "--config", QUICKSTART, *_fit_args(tmp_path, policy, *extra)])
+    """``lightning-ppo fit`` of :func:`_fit_args` in a process of its own (forked, see start_forked)."""
+    return forked_cli_process(["fit", "--config", QUICKSTART, *_fit_args(tmp_path, policy, *extra)])
 
 
 @pytest.mark.parametrize(
@@ -222,7 +222,7 @@ def test_a_missing_engine_or_strategy_package_fails_before_any_model_loads(args,
     if find_spec(package) is not None:
         pytest.skip(f"{package} is installed here")
     # The policy does not exist: the package is checked before the model paths, long before loading.
-    done = cli_process(["fit", "--config", QUICKSTART, *args, "--model.init_args.policy", NO_MODEL])
+    done = forked_cli_process(["fit", "--config", QUICKSTART, *args, "--model.init_args.policy", NO_MODEL])
     assert one_line_error(done).startswith(expected)
     assert len(done.stderr.strip().splitlines()) <= 2  # "Seed set to 0" and the error
 
