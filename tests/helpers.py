@@ -514,10 +514,10 @@ class _Zygote:
 
     def __init__(self, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        log = open(os.path.join(tempfile.gettempdir(), f"lightning-ppo-zygote-{os.getpid()}.log"), "ab")
-        with log, theirs:
+        path = os.path.join(tempfile.gettempdir(), f"lightning-ppo-zygote-{os.getpid()}-{id(self)}.log")
+        with open(path, "ab") as log, theirs:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.zygote", str(theirs.fileno())],
+                [sys.executable, "-m", "tests.zygote", str(theirs.fileno()), path],
                 pass_fds=[theirs.fileno()],
                 cwd=_ROOT,
                 env=env,
@@ -598,7 +598,7 @@ class ForkedProcess:
             except (TimeoutError, BlockingIOError):
                 return None
             if not chunk:
-                raise RuntimeError("the zygote (tests/zygote.py) went away; see its log in the temp folder")
+                raise RuntimeError("the zygote went away: see lightning-ppo-zygote-*.log in the temp folder")
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)

@@ -3,7 +3,7 @@ for each command a test runs (``tests.helpers.start_forked``): a new process, wi
 stdin/stdout/stderr, environment, exit status and signals, without the ~5 s of one core that
 importing torch, Lightning and transformers costs every new interpreter.
 
-Started by the client as ``python -m tests.zygote FD`` with one end of a ``SOCK_SEQPACKET`` socket
+Started by the client as ``python -m tests.zygote FD LOG`` with one end of a ``SOCK_SEQPACKET`` socket
 pair as FD. Each request is one message, JSON with the stdio and a status socket attached as file
 descriptors: ``{"entry", "argv", "env", "cwd", "session"}``. The zygote forks; the child becomes
 ``python -m ENTRY ARGV`` (``runpy``, as ``-m`` does) with exactly ``env``; the zygote writes the
@@ -25,6 +25,7 @@ import selectors
 import signal
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 # Variables a command's environment may set differently from the zygote's: none is read at import
@@ -46,9 +47,11 @@ RUN_TIME_VARIABLES = frozenset(
 )
 
 
-def preload() -> None:
+def preload() -> tuple[bytes, bytes]:
     """Import the modules ``lightning_ppo/cli.py`` imports at its top (not the CLI module itself:
-    under ``python -m`` it is ``__main__``, run afresh in each child)."""
+    under ``python -m`` it is ``__main__``, run afresh in each child). What the imports print (a
+    library's warning, say) is returned, stdout's and stderr's: each child prints it first, as a new
+    interpreter would."""
     source = Path(__file__).resolve().parents[1] / "lightning_ppo" / "cli.py"
     names = []
     for node in ast.parse(source.read_text()).body:
@@ -56,12 +59,30 @@ def preload() -> None:
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
-    for name in names:
-        if name != "__future__":
-            importlib.import_module(name)
+    saved = [os.dup(1), os.dup(2)]
+    captured = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    for fd, file in zip((1, 2), captured, strict=True):
+        os.dup2(file.fileno(), fd)
+    try:
+        for name in names:
+            if name != "__future__":
+                importlib.import_module(name)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in zip((1, 2), saved, strict=True):
+            os.dup2(old, fd)
+            os.close(old)
+    printed = []
+    for file in captured:
+        file.seek(0)
+        printed.append(file.read())
+        file.close()
+    os.write(2, printed[1])  # into the zygote's log too
+    return printed[0], printed[1]
 
 
-def run_child(request: dict, fds: list[int], keep: list[int]) -> None:
+def run_child(request: dict, fds: list[int], keep: list[int], printed: tuple[bytes, bytes]) -> None:
     """In the forked child: become ``python -m ENTRY ARGV``; never returns."""
     code = 1
     try:
@@ -76,6 +97,8 @@ def run_child(request: dict, fds: list[int], keep: list[int]) -> None:
         for fd in fds:
             if fd > 2:
                 os.close(fd)
+        for fd, data in zip((1, 2), printed, strict=True):
+            os.write(fd, data)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -88,7 +111,6 @@ def _run_module(entry: str, argv: list[str]) -> int:
     """``python -m ENTRY ARGV`` in this process: the exit status an interpreter would end with."""
     import atexit
     import runpy
-    import tempfile
     import threading
 
     from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
@@ -127,7 +149,7 @@ def _run_module(entry: str, argv: list[str]) -> int:
     return code & 0xFF
 
 
-def serve(control: socket.socket) -> None:
+def serve(control: socket.socket, printed: tuple[bytes, bytes]) -> None:
     children: dict[int, socket.socket] = {}
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_read, False)
@@ -154,7 +176,7 @@ def serve(control: socket.socket) -> None:
                 if pid == 0:
                     keep = [control.fileno(), wake_read, wake_write, selector.fileno(), status.fileno()]
                     keep += [s.fileno() for s in children.values()]
-                    run_child(request, fds[:3], keep)
+                    run_child(request, fds[:3], keep, printed)
                 for fd in fds[:3]:
                     os.close(fd)
                 children[pid] = status
@@ -189,5 +211,7 @@ def _kill(pid: int) -> None:
 
 
 if __name__ == "__main__":
-    preload()
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    serve(socket.socket(fileno=int(sys.argv[1])), preload())
+    log = Path(sys.argv[2])
+    if log.is_file() and log.stat().st_size == 0:  # nothing went wrong: no trace left in the temp folder
+        log.unlink()
