@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_ppo.cli import main
-from tests.helpers import quickstart_fit_args, saver, start_cli
+from tests.helpers import quickstart_fit_args, saver, start_forked
 
 ITERATIONS = 30
 
@@ -51,7 +51,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(sig, every, reference, t
     }
     output = tmp_path / "output.txt"
     with open(output, "w") as out:
-        process = start_cli(
+        process = start_forked(
             _args(tiny_digits, root, throttle, every=every), stdout=out, stderr=subprocess.STDOUT
         )
     last = root / "ckpt" / "last.ckpt"
