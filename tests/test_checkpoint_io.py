@@ -29,7 +29,7 @@ from tests.helpers import (
     quickstart_fit_args,
     quiet_trainer,
     saver,
-    start_cli,
+    start_forked,
 )
 
 ITERATIONS = 4
@@ -55,7 +55,7 @@ def test_kill_during_a_save_keeps_the_previous_last_ckpt_and_resumes(tiny_digits
     system_tmp.mkdir()
     stall = {"class_path": "tests.helpers.StallingCheckpointIO", "init_args": {"fault_at": 3}}
     args = _cli_args(tiny_digits, tmp_path, "--trainer.plugins", json.dumps([stall]))
-    process = start_cli(
+    process = start_forked(
         args, env={"TMPDIR": str(system_tmp)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     last, temp = (
@@ -213,7 +213,7 @@ def test_two_runs_started_at_once_in_one_folder_one_refuses_in_one_line(tiny_dig
     args = quickstart_fit_args(
         tiny_digits, tmp_path / "run", [throttle, saver], "--trainer.limit_train_batches", "8"
     )
-    runs = [start_cli(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    runs = [start_forked(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     errors = [run.communicate(timeout=300)[1] for run in runs]
     results = [(run.returncode, err) for run, err in zip(runs, errors, strict=True)]
     assert sorted(code for code, _ in results) == [0, 2]
