@@ -21,8 +21,8 @@ from lightning_ppo.cli import main
 from lightning_ppo.rewards import RewardFunction
 from lightning_ppo.runs.ctrl_c import ctrl_c_exits
 from tests.helpers import (
-    cli_process,
     cli_usage_error,
+    forked_cli_process,
     one_line_error,
     quickstart_fit_args,
     quiet_trainer,
@@ -78,7 +78,7 @@ def test_a_run_says_nothing_that_is_false_for_it(tiny_digits, tmp_path):
         "--ckpt_path",
         "last",
     ]
-    first = cli_process(args)
+    first = forked_cli_process(args)
     assert first.returncode == 0, first.stderr[-3000:]
     said = first.stdout + first.stderr
     nothing = (
@@ -88,7 +88,7 @@ def test_a_run_says_nothing_that_is_false_for_it(tiny_digits, tmp_path):
     assert "no last checkpoint available" not in said and "across ranks is zero" not in said
     assert _iteration(tmp_path / "checkpoints" / "last.ckpt") == 2  # 2 of 8 batches: mid-epoch
 
-    resumed = cli_process([*_run_args(tiny_digits, tmp_path, 3), "--ckpt_path", "last"])
+    resumed = forked_cli_process([*_run_args(tiny_digits, tmp_path, 3), "--ckpt_path", "last"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "unreliable results" not in resumed.stdout + resumed.stderr
     assert _iteration(tmp_path / "checkpoints" / "last.ckpt") == 3
@@ -208,7 +208,7 @@ def test_a_bad_data_row_is_named_by_its_file_and_line(tiny_digits, tmp_path):
         "class_path": "lightning_ppo.PromptDataModule",
         "init_args": {"data_files": [str(first), str(second)], "val_size": 2, "batch_size": 2},
     }
-    done = cli_process(quickstart_fit_args(tiny_digits, tmp_path, [], "--data", json.dumps(data)))
+    done = forked_cli_process(quickstart_fit_args(tiny_digits, tmp_path, [], "--data", json.dumps(data)))
     assert one_line_error(done) == (
         f"{str(second)!r} line 3: data.prompt_column 'prompt' must hold strings or conversations (lists of "
         "{'role': ..., 'content': ...} messages), got NoneType (None)"
