@@ -365,7 +365,7 @@ def test_a_stateless_step_function_named_by_import_path_runs_episodes(tiny_digit
 def test_an_environment_that_raises_stops_the_run_in_one_line_and_leaves_the_checkpoint(
     tiny_digits, tmp_path
 ):
-    from tests.helpers import cli_process, quickstart_fit_args
+    from tests.helpers import forked_cli_process, quickstart_fit_args
 
     config = Path(__file__).resolve().parents[1] / "configs" / "agents.yaml"
     saver = {
@@ -374,7 +374,9 @@ def test_an_environment_that_raises_stops_the_run_in_one_line_and_leaves_the_che
     }
     env = '{"class_path": "tests.helpers.FailsInTheSecondIteration"}'
     args = quickstart_fit_args(tiny_digits, tmp_path, [saver], config=config)
-    done = cli_process([*args, "--model.init_args.environment", env, "--trainer.limit_train_batches", "3"])
+    done = forked_cli_process(
+        [*args, "--model.init_args.environment", env, "--trainer.limit_train_batches", "3"]
+    )
     assert done.returncode == 2
     lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
     assert "Traceback" not in done.stderr
