@@ -485,11 +485,13 @@ def start_forked(
     ``slot``: which zygote; the ranks of one run fork from different ones, so that each has its
     own string hashes (``PYTHONHASHSEED``) as ranks started apart do. ``popen``: ``stdin``,
     ``stdout``, ``stderr`` (``None``, ``PIPE``, ``DEVNULL``, ``STDOUT``, an open file; ``None`` for
-    stdin is /dev/null), ``text``, ``start_new_session``."""
+    stdin is /dev/null), ``text``, ``start_new_session``; ``interruptible``: Ctrl-C (SIGINT) raises
+    KeyboardInterrupt as in an interpreter started with SIGINT's default action, even where this runs
+    with SIGINT ignored (a background job), as ``preexec_fn`` resetting SIGINT gives ``Popen``."""
     if _several_processes(args) and os.environ.get("LIGHTNING_PPO_TEST_RANKS") == "0":
         pytest.fail("this test starts several ranks: mark it @pytest.mark.ranks (tests/conftest.py)")
     full_env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(_ROOT), **(env or {})}
-    unknown = set(popen) - {"stdin", "stdout", "stderr", "text", "start_new_session"}
+    unknown = set(popen) - {"stdin", "stdout", "stderr", "text", "start_new_session", "interruptible"}
     assert not unknown, f"start_forked: {sorted(unknown)} are not supported; use start_cli"
     return _zygote(slot, full_env).start(entry, list(args), full_env, **popen)
 
@@ -537,6 +539,7 @@ class _Zygote:
         stderr: Any = None,
         text: bool = False,
         start_new_session: bool = False,
+        interruptible: bool = False,
     ) -> ForkedProcess:
         opened: list[IO] = []
 
@@ -559,7 +562,14 @@ class _Zygote:
         err = out if stderr == subprocess.STDOUT else fd_of(stderr, 2, capture=True)
         fds = [fd_of(stdin, -1, capture=False), out, err]
         status, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        request = {"entry": entry, "argv": argv, "env": env, "cwd": str(_ROOT), "session": start_new_session}
+        request = {
+            "entry": entry,
+            "argv": argv,
+            "env": env,
+            "cwd": str(_ROOT),
+            "session": start_new_session,
+            "interruptible": interruptible,
+        }
         try:
             with self.lock:
                 socket.send_fds(self.control, [json.dumps(request).encode()], [*fds, theirs.fileno()])

@@ -3,12 +3,13 @@ for each command a test runs (``tests.helpers.start_forked``): a new process, wi
 stdin/stdout/stderr, environment, exit status and signals, without the ~5 s of one core that
 importing torch, Lightning and transformers costs every new interpreter.
 
-Started by the client as ``python -m tests.zygote FD LOG`` with one end of a ``SOCK_SEQPACKET`` socket
-pair as FD. Each request is one message, JSON with the stdio and a status socket attached as file
-descriptors: ``{"entry", "argv", "env", "cwd", "session"}``. The zygote forks; the child becomes
-``python -m ENTRY ARGV`` (``runpy``, as ``-m`` does) with exactly ``env``; the zygote writes the
-child's pid, then, once it has reaped it, its status (a ``subprocess`` return code: negative for a
-signal) to the status socket. When the client goes away, the children still running are killed.
+Started by the client as ``python -m tests.zygote FD LOG`` with one end of a ``SOCK_SEQPACKET``
+socket pair as FD. Each request is one message, JSON with the stdio and a status socket attached as
+file descriptors: ``{"entry", "argv", "env", "cwd", "session", "interruptible"}``. The zygote forks;
+the child becomes ``python -m ENTRY ARGV`` (``runpy``, as ``-m`` does) with exactly ``env``; the
+zygote writes the child's pid, then, once it has reaped it, its status (a ``subprocess`` return code:
+negative for a signal) to the status socket. When the client goes away, the children still running
+are killed.
 
 Only what is the same in every fresh interpreter is shared: the modules (imported with the
 environment the client started the zygote with; the client sends only commands whose environment
@@ -42,6 +43,7 @@ RUN_TIME_VARIABLES = frozenset(
         "TMPDIR",
         "WANDB_MODE",
         "LIGHTNING_PPO_TEST_RANKS",
+        "LIGHTNING_PPO_VERBOSE",
         "PYTEST_CURRENT_TEST",
     }
 )
@@ -92,6 +94,8 @@ def run_child(request: dict, fds: list[int], keep: list[int], printed: tuple[byt
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         if request["session"]:
             os.setsid()
+        if request["interruptible"]:  # Python's own Ctrl-C handler, even if SIGINT came in ignored
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in zip((0, 1, 2), fds[:3], strict=True):
             os.dup2(fd, target)
         for fd in fds:
