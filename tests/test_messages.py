@@ -27,7 +27,7 @@ from tests.helpers import (
     quickstart_fit_args,
     quiet_trainer,
     saver,
-    start_cli,
+    start_forked,
 )
 
 STEPS_PER_ITERATION = 4 * 2  # quickstart.yaml: ppo_epochs 4 x num_minibatches 2
@@ -128,15 +128,15 @@ def test_ctrl_c_at_start_up_is_one_line_and_exit_130(slow, tiny_digits, tmp_path
         ]
         extra = ()
     args = quickstart_fit_args(tiny_digits, tmp_path, callbacks, *extra, prompts=64)
-    # the console script's entry; SIGINT's default action in the child even where this test runs in
+    # the console script's entry; Python's Ctrl-C handler in the child even where this test runs in
     # a background job (which starts with SIGINT ignored, and Python then leaves it ignored)
-    process = start_cli(
+    process = start_forked(
         args,
         entry="lightning_ppo.console",
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        interruptible=True,
     )
     deadline = time.monotonic() + 120
     while not started.exists() and process.poll() is None:
