@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.helpers import cli_process
+from tests.helpers import forked_cli_process
 
 ROOT = Path(__file__).resolve().parents[1]
 SILENCED = (
@@ -26,7 +26,7 @@ def _fit(policy: Path, root: Path, **env: str) -> str:
     ]
     args += ["--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false"]
     args += ["--trainer.limit_train_batches", "3", "--trainer.val_check_interval", "2"]
-    done = cli_process([*args, "--data.init_args.batch_size", "8"], WANDB_MODE="offline", **env)
+    done = forked_cli_process([*args, "--data.init_args.batch_size", "8"], WANDB_MODE="offline", **env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout + done.stderr
 
