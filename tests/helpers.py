@@ -496,6 +496,37 @@ def start_forked(
     return _zygote(slot, full_env).start(entry, list(args), full_env, **popen)
 
 
+def forked_run(
+    command: list[str],
+    cwd: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    timeout: float | None = None,
+    check: bool = False,
+    **kwargs: Any,
+) -> subprocess.CompletedProcess:
+    """``subprocess.run`` where a ``[sys.executable, "-m", MODULE, *ARGS]`` command run from the
+    repository root is forked from the zygote (:func:`start_forked`) rather than started anew; any
+    other command runs as ``subprocess.run`` runs it. For code under test that starts its own
+    Python processes (the benchmark's runs), where the subject is not the interpreter's start."""
+    here = cwd is None or Path(cwd).resolve() == _ROOT
+    if kwargs or not here or list(command[:2]) != [sys.executable, "-m"] or len(command) < 3:
+        return subprocess.run(
+            command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, timeout=timeout, check=check, **kwargs
+        )
+    process = start_forked(list(command[3:]), entry=command[2], env=env, stdout=stdout, stderr=stderr)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=60)
+        raise
+    if check and process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command, out, err)
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
 _ROOT = Path(__file__).resolve().parents[1]
 _ZYGOTES: dict[tuple[int, frozenset], _Zygote] = {}
 
