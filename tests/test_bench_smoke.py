@@ -13,6 +13,7 @@ import torch
 
 from benchmarks import bench
 from benchmarks import report as report_module
+from tests.helpers import forked_run
 
 
 def _table_rows(report: str, first_cell: str) -> list[list[str]]:
@@ -20,7 +21,9 @@ def _table_rows(report: str, first_cell: str) -> list[list[str]]:
     return [[cell.strip() for cell in row] for row in rows if row[0].strip().startswith(first_cell)]
 
 
-def test_quick_benchmark_reports_positive_numbers(tmp_path, capsys):
+def test_quick_benchmark_reports_positive_numbers(tmp_path, capsys, monkeypatch):
+    # each run a process of its own as the benchmark starts it, forked from one that has done the imports
+    monkeypatch.setattr(bench, "run", forked_run)
     assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     report = (tmp_path / "report.md").read_text()
