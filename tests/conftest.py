@@ -61,8 +61,9 @@ def small_disk(tmp_path):
 # `make test` runs the suite on pytest-xdist workers (`--dist loadgroup`). A test marked `ranks`
 # starts several processes (DDP, FSDP2, two nodes): they all go to one worker, one after another,
 # so no two of them share the cores at once (4 ranks on 2 cores would slow both past their
-# timeouts). A 2-rank run uses about one core on average (rank 1 starts only once rank 0 has
-# imported everything and reached fit), so the other workers go on with the rest beside it.
+# timeouts); the other workers go on with the rest beside it. Most start their ranks together,
+# forked from processes that have done the imports (tests.helpers.start_ranks, tests/zygote.py);
+# the tests of a launcher (Lightning's, torchrun) start them as a user does.
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
