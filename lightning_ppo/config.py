@@ -255,8 +255,10 @@ class PPOConfig:
             checkpoint and sampled again on resume: each prompt is trained exactly once.
         torch_compile: Run the policy and critic loss passes (forwards, log-probs, losses) through
             ``torch.compile`` (as ``TrainingArguments.torch_compile`` in transformers and TRL). The
-            first iterations pay for compiling, once per new micro-batch shape until the shapes are
-            made dynamic; the losses match eager mode to float32 rounding (tests/test_compile.py).
+            first iteration pays for compiling, once: every micro-batch shape, share and KL
+            coefficient runs the same graph, LoRA and gradient checkpointing included
+            (lightning_ppo.ppo.compiled_loss; counted in tests/test_compile_count.py); the losses
+            match eager mode to float32 rounding (tests/test_compile.py).
     """
 
     advantage_estimator: str = "gae"

@@ -35,8 +35,8 @@ from lightning_ppo.distributed.sharding import (
 from lightning_ppo.models.loading import load_tokenizer
 from lightning_ppo.models.placement import LoadsWhereItRuns, keep_through_teardown
 from lightning_ppo.models.roles import LoraSettings, Roles
+from lightning_ppo.ppo import compiled_loss, optim
 from lightning_ppo.ppo import functional as F
-from lightning_ppo.ppo import optim
 from lightning_ppo.ppo.experience import Experience, make_experience, minibatch_rows
 from lightning_ppo.ppo.kl import make_kl_controller
 from lightning_ppo.ppo.microbatches import (
@@ -631,12 +631,10 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     @property
     def loss_pass(self) -> Callable[[Experience, Share], tuple[Tensor, dict[str, Tensor]]]:
-        """:meth:`ppo_loss`, compiled by ``torch.compile`` with ``ppo.torch_compile`` (once per module)."""
-        if not self.ppo.torch_compile:
-            return self.ppo_loss
-        if self._compiled_loss is None:
-            self._compiled_loss = torch.compile(self.ppo_loss)
-        return self._compiled_loss
+        """:meth:`ppo_loss`, under ``torch.compile`` with ``ppo.torch_compile`` (ppo.compiled_loss)."""
+        if self._compiled_loss is None and self.ppo.torch_compile:
+            self._compiled_loss = compiled_loss.for_module(self)
+        return self._compiled_loss or self.ppo_loss
 
     def _step_if_finite(self, optimizer: Any) -> Tensor:
         """Clip, then step unless a gradient is NaN/inf; returns whether it stepped (a device bool).
@@ -660,9 +658,11 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
                     "and the precision."
                 )
 
-    def ppo_loss(self, mb: Experience, share: Share = Share()) -> tuple[Tensor, dict[str, Tensor]]:
+    def ppo_loss(
+        self, mb: Experience, share: Share = Share(), kl_coef: float | Tensor | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """Clipped policy loss (+ vf_coef x value loss, + kl_coef x KL, - entropy_coef x entropy), each
-        term weighed by the micro-batch's ``share`` of its minibatch (lightning_ppo.ppo.microbatches)."""
+        term weighed by its ``share`` of the minibatch (ppo.microbatches); ``kl_coef``: ``kl_ctl.value``."""
         length = mb.response_ids.shape[1]
         mask = F.TokenMask.of(mb.response_mask)  # shared by every mean below
         logits, values = self.roles.policy_forward(mb.input_ids, mb.attention_mask, mb.position_ids, length)
@@ -687,7 +687,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             stats["policy/entropy_avg"] = entropy.detach()
         if self.ppo.kl_placement == "loss":
             kl = aggregate(F.kl_penalty(logprobs, mb.ref_logprobs, self.ppo.kl_estimator), mask)
-            loss = loss + weighted(self.kl_ctl.value * kl, policy_share)
+            loss = loss + weighted((self.kl_ctl.value if kl_coef is None else kl_coef) * kl, policy_share)
             stats["loss/kl_avg"] = kl.detach()
         if values is not None:
             vf = F.value_loss(values, mb.values, mb.returns, mask, self.ppo.value_clip_range)

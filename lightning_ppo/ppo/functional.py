@@ -160,7 +160,7 @@ def logprobs_from_logits(
         picked = rows.gather(-1, toks.unsqueeze(-1)).squeeze(-1)
         return picked - torch.logsumexp(rows, dim=-1)
 
-    if len(flat_logits) <= _ROWS_PER_CHUNK:  # one chunk: no split and concatenation to dispatch
+    if torch.compiler.is_compiling() or len(flat_logits) <= _ROWS_PER_CHUNK:  # see _ROWS_PER_CHUNK
         return chunk(flat_logits, flat_tokens).reshape(tokens.shape)
     pieces = zip(flat_logits.split(_ROWS_PER_CHUNK), flat_tokens.split(_ROWS_PER_CHUNK), strict=True)
     return torch.cat([chunk(rows, toks) for rows, toks in pieces]).reshape(tokens.shape)
@@ -183,7 +183,7 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0, suppressed: Se
         # gradient) at 0, where 0 x -inf would be NaN.
         return torch.logsumexp(masked, dim=-1) - (probs * suppress(rows, suppressed, 0.0)).sum(-1)
 
-    if len(flat) <= _ROWS_PER_CHUNK:  # one chunk: no split and concatenation to dispatch
+    if torch.compiler.is_compiling() or len(flat) <= _ROWS_PER_CHUNK:  # see _ROWS_PER_CHUNK
         return chunk(flat).reshape(logits.shape[:-1])
     return torch.cat([chunk(rows) for rows in flat.split(_ROWS_PER_CHUNK)]).reshape(logits.shape[:-1])
 

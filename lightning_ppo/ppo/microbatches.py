@@ -48,10 +48,12 @@ class Share:
         return {"sequence_mean": self.responses, "constant": self.rows}.get(aggregation, self.tokens)
 
 
-def weighted(term: Tensor, share: float) -> Tensor:
+def weighted(term: Tensor, share: float | Tensor) -> Tensor:
     """``term * share``; a share of 1 (a minibatch in one pass) skips the multiplication, which
-    would give ``term`` bit for bit and cost a kernel launch forward and another backward."""
-    return term if share == 1.0 else term * share
+    would give ``term`` bit for bit and cost a kernel launch forward and another backward. A 0-d
+    tensor share (compiled passes, lightning_ppo.ppo.compiled_loss) always multiplies: no branch on
+    its value, which would compile a graph per value."""
+    return term * share if isinstance(share, Tensor) or share != 1.0 else term
 
 
 # Statistics averaged like the policy term (per response under sequence_mean); the others are
