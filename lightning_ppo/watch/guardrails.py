@@ -272,7 +272,8 @@ class Guardrails:
             f"the scores the update uses vary by {spread:.3g} (batch std, mean of {self.spread_count} "
             f"iterations), less than the KL coefficient {view.kl_coef:.3g}: the KL-regularised optimum "
             f"lies within about {spread**2 / view.kl_coef:.2g} of the reference's mean score, so the "
-            f"score will stay flat. {', '.join(remedies).capitalize()} (docs/algorithms.md: reward scale and KL)",
+            f"score will stay flat. {', '.join(remedies).capitalize()} "
+            "(docs/algorithms.md: reward scale and KL)",
         )
 
     def _converging(self, view: IterationView) -> str | None:
