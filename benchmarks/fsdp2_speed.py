@@ -12,6 +12,9 @@ and a reward model of that size (as ``benchmarks.sharded_memory``), 4 prompts pe
 Reported per setting (the slower rank, medians over the iterations after the first): seconds per
 iteration, and its phases: generation, scoring, the rollout forwards (policy, reference, critic),
 the PPO update; and FSDP2's all-gathers and reduce-scatters per iteration (one call per FSDP unit).
+Each round runs every setting once, in an order rotated from round to round; "x DDP" is the median
+over the rounds of each round's ratio to that round's DDP run (on a machine shared with other jobs
+the ratio within a round is what holds, the seconds drift).
 """
 
 from __future__ import annotations
@@ -140,19 +143,22 @@ def main() -> None:
     rows: dict[str, list[dict]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as tmp:
         extra = gpt2_small_args(Path(tmp)) if ns.gpt2_small else []
-        for _ in range(ns.rounds):
-            for name, (strategy, more) in settings.items():
+        names = list(settings)
+        for round_ in range(ns.rounds):
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                strategy, more = settings[name]
                 rows[name].append(run(strategy, iterations, extra + more))
     model = "GPT-2-small-sized" if ns.gpt2_small else "quickstart"
     print(f"{model}, 2 CPU ranks (OMP_NUM_THREADS=1 each), {iterations} iterations, {ns.rounds} round(s)")
     print("| setting | s / iteration | x DDP | generate s | score s | rollout forwards s | PPO update s "
           "| all-gathers / iteration | reduce-scatters / iteration |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    ddp = statistics.median(r["iteration"] for r in rows["DDP"])
     for name, runs in rows.items():
         med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        ratios = [r["iteration"] / d["iteration"] for r, d in zip(runs, rows["DDP"], strict=True)]
         print(
-            f"| {name} | {med['iteration']:.3f} | {med['iteration'] / ddp:.2f} | {med['generate']:.3f} "
+            f"| {name} | {med['iteration']:.3f} | {statistics.median(ratios):.2f} "
+            f"({', '.join(f'{x:.2f}' for x in ratios)}) | {med['generate']:.3f} "
             f"| {med['score']:.3f} | {med['rollout_forwards']:.3f} | {med['ppo_update']:.3f} "
             f"| {med['all_gather']:.0f} | {med['reduce_scatter']:.0f} |"
         )

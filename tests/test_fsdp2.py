@@ -120,8 +120,8 @@ def test_fsdp2_trains_as_ddp_does_and_ranks_stop_generating_apart(tiny_digits, t
         if k in initial or "lora_B" in k
     )
     assert moved > 1000 * ATOL  # the tolerance is far below what training changed (LoRA B starts at 0)
-    # Sampling matched DDP's, and the ranks' longest responses differed (synced generation kept
-    # the finished rank in step instead of hanging).
+    # Sampling matched DDP's, and the ranks' longest responses differed (the rank that finished first
+    # stopped generating: the gathered policy communicates nothing per token).
     lengths = [json.loads((out["fsdp2"] / f"lengths_rank{r}.json").read_text()) for r in (0, 1)]
     assert lengths == [json.loads((out["ddp"] / f"lengths_rank{r}.json").read_text()) for r in (0, 1)]
     assert any(a != b and min(a, b) < MAX_NEW_TOKENS - 1 for a, b in zip(*lengths, strict=True))
@@ -194,39 +194,73 @@ def test_fsdp2_trains_multi_turn_episodes_as_ddp_does(tiny_digits, tmp_path):
     assert_same_training(trained(out["ddp"], 0), trained(out["fsdp2"], 0))
 
 
-def _count_generation_all_gathers(rank: int, port: int, policy: str, out: str) -> None:
+def _sharded_generation_and_norm(rank: int, port: int, policy: str, out: str) -> None:
     import os
 
     import torch.distributed as dist
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
-    from lightning_ppo.distributed.sharding import gathered_for_generation, shard_model
+    from lightning_ppo.distributed.sharding import gathered_for_generation, reshard, shard_model
+    from lightning_ppo.ppo.optim import grad_norm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         model = AutoModelForCausalLM.from_pretrained(policy)
-        shard_model(model, init_device_mesh("cpu", (2,)), None)
+        mesh = init_device_mesh("cpu", (2,))
+        shard_model(model, mesh, None)
         gathers, original = [], param_group.foreach_all_gather  # FSDP2's one call per unit gathered
         param_group.foreach_all_gather = lambda *a, **k: gathers.append(1) or original(*a, **k)
+        reduces, all_reduce = [], dist.all_reduce  # Hugging Face's synced_gpus: one per new token
+        dist.all_reduce = lambda *a, **k: reduces.append(1) or all_reduce(*a, **k)
         ids = torch.tensor([[5, 6, 7, 13]] * 2)
-        kwargs = {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": True, "pad_token_id": 0}
+        kwargs = {"do_sample": True, "pad_token_id": 0, "attention_mask": torch.ones_like(ids)}
         counts = []
         for gathered in (False, True):  # generation.gather_for_generation off, on
             gathers.clear()
             with gathered_for_generation(model, enabled=gathered):
-                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), synced_gpus=True, **kwargs)
+                sixteen = {"max_new_tokens": 16, "min_new_tokens": 16}
+                model.generate(input_ids=ids, synced_gpus=True, **sixteen, **kwargs)
             counts.append(len(gathers))
+        gathers.clear()
+        reduces.clear()
+        with gathered_for_generation(model):  # as the module calls it: the ranks stop apart, unsynced
+            new = 4 if rank == 0 else 16
+            model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
+        counts += [len(gathers), len(reduces), "generate" in model.__dict__]
+        dist.all_reduce = all_reduce
+        # the gradient norm and clip of sharded gradients: torch's own on DTensors, to the bit
+        reshard(model)  # the root stays whole after generating
+        params = list(model.parameters())
+        local = [torch.randn_like(p.to_local()) * (100 if rank else 1) for p in params]
+        norms = {}
+        for clip in (None, 1.0):
+            for name in ("torch", "ours"):
+                for p, g in zip(params, local, strict=True):
+                    shape = {"shape": p.shape, "stride": p.stride()}
+                    p.grad = DTensor.from_local(g.clone(), mesh, p.placements, **shape)
+                if name == "ours":
+                    norm = grad_norm(params, clip)
+                elif clip is None:
+                    norm = torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()
+                else:
+                    norm = torch.nn.utils.clip_grad_norm_(params, clip).full_tensor()
+                norms[f"{name} {clip}"] = [norm.tolist(), *(p.grad.to_local().tolist() for p in params)]
+        counts.append(norms["torch None"] == norms["ours None"] and norms["torch 1.0"] == norms["ours 1.0"])
         Path(out, f"gathers{rank}.json").write_text(json.dumps(counts))
     finally:
         dist.destroy_process_group()
 
 
-def test_generation_gathers_each_block_once_not_once_per_token(tiny_digits, tmp_path):
+def test_generation_gathers_each_block_once_and_the_norm_of_shards_is_torchs(tiny_digits, tmp_path):
     """16 new tokens through a 2-block GPT-2 sharded on 2 ranks: 33 all-gathers (each block per
     token, and the root once) with ``generation.gather_for_generation: false``, 2 with it on (each
-    block once)."""
+    block once). Gathered, a decoding step communicates nothing, so the ranks generate unsynced
+    (Hugging Face's ``synced_gpus`` all-reduced a flag at every token): one rank stops after 4 tokens,
+    the other runs on to 16, with no all-reduce. The gradient norm (and clip) of the sharded
+    gradients, computed on their shards (``ppo.optim.grad_norm``), is torch's on the DTensors bit for bit."""
     import socket
 
     import torch.multiprocessing as mp
@@ -234,6 +268,6 @@ def test_generation_gathers_each_block_once_not_once_per_token(tiny_digits, tmp_
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_count_generation_all_gathers, args=(port, str(tiny_digits), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_sharded_generation_and_norm, args=(port, str(tiny_digits), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
-        assert json.loads((tmp_path / f"gathers{rank}.json").read_text()) == [33, 2]
+        assert json.loads((tmp_path / f"gathers{rank}.json").read_text()) == [33, 2, 2, 0, False, True]

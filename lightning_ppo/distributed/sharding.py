@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from importlib import import_module
 from typing import Any
 
@@ -243,13 +244,27 @@ def gathered_for_generation(model: nn.Module, enabled: bool = True) -> Iterator[
     for generation) the reply costs one per block. The price is the policy's whole weights on
     every rank while it generates (``enabled=False``, ``generation.gather_for_generation: false``, keeps
     the per-token gathers instead). Outside FSDP2 this does nothing.
+
+    Gathered, a decoding step communicates nothing (the root stays whole after its forward too), so
+    a rank whose replies all ended may stop: Hugging Face's ``synced_gpus``, on for FSDP-managed
+    models, would have every rank all-reduce a "finished" flag and read it on the host at every new
+    token, and keep stepping until all ranks are done; ``generate`` is called without it here.
     """
     blocks = [u for u in model.modules() if enabled and isinstance(u, FSDPModule) and u is not model]
     for block in blocks:
         block.set_reshard_after_forward(False, recurse=False)
+    unsynced = enabled and is_sharded(model)
+    own_generate = model.__dict__.get("generate")  # PEFT's, made an FSDP2 forward method in shard_model
+    if unsynced:
+        model.generate = partial(model.generate, synced_gpus=False)
     try:
         yield
     finally:
+        if unsynced:
+            if own_generate is None:
+                del model.generate
+            else:
+                model.generate = own_generate
         for block in blocks:
             block.set_reshard_after_forward(True, recurse=False)
             block.reshard()

