@@ -1,41 +1,88 @@
-"""``--model.init_args.ppo.kl_target null`` on the command line: setting a nested config field to null.
+"""``--model.init_args.ppo.kl_target null`` on the command line: an optional config field set to null.
 
 jsonargparse (4.53) refuses ``null`` for an optional field of a dataclass section inside a class's
 ``init_args`` (``expected float, got None``), while the same section given as JSON merges a null
-fine. So ``--a.b.field null`` is passed on as ``--a.b {"field": null}``: the section's other fields
-keep their values, set before or after. Only fields of a nested section are rewritten (their parent
-key has a dot and is not ``init_args``): ``--trainer.max_steps null`` and ``--model.init_args.value
-null`` parse as they are.
+fine. So ``--model.init_args.ppo.field null`` (or ``--model.ppo.field null``) is passed on as
+``--model.init_args.ppo {"field": null}``, for the fields of the module's config dataclasses
+(``ppo``, ``generation``, ``episode``) whose type allows ``None`` only: every other null is passed on
+as given, for jsonargparse to accept or to refuse naming the field.
+
+Where it goes: jsonargparse also refuses a null field that a later ``--section.other`` re-validates,
+so the nulls are held back and given before the next ``--config`` or whole-section argument (which
+then override them as they would any value), or at the end; the same field given again later
+replaces its null.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
+from functools import cache
 
 NULLS = ("null", "None", "~")
+CONFIG_FLAGS = ("--config", "-c")
+
+
+@cache
+def optional_fields() -> dict[str, frozenset[str]]:
+    """The module's config sections (``ppo``, ...) and their fields that may be None."""
+    from lightning_ppo.module import PPOLightningModule
+
+    sections = {}
+    for name, hint in typing.get_type_hints(PPOLightningModule.__init__).items():
+        if dataclasses.is_dataclass(hint):
+            hints = typing.get_type_hints(hint)
+            sections[name] = frozenset(f for f, h in hints.items() if type(None) in typing.get_args(h))
+    return sections
+
+
+def _canonical(key: str) -> tuple[str, str] | None:
+    """(section, field) of ``--model.init_args.S.F`` or ``--model.S.F``, S one of the module's config
+    sections and F a field of it that may be None; else None."""
+    parts = key.removeprefix("--").split(".")
+    if parts[:2] == ["model", "init_args"]:
+        parts = ["model", *parts[2:]]
+    if len(parts) != 3 or parts[0] != "model":
+        return None
+    section, field = parts[1], parts[2]
+    return (section, field) if field in optional_fields().get(section, ()) else None
+
+
+def _section_of(key: str) -> str | None:
+    """S for a whole-section argument ``--model.init_args.S`` or ``--model.S``."""
+    parts = key.removeprefix("--").split(".")
+    parts = ["model", *parts[2:]] if parts[:2] == ["model", "init_args"] else parts
+    return parts[1] if len(parts) == 2 and parts[0] == "model" and parts[1] in optional_fields() else None
 
 
 def nulls_as_sections(args: list[str]) -> list[str]:
-    """``args`` with each ``--section.field null`` (or ``=null``) of a nested section moved to the end as
-    ``--section {"field": null}``: jsonargparse also refuses a null section field that another
-    ``--section.other`` given after it re-validates. A null set again later is dropped (the last wins)."""
-    kept: list[str] = []
-    nulls: dict[str, tuple[str, str]] = {}  # key -> (section, field), in the order given
+    """``args`` with each null of an optional config field as its section in JSON (module docstring)."""
+    out: list[str] = []
+    held: dict[tuple[str, str], None] = {}  # (section, field), in the order given
+
+    def give(sections: set[str] | None = None) -> None:
+        for section, field in [k for k in held if sections is None or k[0] in sections]:
+            out.extend([f"--model.init_args.{section}", json.dumps({field: None})])
+            del held[(section, field)]
+
     i = 0
     while i < len(args):
         key, eq, value = args[i].partition("=")
-        step = 1 if eq else 2
         value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-        section, _, field = key.removeprefix("--").rpartition(".")
-        nested = key.startswith("--") and "." in section and not section.endswith("init_args")
-        if nested and field.isidentifier() and value in NULLS:
-            nulls.pop(key, None)
-            nulls[key] = (section, field)
-            i += step
+        target = _canonical(key) if key.startswith("--") else None
+        if target is not None and value in NULLS:
+            held.pop(target, None)
+            held[target] = None
+            i += 1 if eq else 2
             continue
-        nulls.pop(key, None)  # set again after the null: the later value wins
-        kept.append(args[i])
+        if target is not None:
+            held.pop(target, None)  # given again: the later value wins
+        elif key in CONFIG_FLAGS:
+            give()
+        elif key.startswith("--") and _section_of(key) is not None:
+            give({_section_of(key)})
+        out.append(args[i])
         i += 1
-    for section, field in nulls.values():
-        kept += [f"--{section}", json.dumps({field: None})]
-    return kept
+    give()
+    return out
