@@ -38,10 +38,26 @@ def _fit(config: str, policy, root, iterations: int, *extra: str, logger: str = 
     return cli, summary
 
 
-@pytest.mark.parametrize("estimator", list(RUNS))
+# The GAE run is also tests/test_async.py's synchronous reference: one worker runs both, from one run.
+SHARED_RUN = pytest.mark.xdist_group("quickstart-gae-60")
+_DONE: dict[tuple[str, str], tuple] = {}
+
+
+def quickstart_run(estimator: str, policy, root):
+    """``RUNS[estimator]`` for 60 iterations, once per process (seeded: the same run every time); the
+    CLI and the run's summary."""
+    key = (estimator, str(policy))
+    if key not in _DONE:
+        config, extra = RUNS[estimator]
+        _DONE[key] = _fit(config, policy, root, 60, *extra)
+    return _DONE[key]
+
+
+@pytest.mark.parametrize(
+    "estimator", [pytest.param(name, marks=SHARED_RUN) if name == "gae" else name for name in RUNS]
+)
 def test_quickstart_task_score_rises(estimator, tiny_digits, tmp_path):
-    config, extra = RUNS[estimator]
-    cli, summary = _fit(config, tiny_digits, tmp_path, 60, *extra)
+    cli, summary = quickstart_run(estimator, tiny_digits, tmp_path)
     assert cli.model.ppo.advantage_estimator == estimator
     assert summary.iterations == 60
     assert cli.model.guardrails.fired == set()  # no guardrail speaks on a healthy run
