@@ -22,6 +22,7 @@ from lightning_ppo.rollout.episodes import Environment, StepResult, Turn
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from tests.helpers import forked_cli_process, quiet_trainer, ranks_process, start_forked
+from tests.test_learning import SHARED_RUN, _fit, quickstart_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -212,17 +213,14 @@ def test_every_prompt_is_trained_exactly_once_across_sigkills_and_resumes(tiny_d
     assert sorted({i for i, _ in counted}) == list(range(1, 10))
 
 
+@SHARED_RUN  # the synchronous run is test_learning's, run once for both
 def test_the_quickstart_learns_as_well_one_step_off(tiny_digits, tmp_path):
     """The quickstart run of tests/test_learning.py (GAE, kl_coef 0.02) against the same run with
     staleness 1 (61 batches: 60 trained): the score rises by the same bounds, and ends within the
     spread of synchronous runs over seeds. Measured, last-10 % score, seeds 0-3: synchronous 0.870,
     0.873, 0.560, 0.663; one step off 0.760, 0.722, 0.555, 0.602 (0.08 lower on average: each
     update learns from data one update old)."""
-    from tests.test_learning import _fit
-
-    _, synchronous = _fit(
-        "quickstart.yaml", tiny_digits, tmp_path / "sync", 60, "--model.init_args.ppo.kl_coef", "0.02"
-    )
+    _, synchronous = quickstart_run("gae", tiny_digits, tmp_path / "sync")
     cli, ahead = _fit(
         "quickstart.yaml",
         tiny_digits,
