@@ -65,11 +65,22 @@ class GenerationConfig:
             weights do not fit on one device, at one all-gather per block per generated token. No
             effect without FSDP2.
         cache_implementation: The key/value cache of HF ``generate``: ``static`` (default) writes
-            each token into a cache allocated once for prompt + ``max_new_tokens``; ``dynamic``
-            grows the cache by concatenation, copying it whole at every token of every layer
-            (measured on CPU: a third of a 128-token generation from 8-256-token prompts). The
-            samples are the same; a model without static-cache support falls back to ``dynamic``.
-            Never compiled by ``generate`` itself (``disable_compile``).
+            each token into a cache allocated once for prompt + ``max_new_tokens``, and each step
+            attends over the tokens written so far; ``dynamic`` grows the cache by concatenation,
+            copying it whole at every token of every layer (measured on CPU: a third of a 128-token
+            generation from 8-256-token prompts). The samples are the same; a model without
+            static-cache support falls back to ``dynamic``. Never compiled by ``generate`` itself
+            (``disable_compile``); see ``compile``.
+        compile: Decode through ``torch.compile`` (inductor; CUDA graphs on a GPU): the ``hf``
+            engine's rollouts, ``ppo.max_staleness`` snapshots and validation run their decoding
+            steps as a compiled graph on a static cache kept between calls
+            (``lightning_ppo/rollout/compiled_decoding.py``). The batch is padded to the largest one
+            decoded so far and the cache sized to ``max_new_tokens`` plus the prompt width rounded up
+            to a power of two, so a run compiles once per such shape (once for fixed-width prompts);
+            each shape's cache stays allocated through the update. The prefill, the sampling and an
+            ``episode.keep_cache`` cache run eagerly. Needs ``cache_implementation: static``; refused
+            under FSDP2. Greedy tokens are eager's; sampled ones follow another random stream
+            whenever the batch is padded.
         server_urls: The ``vllm_server`` engine's servers (``http://HOST:PORT``, as ``lightning-ppo
             serve`` prints it); each rank spreads its requests over all of them.
         server_timeout: Seconds any one call to a server may take (a completion, a weight load, a
@@ -101,6 +112,7 @@ class GenerationConfig:
     gpu_memory_utilization: float = 0.3
     gather_for_generation: bool = True
     cache_implementation: str = "static"
+    compile: bool = False
     server_urls: list[str] = field(default_factory=list)
     server_timeout: float = 300.0
     verify_sync: bool = False
@@ -145,6 +157,13 @@ class GenerationConfig:
             "generation.cache_implementation",
             f"one of {_CACHES}",
             self.cache_implementation,
+        )
+        _check(isinstance(self.compile, bool), "generation.compile", "true or false", self.compile)
+        _check(
+            not self.compile or self.cache_implementation == "static",
+            "generation.compile",
+            "false with generation.cache_implementation 'dynamic' (compiled decoding writes a static cache)",
+            self.compile,
         )
         _check(self.max_new_tokens >= 1, "generation.max_new_tokens", ">= 1", self.max_new_tokens)
         _check(self.temperature > 0, "generation.temperature", "> 0", self.temperature)

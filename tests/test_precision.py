@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 import lightning_ppo.rollout.sampling as rollout_module
 from lightning_ppo.config import GenerationConfig, PPOConfig
@@ -80,9 +79,10 @@ def test_lora_on_a_rope_policy_trains_under_every_precision_with_either_cache(ch
     check_trained(module, trainer, metrics, precision)
 
 
-class Fp32StaticCache(transformers.StaticCache):
+class Fp32StaticCache(OneDtypeStaticCache):
     """The reference: keys and values both stored in fp32, exactly as written (values cast up
-    losslessly), on every transformers version. It records the dtypes the model writes."""
+    losslessly), on every transformers version, attended over as the cache under test attends
+    (its written tokens: ``trim``). It records the dtypes the model writes."""
 
     written: set[tuple[torch.dtype, torch.dtype]] = set()
 
@@ -98,9 +98,9 @@ def test_under_autocast_the_static_cache_samples_as_one_that_keeps_fp32_keys(
 ):
     """A RoPE model under autocast writes fp32 keys beside low-precision values; the static cache
     stores the keys in the values' dtype, which attention casts them to anyway: the samples are
-    those of a cache that keeps them in fp32, token for token. (Against HF's dynamic cache they may
-    differ in a rare token on a Qwen2 shape: attention over the static cache's full length rounds
-    otherwise in bf16, with HF's own static cache as with this one.)"""
+    those of a cache that keeps them in fp32, token for token. (Attention over the whole length
+    of an untrimmed static cache, HF's own included, rounds otherwise in bf16: a rare token
+    differed on a Qwen2 shape.)"""
     model = load_causal_lm(checkpoints[arch])
     gen = hf_generation_config(GenerationConfig(max_new_tokens=12, temperature=0.7), 1, 0)
     prompt = torch.randint(3, 20, (4, 10), generator=torch.Generator().manual_seed(0))

@@ -1,7 +1,8 @@
 """Generation: what turns a batch of prompts into a rollout.
 
 ``prompts`` (the batch it starts from), ``sampling`` (Hugging Face ``generate`` and the stop-token
-masks), ``engines/`` (``hf`` and the colocated ``vllm`` engine, and the weights they are given),
+masks), ``compiled_decoding`` (``generation.compile``: its decoding steps compiled), ``engines/``
+(``hf`` and the colocated ``vllm`` engine, and the weights they are given),
 ``episodes`` (multi-turn episodes against an ``environment``, whose answers ``answers`` checks;
 ``kept_cache`` for ``hf``), ``tools``, ``chat`` and ``vocab``.
 May import ``ppo/``, ``distributed/``, ``runs/`` and ``config``; never ``watch/`` or the public face

@@ -10,7 +10,13 @@ from lightning_ppo.rollout.sampling import generate
 
 
 class HFEngine:
-    """Generates with the live policy, so syncing only remembers which module that is (no copy)."""
+    """Generates with the live policy, so syncing only remembers which module that is (no copy).
+
+    With ``generation.compile`` (a ``compile_config`` in ``generation_config``) the decoding steps run
+    compiled (``rollout/compiled_decoding.py``); what that keeps, the static caches of each shape and
+    the compiled call, is kept on the policy itself, so an engine made per job (``ppo.max_staleness``
+    snapshots) finds it again.
+    """
 
     def __init__(self, generation_config: transformers.GenerationConfig, cache: str = "static") -> None:
         self.generation_config, self.cache = generation_config, cache
