@@ -240,9 +240,9 @@ def _run(args: list[str] | None) -> PPOLightningCLI | None:
         print(f"wrote {exported.describe()} to {exported.out}")
         return None
     if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
-        sys.argv[1:] = nulls_as_sections(argv)
+        sys.argv[1:] = nulls_as_sections(argv, PPOLightningModule)
     else:
-        args = nulls_as_sections(argv)
+        args = nulls_as_sections(argv, PPOLightningModule)
     return PPOLightningCLI(
         PPOLightningModule,
         PromptDataModule,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from lightning_ppo import PPOLightningModule
 from lightning_ppo.cli import main
 from lightning_ppo.runs.null_args import nulls_as_sections
 
@@ -16,7 +17,7 @@ PPO = "--model.init_args.ppo"
 def test_a_null_optional_field_is_held_back_and_given_as_its_section():
     args = ["fit", f"{PPO}.kl_target", "null", f"{PPO}.ppo_epochs", "3", "--model.generation.stop_token=None"]
     args += ["--trainer.max_steps", "null", "--model.init_args.value", "null", f"{PPO}.ppo_epochs", "~"]
-    assert nulls_as_sections(args) == [
+    assert nulls_as_sections(args, PPOLightningModule) == [
         "fit",
         f"{PPO}.ppo_epochs",
         "3",
@@ -39,7 +40,7 @@ def test_a_null_optional_field_is_held_back_and_given_as_its_section():
     ids=["same-key", "alias", "whole-section"],
 )
 def test_a_value_given_after_the_null_wins(later):
-    given = nulls_as_sections(["fit", f"{PPO}.kl_target", "null", *later])
+    given = nulls_as_sections(["fit", f"{PPO}.kl_target", "null", *later], PPOLightningModule)
     assert given[-2:] == later  # nothing held back comes after it
 
 

@@ -25,19 +25,17 @@ CONFIG_FLAGS = ("--config", "-c")
 
 
 @cache
-def optional_fields() -> dict[str, frozenset[str]]:
-    """The module's config sections (``ppo``, ...) and their fields that may be None."""
-    from lightning_ppo.module import PPOLightningModule
-
+def optional_fields(module: type) -> dict[str, frozenset[str]]:
+    """The config sections of ``module``'s ``__init__`` (``ppo``, ...) and their fields that may be None."""
     sections = {}
-    for name, hint in typing.get_type_hints(PPOLightningModule.__init__).items():
+    for name, hint in typing.get_type_hints(module.__init__).items():
         if dataclasses.is_dataclass(hint):
             hints = typing.get_type_hints(hint)
             sections[name] = frozenset(f for f, h in hints.items() if type(None) in typing.get_args(h))
     return sections
 
 
-def _canonical(key: str) -> tuple[str, str] | None:
+def _canonical(key: str, module: type) -> tuple[str, str] | None:
     """(section, field) of ``--model.init_args.S.F`` or ``--model.S.F``, S one of the module's config
     sections and F a field of it that may be None; else None."""
     parts = key.removeprefix("--").split(".")
@@ -46,18 +44,20 @@ def _canonical(key: str) -> tuple[str, str] | None:
     if len(parts) != 3 or parts[0] != "model":
         return None
     section, field = parts[1], parts[2]
-    return (section, field) if field in optional_fields().get(section, ()) else None
+    return (section, field) if field in optional_fields(module).get(section, ()) else None
 
 
-def _section_of(key: str) -> str | None:
+def _section_of(key: str, module: type) -> str | None:
     """S for a whole-section argument ``--model.init_args.S`` or ``--model.S``."""
     parts = key.removeprefix("--").split(".")
     parts = ["model", *parts[2:]] if parts[:2] == ["model", "init_args"] else parts
-    return parts[1] if len(parts) == 2 and parts[0] == "model" and parts[1] in optional_fields() else None
+    whole = len(parts) == 2 and parts[0] == "model" and parts[1] in optional_fields(module)
+    return parts[1] if whole else None
 
 
-def nulls_as_sections(args: list[str]) -> list[str]:
-    """``args`` with each null of an optional config field as its section in JSON (module docstring)."""
+def nulls_as_sections(args: list[str], module: type) -> list[str]:
+    """``args`` with each null of an optional field of ``module``'s config sections as its section in
+    JSON (module docstring)."""
     out: list[str] = []
     held: dict[tuple[str, str], None] = {}  # (section, field), in the order given
 
@@ -70,7 +70,7 @@ def nulls_as_sections(args: list[str]) -> list[str]:
     while i < len(args):
         key, eq, value = args[i].partition("=")
         value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-        target = _canonical(key) if key.startswith("--") else None
+        target = _canonical(key, module) if key.startswith("--") else None
         if target is not None and value in NULLS:
             held.pop(target, None)
             held[target] = None
@@ -80,8 +80,8 @@ def nulls_as_sections(args: list[str]) -> list[str]:
             held.pop(target, None)  # given again: the later value wins
         elif key in CONFIG_FLAGS:
             give()
-        elif key.startswith("--") and _section_of(key) is not None:
-            give({_section_of(key)})
+        elif key.startswith("--") and _section_of(key, module) is not None:
+            give({_section_of(key, module)})
         out.append(args[i])
         i += 1
     give()
