@@ -45,6 +45,7 @@ import transformers
 from torch import Tensor
 from transformers.cache_utils import StaticLayer
 
+from lightning_ppo.rollout.static_cache import OneDtypeStaticCache, cache_argument
 from lightning_ppo.runs.errors import UsageError
 
 MIN_PROMPT_BUCKET = 16  # the smallest prompt width a cache is sized for
@@ -183,8 +184,6 @@ class DecodingState:
     ) -> transformers.Cache | None:
         """The cache of this shape, emptied for a new generation (allocated on first use); None when
         the model's windows are shorter than ``length`` (decoded eagerly)."""
-        from lightning_ppo.rollout.sampling import OneDtypeStaticCache
-
         if key not in self.caches:
             cache = OneDtypeStaticCache(config=model.config, max_cache_len=length)
             self.caches[key] = cache if without_windows(cache, length) else None
@@ -270,8 +269,6 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 def can_decode(model: transformers.PreTrainedModel) -> bool:
     """Whether the model decodes with a static cache (models with caches of their own do not)."""
-    from lightning_ppo.rollout.sampling import cache_argument
-
     supported = getattr(_base(model), "_supports_default_dynamic_cache", None)
     return supported is not None and supported() and cache_argument(model) is not None
 
@@ -288,8 +285,6 @@ def decode(
     docstring says; extra ``generate_kwargs`` go to ``generate`` (a test's logits processor).
     None, having generated nothing, where the model's attention window is shorter than this call's
     cache (a compiled step would specialise on how full the window is): decode it eagerly."""
-    from lightning_ppo.rollout.sampling import cache_argument
-
     check_unsharded(model)
     state = state_of(model)
     rows, width = prompt_ids.shape
