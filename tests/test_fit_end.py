@@ -118,3 +118,33 @@ def test_a_teardown_that_raises_leaves_the_roles_in_place(tiny_gpt2, tmp_path):
 def _roles(module: PPOLightningModule) -> set[str]:
     """The roles holding parameters: ``roles.<role>.…`` of every parameter's name."""
     return {name.split(".")[1] for name, _ in module.named_parameters()}
+
+
+class InterruptedOnce(torch.optim.SGD):
+    """An optimizer whose first new state is interrupted (a Ctrl-C landing while the states are set aside)."""
+
+    interrupted = False
+
+    def __setattr__(self, name, value) -> None:
+        if name == "state" and hasattr(self, "state") and not self.interrupted:
+            super().__setattr__("interrupted", True)
+            raise KeyboardInterrupt
+        super().__setattr__(name, value)
+
+
+def test_a_state_set_aside_before_an_interrupt_is_listed_and_put_back():
+    from lightning_ppo.ppo.optim import restore_states, set_aside_states
+
+    weights = torch.nn.Parameter(torch.ones(3))
+    first = torch.optim.SGD([weights], lr=0.1, momentum=0.9)
+    weights.grad = torch.ones(3)
+    first.step()
+    momentum = first.state[weights]["momentum_buffer"]
+    aside: list = []
+    try:
+        set_aside_states([first, InterruptedOnce([torch.nn.Parameter(torch.ones(1))], lr=0.1)], aside)
+    except KeyboardInterrupt:
+        pass
+    assert len(first.state) == 0 and aside[0][0] is first  # taken out, and listed before it left
+    restore_states(aside)
+    assert first.state[weights]["momentum_buffer"] is momentum

@@ -22,7 +22,9 @@ FSDP2's moves nothing) moves the module and the optimizers' state to the host at
 on one GPU, against 2.1 GB while training). :func:`keep_through_teardown` sets the roles and that
 state aside around it: they stay where they ran, and what may follow (``trainer.save_checkpoint``,
 ``validate``, another ``fit``) finds them as training left them. The device memory stays held after
-``fit``, as in a plain PyTorch loop: ``module.cpu()`` or dropping the module frees it.
+``fit``, as in a plain PyTorch loop: the Trainer holds the module and its optimizers (with AdamW's
+moments), so it is freed once both the module and the Trainer are dropped (``module.cpu()`` moves the
+roles but not the optimizer state).
 """
 
 from __future__ import annotations
@@ -118,9 +120,10 @@ def _teardown_keeping(strategy: Any) -> None:
     module = strategy.lightning_module
     modules = module.__dict__["_modules"] if module is not None else {}
     children, device = dict(modules), getattr(module, "_device", None)
-    aside = set_aside_states(strategy.optimizers)  # AdamW: 8 bytes per trained parameter
-    modules.clear()  # what module.cpu() then moves: the module's own tensors, none in PPOLightningModule
-    try:
+    aside: list[tuple[torch.optim.Optimizer, Any]] = []
+    try:  # set aside inside the try: a Ctrl-C between the two steps still puts everything back
+        set_aside_states(strategy.optimizers, aside)  # AdamW: 8 bytes per trained parameter
+        modules.clear()  # what module.cpu() then moves: the module's own tensors, none in PPOLightningModule
         type(strategy).teardown(strategy)
     finally:
         modules.update(children)

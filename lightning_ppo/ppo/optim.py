@@ -171,15 +171,16 @@ def scaler_will_skip(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> torc
     return torch.stack([flag.to(device) for flag in found.values()]).sum() > 0
 
 
-def set_aside_states(optimizers: list[Any]) -> list[tuple[Optimizer, Any]]:
+def set_aside_states(optimizers: list[Any], aside: list | None = None) -> list[tuple[Optimizer, Any]]:
     """Take each optimizer's per-parameter state out of it (AdamW's two moments: 8 bytes per trained
     fp32 parameter), leaving it empty; :func:`restore_states` puts it back, the same tensors.
 
     At the end of ``fit`` Lightning's ``Strategy.teardown`` moves every optimizer's state to the host,
     a copy of it in host memory at the end of every run; an optimizer emptied meanwhile has nothing to
-    move, and the state stays on its device for a ``trainer.save_checkpoint`` after ``fit``.
+    move, and the state stays on its device for a ``trainer.save_checkpoint`` after ``fit``. Given
+    ``aside``, each state is listed there before it leaves its optimizer (a Ctrl-C midway loses none).
     """
-    aside = []
+    aside = [] if aside is None else aside
     for optimizer in optimizers:
         inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
         aside.append((inner, inner.state))
