@@ -539,6 +539,7 @@ def forked_run(
 
 _ROOT = Path(__file__).resolve().parents[1]
 _ZYGOTES: dict[tuple[int, frozenset], _Zygote] = {}
+_RETIRED: list[_Zygote] = []
 
 
 def _zygote(slot: int, env: dict[str, str]) -> _Zygote:
@@ -546,16 +547,29 @@ def _zygote(slot: int, env: dict[str, str]) -> _Zygote:
     from tests.zygote import RUN_TIME_VARIABLES
 
     key = (slot, frozenset((k, v) for k, v in env.items() if k not in RUN_TIME_VARIABLES))
-    if key not in _ZYGOTES or _ZYGOTES[key].process.poll() is not None:
-        _ZYGOTES[key] = _Zygote(env)
-    return _ZYGOTES[key]
+    code = _package_code()
+    zygote = _ZYGOTES.get(key)
+    if zygote is not None and zygote.code != code:  # it imported another version of the package
+        zygote.retire()
+        zygote = None
+    if zygote is None or zygote.process.poll() is not None:
+        zygote = _ZYGOTES[key] = _Zygote(env, code)
+    return zygote
+
+
+def _package_code() -> tuple[int, int]:
+    """(files, newest modification) of lightning_ppo's modules: a zygote whose imports are older
+    than an edit is replaced, as a new interpreter would import the edited code (~1 ms)."""
+    times = [path.stat().st_mtime_ns for path in (_ROOT / "lightning_ppo").rglob("*.py")]
+    return len(times), max(times, default=0)
 
 
 class _Zygote:
     """The client end of one ``tests/zygote.py`` process (it ends, killing the processes it forked
     that still run, when this process closes its end, at the latest when this process exits)."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], code: tuple[int, int]) -> None:
+        self.code = code
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         path = os.path.join(tempfile.gettempdir(), f"lightning-ppo-zygote-{os.getpid()}-{id(self)}.log")
         with open(path, "ab") as log, theirs:
@@ -569,6 +583,13 @@ class _Zygote:
                 stderr=log,
             )
         self.control, self.lock = ours, threading.Lock()
+
+    def retire(self) -> None:
+        """Fork no more: the zygote ends once the processes it forked have ended (a client that goes
+        away instead has them killed)."""
+        with self.lock:
+            self.control.send(json.dumps({"retire": True}).encode())
+        _RETIRED.append(self)  # its end of the socket stays open until then
 
     def start(
         self,

@@ -9,7 +9,7 @@ file descriptors: ``{"entry", "argv", "env", "cwd", "session", "interruptible"}`
 the child becomes ``python -m ENTRY ARGV`` (``runpy``, as ``-m`` does) with exactly ``env``; the
 zygote writes the child's pid, then, once it has reaped it, its status (a ``subprocess`` return code:
 negative for a signal) to the status socket. When the client goes away, the children still running
-are killed.
+are killed; a ``{"retire": true}`` request instead ends the zygote once its last child has ended.
 
 Only what is the same in every fresh interpreter is shared: the modules (imported with the
 environment the client started the zygote with; the client sends only commands whose environment
@@ -175,6 +175,10 @@ def serve(control: socket.socket, printed: tuple[bytes, bytes]) -> None:
                         _kill(pid)
                     continue
                 request = json.loads(message)
+                if request.get("retire"):  # replaced (the package's code changed): end with the last child
+                    client_gone = True
+                    selector.unregister(control)
+                    continue
                 status = socket.socket(fileno=fds[3])
                 pid = os.fork()
                 if pid == 0:
