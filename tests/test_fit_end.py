@@ -120,6 +120,10 @@ def _roles(module: PPOLightningModule) -> set[str]:
     return {name.split(".")[1] for name, _ in module.named_parameters()}
 
 
+class Interrupted(BaseException):
+    """As a Ctrl-C's KeyboardInterrupt (a BaseException), without stopping pytest itself."""
+
+
 class InterruptedOnce(torch.optim.SGD):
     """An optimizer whose first new state is interrupted (a Ctrl-C landing while the states are set aside)."""
 
@@ -128,7 +132,7 @@ class InterruptedOnce(torch.optim.SGD):
     def __setattr__(self, name, value) -> None:
         if name == "state" and hasattr(self, "state") and not self.interrupted:
             super().__setattr__("interrupted", True)
-            raise KeyboardInterrupt
+            raise Interrupted
         super().__setattr__(name, value)
 
 
@@ -143,7 +147,7 @@ def test_a_state_set_aside_before_an_interrupt_is_listed_and_put_back():
     aside: list = []
     try:
         set_aside_states([first, InterruptedOnce([torch.nn.Parameter(torch.ones(1))], lr=0.1)], aside)
-    except KeyboardInterrupt:
+    except Interrupted:
         pass
     assert len(first.state) == 0 and aside[0][0] is first  # taken out, and listed before it left
     restore_states(aside)

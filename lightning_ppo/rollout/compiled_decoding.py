@@ -9,8 +9,10 @@ built outside the graph at the cache's full length. What it leaves to the caller
 - **Bounded shapes.** A decoding step's graph depends on the batch size and the cache length alone,
   not on the prompt's width (the prompt is read by the eager prefill; measured: prompts of 5, 9 and
   12 tokens into one cache length, one compilation, and model copies of one architecture share it).
-  So the batch is padded to the largest batch this model decoded so far (the extra rows copy the
-  first prompt and emit the stop token at once: :class:`FinishRows`), and the cache length is
+  So the batch is padded to the next power of two (the extra rows copy the first prompt and emit
+  the stop token at once: :class:`FinishRows`; a function of the rows alone, so that what a batch
+  samples never depends on the batches decoded before it, as after a resume or in a snapshot,
+  since the extra rows draw from the generator too), and the cache length is
   ``max_new_tokens`` plus the prompt width rounded up to a power of two (at least
   :data:`MIN_PROMPT_BUCKET`). A run of fixed-width prompts compiles once; prompts of 8-256 tokens
   at most five times per batch size.
@@ -156,28 +158,23 @@ def without_windows(cache: transformers.Cache, length: int) -> bool:
     return True
 
 
+def batch_bucket(rows: int) -> int:
+    """The batch ``rows`` decode in: the next power of two (a few graphs over any batch sizes; the
+    padding rows cost at most as many as the real ones)."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
 class DecodingState:
-    """What a model keeps for compiled decoding: the batch sizes decoded so far, one static cache
-    per shape and its compiled call. A copy of the model (``copy.deepcopy``) starts with a new,
-    empty one."""
+    """What a model keeps for compiled decoding: one static cache per shape and its compiled call.
+    A copy of the model (``copy.deepcopy``) starts with a new, empty one."""
 
     def __init__(self) -> None:
-        self.batch_sizes: list[int] = []
         self.caches: dict[tuple[Any, ...], transformers.Cache | None] = {}
         self.compiled: Callable | None = None
         self.lock = threading.Lock()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DecodingState:
         return DecodingState()
-
-    def batch_for(self, rows: int) -> int:
-        """The batch ``rows`` are padded to: the smallest size decoded before that holds them, or
-        ``rows`` itself (a new size) when none does."""
-        fitting = [size for size in self.batch_sizes if size >= rows]
-        if fitting:
-            return min(fitting)
-        self.batch_sizes.append(rows)
-        return rows
 
     def cache(
         self, model: transformers.PreTrainedModel, key: tuple[Any, ...], length: int
@@ -290,7 +287,7 @@ def decode(
     rows, width = prompt_ids.shape
     device = prompt_ids.device
     with state.lock:  # one generate per model at a time (the caches are the model's)
-        batch = state.batch_for(rows)
+        batch = batch_bucket(rows)
         length = prompt_bucket(width) + generation_config.max_new_tokens
         dtypes = (next(model.parameters()).dtype, autocast_dtype(device))
         key = (type(_base(model)), batch, length, device, *dtypes)

@@ -29,14 +29,19 @@ class OneDtypeStaticCache(transformers.StaticCache):
     dynamic one (9.6 and 9.2 ms a step; the dynamic one's cost is concatenating its whole cache at
     every step). Trimmed, and reporting itself not compilable so that transformers builds (or skips)
     the mask as for the dynamic cache: 6.7 ms (docs/performance.md, "Decoding"). The written length
-    is counted on the host, so nothing is read back from the device. Window (sliding, chunked)
-    layers are left as they are. Off for compiled decoding, whose graph needs the whole fixed
+    is counted on the host, so nothing is read back from the device. A cache with window (sliding,
+    chunked) layers is not trimmed. Off for compiled decoding, whose graph needs the whole fixed
     length; the logits differ from the untrimmed cache's by rounding only (fp32 1e-7; one bf16 step).
     """
 
     def __init__(self, *args, trim: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.trim = trim
+        # Not with window layers: trimmed, the cache reports itself not compilable, transformers then
+        # skips the mask of an unpadded batch, and an untrimmed window layer would attend over its
+        # unwritten zeros (a review: other tokens than the dynamic cache's on a tiny Mistral).
+        self.trim = trim and not any(
+            getattr(layer, "is_sliding", False) for layer in getattr(self, "layers", [])
+        )
         self.filled: dict[int, int] = {}  # tokens written per layer, counted on the host
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
@@ -65,7 +70,7 @@ class OneDtypeStaticCache(transformers.StaticCache):
         return not self.trim and super().is_compileable
 
     def _trimmed(self, layer_idx: int) -> bool:
-        return self.trim and not getattr(self.layers[layer_idx], "is_sliding", False)
+        return self.trim
 
 
 def cache_argument(model: transformers.PreTrainedModel) -> str | None:
