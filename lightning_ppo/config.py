@@ -74,8 +74,8 @@ class GenerationConfig:
         compile: Decode through ``torch.compile`` (inductor; CUDA graphs on a GPU): the ``hf``
             engine's rollouts, ``ppo.max_staleness`` snapshots and validation run their decoding
             steps as a compiled graph on a static cache kept between calls
-            (``lightning_ppo/rollout/compiled_decoding.py``). The batch is padded to the largest one
-            decoded so far and the cache sized to ``max_new_tokens`` plus the prompt width rounded up
+            (``lightning_ppo/rollout/compiled_decoding.py``). The batch is padded to the next power of
+            two of its rows and the cache sized to ``max_new_tokens`` plus the prompt width rounded up
             to a power of two, so a run compiles once per such shape (once for fixed-width prompts);
             each shape's cache stays allocated through the update. The prefill, the sampling and an
             ``episode.keep_cache`` cache run eagerly. Needs ``cache_implementation: static``; refused
