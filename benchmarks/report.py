@@ -18,7 +18,8 @@ VARIANTS = ("lightning_ppo", "trl", "floor", "lightning_ppo_shared", "lightning_
 # lightning_ppo with ``generation.cache_implementation: dynamic`` (HF's own cache, what it used
 # before the static one): run only when named in --variants, and in the variable-length table.
 DYNAMIC = "lightning_ppo_dynamic"
-# lightning_ppo with ``ppo.torch_compile`` (the loss passes under torch.compile): run only when named.
+# lightning_ppo with ``ppo.torch_compile`` and ``generation.compile`` (loss passes and decoding steps under
+# torch.compile): run only when named.
 COMPILED = "lightning_ppo_compiled"
 # The variable-length table's variants: the padded rectangle, the default (row groups, trimmed
 # minibatches, a static generation cache), the default with HF's dynamic generation cache, a token

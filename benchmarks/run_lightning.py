@@ -92,6 +92,7 @@ def build_module(spec: common.RunSpec) -> PPOLightningModule:
         temperature=common.TEMPERATURE,
         engine=spec.engine,
         cache_implementation=spec.cache,
+        compile=spec.variant == "lightning_ppo_compiled",  # decoding compiled too (generation.compile)
         # On CPU vLLM sizes its KV cache from the machine's memory: 10 % is ample for the presets.
         gpu_memory_utilization=0.3 if spec.device.startswith("cuda") else 0.1,
     )
