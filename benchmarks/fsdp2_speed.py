@@ -11,7 +11,12 @@ and a reward model of that size (as ``benchmarks.sharded_memory``), 4 prompts pe
 
 Reported per setting (the slower rank, medians over the iterations after the first): seconds per
 iteration, and its phases: generation, scoring, the rollout forwards (policy, reference, critic),
-the PPO update; and FSDP2's all-gathers and reduce-scatters per iteration (one call per FSDP unit).
+the PPO update; the process's CPU seconds per iteration (both ranks' work, without the time spent
+waiting, for the other rank or for a core: on a shared machine the steadier figure); FSDP2's
+all-gathers and reduce-scatters per iteration (one call per FSDP unit); and every collective the
+ranks wait on together per iteration: each ``torch.distributed`` call from Python (FSDP2's
+included, an ``all_gather_object`` once), not DDP's gradient all-reduces, which its C++ reducer
+issues (one per bucket, a bucket per step for the quickstart's models).
 Each round runs every setting once, in an order rotated from round to round; "x DDP" is the median
 over the rounds of each round's ratio to that round's DDP run (on a machine shared with other jobs
 the ratio within a round is what holds, the seconds drift).
@@ -30,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from lightning_ppo.module import PPOLightningModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +45,10 @@ FSDP2 = {
     "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1},
 }
 PHASES = ("generate", "score", "rollout_forwards", "ppo_update")
+COLLECTIVES = (
+    *("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor"),
+    *("reduce_scatter_single", "broadcast", "barrier", "all_gather_object", "broadcast_object_list"),
+)
 
 
 class TimedPPO(PPOLightningModule):
@@ -46,8 +57,9 @@ class TimedPPO(PPOLightningModule):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.timings: dict[str, list[float]] = {name: [] for name in (*PHASES, "iteration")}
-        self.collectives = {"all_gather": 0, "reduce_scatter": 0}
+        self._inside = False
+        self.timings: dict[str, list[float]] = {name: [] for name in (*PHASES, "iteration", "cpu")}
+        self.collectives = {"all_gather": 0, "reduce_scatter": 0, "collectives": 0}
         for name in PHASES:
             setattr(self, name, self._timed(name, getattr(self, name)))
 
@@ -76,12 +88,34 @@ class TimedPPO(PPOLightningModule):
             return reduce(*args, **kwargs)
 
         param_group.foreach_all_gather, param_group.foreach_reduce = counted_gather, counted_reduce
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                setattr(dist, name, self._counted(getattr(dist, name)))
+
+    def _counted(self, collective: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._inside:  # all_gather_object's own all_gathers: counted once, as it
+                return collective(*args, **kwargs)
+            self._inside, self.collectives["collectives"] = True, self.collectives["collectives"] + 1
+            try:
+                return collective(*args, **kwargs)
+            finally:
+                self._inside = False
+
+        return counted
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._start = time.perf_counter()
+        self._start, self._cpu, self._counts = (
+            time.perf_counter(),
+            time.process_time(),
+            dict(self.collectives),
+        )
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.timings["iteration"].append(time.perf_counter() - self._start)
+        self.timings["cpu"].append(time.process_time() - self._cpu)
+        for name, count in self.collectives.items():
+            self.timings.setdefault(name, []).append(count - self._counts[name])
 
     def on_train_end(self) -> None:
         out = Path(os.environ["FSDP2_SPEED_OUT"])
@@ -101,7 +135,7 @@ def gpt2_small_args(root: Path) -> list[str]:
 
 
 def run(strategy: str | dict, iterations: int, extra: list[str]) -> dict[str, Any]:
-    """One CLI run on 2 ranks; the slower rank's medians (first iteration left out) and counts."""
+    """One CLI run on 2 ranks; the slower rank's medians (first iteration left out), counts too."""
     with tempfile.TemporaryDirectory() as out:
         args = [
             *("fit", "--config", str(ROOT / "configs" / "fsdp2.yaml")),
@@ -119,13 +153,10 @@ def run(strategy: str | dict, iterations: int, extra: list[str]) -> dict[str, An
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-3000:])
         ranks = [json.loads((Path(out) / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    row = {
+    return {
         name: max(statistics.median(r["timings"][name][1:] or [0.0]) for r in ranks)
-        for name in (*PHASES, "iteration")
+        for name in (*PHASES, "iteration", "cpu", "all_gather", "reduce_scatter", "collectives")
     }
-    steps = max(1, ranks[0]["iterations"])
-    row.update({name: count / steps for name, count in ranks[0]["collectives"].items()})
-    return row
 
 
 def main() -> None:
@@ -150,17 +181,20 @@ def main() -> None:
                 rows[name].append(run(strategy, iterations, extra + more))
     model = "GPT-2-small-sized" if ns.gpt2_small else "quickstart"
     print(f"{model}, 2 CPU ranks (OMP_NUM_THREADS=1 each), {iterations} iterations, {ns.rounds} round(s)")
-    print("| setting | s / iteration | x DDP | generate s | score s | rollout forwards s | PPO update s "
-          "| all-gathers / iteration | reduce-scatters / iteration |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| setting | s / iteration | x DDP | CPU s / iteration | x DDP | generate s | score s "
+          "| rollout forwards s | PPO update s | all-gathers / iteration | reduce-scatters / iteration "
+          "| collectives / iteration |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, runs in rows.items():
         med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        ratios = [r["iteration"] / d["iteration"] for r, d in zip(runs, rows["DDP"], strict=True)]
+        ratios = [
+            [r[key] / d[key] for r, d in zip(runs, rows["DDP"], strict=True)] for key in ("iteration", "cpu")
+        ]
+        wall, cpu = (f"{statistics.median(x):.2f} ({', '.join(f'{y:.2f}' for y in x)})" for x in ratios)
         print(
-            f"| {name} | {med['iteration']:.3f} | {statistics.median(ratios):.2f} "
-            f"({', '.join(f'{x:.2f}' for x in ratios)}) | {med['generate']:.3f} "
+            f"| {name} | {med['iteration']:.3f} | {wall} | {med['cpu']:.3f} | {cpu} | {med['generate']:.3f} "
             f"| {med['score']:.3f} | {med['rollout_forwards']:.3f} | {med['ppo_update']:.3f} "
-            f"| {med['all_gather']:.0f} | {med['reduce_scatter']:.0f} |"
+            f"| {med['all_gather']:.0f} | {med['reduce_scatter']:.0f} | {med['collectives']:.0f} |"
         )
 
 
