@@ -543,17 +543,23 @@ _RETIRED: list[_Zygote] = []
 
 
 def _zygote(slot: int, env: dict[str, str]) -> _Zygote:
-    """The zygote of ``slot`` whose environment is ``env`` but for variables read at run time."""
-    from tests.zygote import RUN_TIME_VARIABLES
+    """The zygote of ``slot`` whose environment is ``env`` but for variables read at run time; at
+    most two of a slot at a time (~0.5 GB each), the one used least recently retired for a third."""
+    from tests.zygote import read_at_run_time
 
-    key = (slot, frozenset((k, v) for k, v in env.items() if k not in RUN_TIME_VARIABLES))
+    key = (slot, frozenset((k, v) for k, v in env.items() if not read_at_run_time(k)))
     code = _package_code()
     zygote = _ZYGOTES.get(key)
-    if zygote is not None and zygote.code != code:  # it imported another version of the package
+    if zygote is not None and (zygote.code != code or zygote.process.poll() is not None):
+        del _ZYGOTES[key]  # it imported another version of the package, or it is gone
         zygote.retire()
         zygote = None
-    if zygote is None or zygote.process.poll() is not None:
+    if zygote is None:
+        same_slot = [k for k in _ZYGOTES if k[0] == slot]  # oldest use first: dicts keep order
+        for old in same_slot[: max(len(same_slot) - 1, 0)]:
+            _ZYGOTES.pop(old).retire()
         zygote = _ZYGOTES[key] = _Zygote(env, code)
+    _ZYGOTES[key] = _ZYGOTES.pop(key)  # the most recently used last
     return zygote
 
 
@@ -587,9 +593,11 @@ class _Zygote:
     def retire(self) -> None:
         """Fork no more: the zygote ends once the processes it forked have ended (a client that goes
         away instead has them killed)."""
-        with self.lock:
-            self.control.send(json.dumps({"retire": True}).encode())
-        _RETIRED.append(self)  # its end of the socket stays open until then
+        if self.process.poll() is None:
+            with self.lock, contextlib.suppress(OSError):
+                self.control.send(json.dumps({"retire": True}).encode())
+            _RETIRED.append(self)  # its end of the socket stays open until then
+        _RETIRED[:] = [zygote for zygote in _RETIRED if zygote.process.poll() is None]
 
     def start(
         self,

@@ -31,7 +31,9 @@ from pathlib import Path
 
 # Variables a command's environment may set differently from the zygote's: none is read at import
 # time by the modules imported here, or they are read again in the child (rank_zero_only's rank,
-# tempfile's folder). PYTEST_CURRENT_TEST changes with every test.
+# tempfile's folder). PYTEST_CURRENT_TEST changes with every test; the seeds, tokenizers' switch and
+# inductor's pointer are what in-process tests leave in the test process's environment; wandb and
+# vLLM are not imported here.
 RUN_TIME_VARIABLES = frozenset(
     {
         "LOCAL_RANK",
@@ -41,12 +43,21 @@ RUN_TIME_VARIABLES = frozenset(
         "MASTER_ADDR",
         "MASTER_PORT",
         "TMPDIR",
-        "WANDB_MODE",
         "LIGHTNING_PPO_TEST_RANKS",
         "LIGHTNING_PPO_VERBOSE",
         "PYTEST_CURRENT_TEST",
+        "PL_GLOBAL_SEED",
+        "PL_SEED_WORKERS",
+        "TOKENIZERS_PARALLELISM",
+        "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
     }
 )
+RUN_TIME_PREFIXES = ("WANDB_", "VLLM_")
+
+
+def read_at_run_time(name: str) -> bool:
+    """Whether a command may set ``name`` differently from the zygote's environment."""
+    return name in RUN_TIME_VARIABLES or name.startswith(RUN_TIME_PREFIXES)
 
 
 def preload() -> tuple[bytes, bytes]:
