@@ -24,7 +24,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
 from lightning_ppo.export import export_policy, load_trained_policy
-from tests.helpers import cli_process, quickstart_fit_args, two_cpu_ranks
+from tests.helpers import (
+    cli_process,
+    free_port,
+    quickstart_fit_args,
+    ranks_process,
+    spawn_forked,
+    two_cpu_ranks,
+)
 
 pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
 
@@ -39,8 +46,15 @@ MAX_NEW_TOKENS = 24  # long enough that the two ranks' longest responses usually
 
 
 def run_cli(
-    policy: Path, out: Path, strategy: str | dict, *extra: str, config: str = "quickstart.yaml"
+    policy: Path,
+    out: Path,
+    strategy: str | dict,
+    *extra: str,
+    config: str = "quickstart.yaml",
+    together: bool = True,
 ) -> subprocess.CompletedProcess:
+    """The two ranks started at once (the subject is FSDP2, not Lightning's launcher); ``together``
+    false: through Lightning's launcher, as a user runs it."""
 
     recorder = {"class_path": "tests.helpers.TrainedWeightsRecorder", "init_args": {"out_dir": str(out)}}
     recorded = ("--model.init_args.generation.max_new_tokens", str(MAX_NEW_TOKENS))
@@ -56,7 +70,7 @@ def run_cli(
         prompts=40000,  # the configs' own: the data the tolerance was measured on
         config=ROOT / "configs" / config,
     )
-    return cli_process(args)
+    return ranks_process(args) if together else cli_process(args)
 
 
 def trained(out: Path, rank: int) -> dict[str, torch.Tensor]:
@@ -128,7 +142,7 @@ def test_fsdp2_trains_as_ddp_does_and_ranks_stop_generating_apart(tiny_digits, t
 
 
 def test_fsdp1_strategy_is_refused_with_a_pointer_to_model_parallel(tiny_digits, tmp_path):
-    done = run_cli(tiny_digits, tmp_path, "fsdp")
+    done = run_cli(tiny_digits, tmp_path, "fsdp", together=False)  # refused before rank 1 starts
     assert done.returncode != 0
     assert "FSDPStrategy (FSDP1) does not support manual optimization" in done.stderr
     assert "ModelParallelStrategy" in done.stderr
@@ -261,13 +275,6 @@ def test_generation_gathers_each_block_once_and_the_norm_of_shards_is_torchs(tin
     (Hugging Face's ``synced_gpus`` all-reduced a flag at every token): one rank stops after 4 tokens,
     the other runs on to 16, with no all-reduce. The gradient norm (and clip) of the sharded
     gradients, computed on their shards (``ppo.optim.grad_norm``), is torch's on the DTensors bit for bit."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_sharded_generation_and_norm, args=(port, str(tiny_digits), str(tmp_path)), nprocs=2, join=True)
+    spawn_forked(_sharded_generation_and_norm, args=(free_port(), str(tiny_digits), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         assert json.loads((tmp_path / f"gathers{rank}.json").read_text()) == [33, 2, 2, 0, False, True]
