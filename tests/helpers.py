@@ -455,16 +455,21 @@ def start_cli(
     return subprocess.Popen([sys.executable, "-m", entry, *args], cwd=root, env=full_env, **popen)
 
 
-def forked_cli_process(args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    """:func:`cli_process` in a process forked from an interpreter that has done the imports (see
-    :func:`start_forked`): the same command, output and exit status, without the interpreter's start."""
-    process = start_forked(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def communicate(process: Any, timeout: float | None) -> tuple[Any, Any]:
+    """``process.communicate(timeout)``; on a timeout the process is killed and reaped, then it raises."""
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
+        return process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout=60)
         raise
+
+
+def forked_cli_process(args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    """:func:`cli_process` in a process forked from an interpreter that has done the imports (see
+    :func:`start_forked`): the same command, output and exit status, without the interpreter's start."""
+    process = start_forked(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = communicate(process, timeout)
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
@@ -526,12 +531,7 @@ def forked_run(
             command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, timeout=timeout, check=check, **kwargs
         )
     process = start_forked(list(command[3:]), entry=command[2], env=env, stdout=stdout, stderr=stderr)
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=60)
-        raise
+    out, err = communicate(process, timeout)
     if check and process.returncode:
         raise subprocess.CalledProcessError(process.returncode, command, out, err)
     return subprocess.CompletedProcess(command, process.returncode, out, err)
