@@ -724,7 +724,12 @@ class ForkedProcess:
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+        """SIGKILL the process and its group: what it started (Lightning's other ranks, a server)
+        would otherwise outlive a test that timed out."""
+        from tests.zygote import kill_group
+
+        if self.poll() is None:
+            kill_group(self.pid)
 
 
 def ranks_process(
@@ -881,7 +886,11 @@ class StartedRanks:
                     os.kill(process.pid, signum)
 
     def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+        from tests.zygote import kill_group
+
+        for process in self.processes:
+            if process.returncode is None:  # read, not polled (as in send_signal)
+                kill_group(process.pid)
 
     def output(self) -> tuple[str, str]:
         """Both ranks' stdout and stderr (``capture=True``), once they have ended."""

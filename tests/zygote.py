@@ -105,6 +105,8 @@ def run_child(request: dict, fds: list[int], keep: list[int], printed: tuple[byt
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         if request["session"]:
             os.setsid()
+        else:  # a group of its own, so that a kill reaches what it started too (Lightning's rank 1)
+            _own_group(0)
         if request["interruptible"]:  # Python's own Ctrl-C handler, even if SIGINT came in ignored
             signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in zip((0, 1, 2), fds[:3], strict=True):
@@ -183,7 +185,7 @@ def serve(control: socket.socket, printed: tuple[bytes, bytes]) -> None:
                     client_gone = True
                     selector.unregister(control)
                     for pid in children:
-                        _kill(pid)
+                        kill_group(pid)
                     continue
                 request = json.loads(message)
                 if request.get("retire"):  # replaced (the package's code changed): end with the last child
@@ -196,6 +198,8 @@ def serve(control: socket.socket, printed: tuple[bytes, bytes]) -> None:
                     keep = [control.fileno(), wake_read, wake_write, selector.fileno(), status.fileno()]
                     keep += [s.fileno() for s in children.values()]
                     run_child(request, fds[:3], keep, printed)
+                if not request["session"]:  # also here: the client may kill the group before the child runs
+                    _own_group(pid)
                 for fd in fds[:3]:
                     os.close(fd)
                 children[pid] = status
@@ -222,11 +226,22 @@ def _send(status: socket.socket, message: dict) -> None:
         pass
 
 
-def _kill(pid: int) -> None:
+def _own_group(pid: int) -> None:
+    """Make ``pid`` (0: this process) the leader of a process group of its own; the zygote and the
+    child both call it (as a shell does), whichever runs first wins and the other finds it done."""
     try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
+        os.setpgid(pid, 0)
+    except (PermissionError, ProcessLookupError):  # the child already ran (exec'd, ended or set it)
         pass
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL a forked child and every process in its group (the ranks or servers it started)."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""The test zygote (``tests/zygote.py``): a test that kills a forked command on its timeout kills
+what that command started too (Lightning's launcher starts rank 1 as a child of rank 0; a server is
+a child of the run), so nothing outlives the test to hold a core, a port or a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ForkedProcess, start_forked
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: absent or a zombie (killed, not reaped yet by whoever adopted it) is not."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def _wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.mark.parametrize("session", [False, True], ids=["own-group", "new-session"])
+def test_kill_reaches_what_the_command_started(tmp_path: Path, session: bool) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    process = start_forked([str(pid_file)], entry="tests.test_zygote", start_new_session=session)
+    if not isinstance(process, ForkedProcess):
+        pytest.skip("no zygote here (off Linux or LIGHTNING_PPO_TEST_NO_FORK): Popen's own kill applies")
+    try:
+        assert _wait_for(lambda: pid_file.is_file() and pid_file.read_text().endswith("\n"), 60)
+        grandchild = int(pid_file.read_text())
+        assert _alive(grandchild)
+    finally:
+        process.kill()
+        process.wait(timeout=60)
+    assert process.returncode == -9
+    assert _wait_for(lambda: not _alive(grandchild), 30), "the command's own child outlived its kill"
+
+
+def _start_a_child_and_wait(pid_file: str) -> None:
+    """Run as the forked command: start a long child, say its pid, wait to be killed."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    Path(pid_file).write_text(f"{child.pid}\n")
+    child.wait(timeout=300)
+
+
+if __name__ == "__main__":
+    _start_a_child_and_wait(sys.argv[1])
+    os._exit(0)
