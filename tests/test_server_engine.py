@@ -462,6 +462,39 @@ def test_weights_sent_in_memory_arrive_whole_in_buckets_on_every_receiver():
     assert time.monotonic() - start < 20
 
 
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* write them) listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").is_file(), reason="reads Linux's socket tables")
+def test_the_weights_store_listens_on_the_sync_address_alone():
+    """Rank 0's store for the weights group listens on the address it is given (here loopback), not
+    on every interface of the machine, which is what torch's TCPStore does given only a port."""
+    from lightning_ppo.rollout.engines.weight_group import listening_socket, open_group, receive, send
+
+    listener = listening_socket("127.0.0.1")
+    port = listener.getsockname()[1]
+    got = []
+    joiner = threading.Thread(
+        target=lambda: got.extend(receive(open_group("127.0.0.1", port, 1, 2, 30, "127.0.0.1"))), daemon=True
+    )
+    joiner.start()
+    group = open_group("127.0.0.1", port, 0, 2, 30, "127.0.0.1", listener=listener)
+    assert listener.fileno() == -1  # closed here; the store serves on its own descriptor
+    assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1, and nothing else
+    send(group, iter([("w", torch.ones(3))]))
+    joiner.join(30)
+    assert [(name, tensor.tolist()) for name, tensor in got] == [("w", [1.0, 1.0, 1.0])]
+
+
 def test_a_groups_copies_go_as_one_request_seeded_as_the_colocated_engine_seeds_its_rows():
     """Consecutive copies of one prompt (``num_generations``) are one request of ``n`` samples, which
     vLLM seeds seed + i; the colocated engine gives its rows the same seeds. Without copies, one

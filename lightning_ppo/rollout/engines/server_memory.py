@@ -24,7 +24,7 @@ from torch import Tensor
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
 from lightning_ppo.rollout.engines.server_requests import Requests
 from lightning_ppo.rollout.engines.server_sync import Checksum, checksum
-from lightning_ppo.rollout.engines.weight_group import open_group, send
+from lightning_ppo.rollout.engines.weight_group import listening_socket, open_group, send
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -79,7 +79,8 @@ class MemorySync:
 
     def _join(self) -> Any:
         world = 1 + sum(self.workers)
-        port = _free_port(self.address)
+        listener = listening_socket(self.address)  # before the workers are told its port
+        port = listener.getsockname()[1]
         self.secret = secrets.token_hex(16)
         calls, first = [], 1
         for server, count in zip(self.servers, self.workers, strict=True):
@@ -91,7 +92,7 @@ class MemorySync:
         joining = Requests(calls, len(calls))
         try:
             group = open_group(
-                self.address, port, 0, world, self.timeout, _device_host(self.address), self.secret
+                self.address, port, 0, world, self.timeout, _device_host(self.address), self.secret, listener
             )
         except Exception as err:
             raise joining.failure() or self._error("joining", err) from None
@@ -123,9 +124,3 @@ def _device_host(address: str) -> str:
     """The address gloo advertises for a process: explicit, since its default (the machine's name)
     maps to 127.0.1.1 on some systems, which other machines cannot reach."""
     return "127.0.0.1" if address in LOOPBACK else address
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]

@@ -17,7 +17,9 @@ while its caller loads this one.
 from __future__ import annotations
 
 import json
+import os
 import queue
+import socket
 import threading
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -30,22 +32,58 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 BUCKET_BYTES = 256 * 2**20  # per broadcast: large enough to stream, small enough to hold twice
 
 
+def listening_socket(host: str, port: int = 0) -> socket.socket:
+    """A socket listening on ``host`` alone (``port`` 0: a free one), for rank 0's store. Given only a
+    port, torch's ``TCPStore`` listens on every interface of the machine (``*:port``), so a group
+    meant for 127.0.0.1 would be reachable from the network; given this socket it serves where
+    ``host`` says, and no other process can take the port between choosing it and serving on it."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family)
+
+
 def open_group(
-    host: str, port: int, rank: int, world: int, timeout: float, device_host: str | None, secret: str = ""
+    host: str,
+    port: int,
+    rank: int,
+    world: int,
+    timeout: float,
+    device_host: str | None,
+    secret: str = "",
+    listener: socket.socket | None = None,
 ) -> Any:
     """This process's place in the weights group: rank 0 (the trainer) serves the store on ``host:port``
     and the others connect to it; returns once all ``world`` have joined, or raises after ``timeout``
     seconds. ``device_host``: the address the others reach this process at (None: gloo's default,
     the machine's name, which some systems map to 127.0.1.1). ``secret``: the rendezvous keys'
     prefix, handed to the servers over their keyed route, so that a stranger who reaches the
-    store's port cannot take a rank's place without guessing it."""
+    store's port cannot take a rank's place without guessing it. ``listener`` (rank 0): the
+    :func:`listening_socket` it serves on (closed here); without one it binds ``host:port`` itself."""
     wait = timedelta(seconds=timeout)
-    store = TCPStore(host, port, world, is_master=rank == 0, timeout=wait, wait_for_workers=False)
+    if rank == 0:
+        store = _serve_store(listener or listening_socket(host, port), world, wait)
+    else:
+        store = TCPStore(host, port, world, is_master=False, timeout=wait, wait_for_workers=False)
     options = ProcessGroupGloo._Options()
     options._timeout = wait
     device = ProcessGroupGloo.create_device(hostname=device_host) if device_host else None
     options._devices = [device or ProcessGroupGloo.create_default_device()]
     return ProcessGroupGloo(PrefixStore(f"lightning-ppo-weights/{secret}", store), rank, world, options)
+
+
+def _serve_store(listener: socket.socket, world: int, wait: timedelta) -> TCPStore:
+    """Rank 0's store, served on ``listener``'s address only. The store gets a duplicate of its
+    descriptor (it closes what it serves on), and ours is closed here whatever happens."""
+    with listener:
+        host, port = listener.getsockname()[:2]
+        return TCPStore(
+            host,
+            port,
+            world,
+            is_master=True,
+            timeout=wait,
+            wait_for_workers=False,
+            master_listen_fd=os.dup(listener.fileno()),
+        )
 
 
 def send(group: Any, weights: Iterable[tuple[str, Tensor]], bucket_bytes: int = BUCKET_BYTES) -> None:
