@@ -357,3 +357,22 @@ def test_compiled_samples_do_not_depend_on_the_batches_decoded_before(tiny):
     used = _load(tiny["llama"])
     _decode(used, *_prompts(rows=8, seed=3), config, compiled=True)  # a larger batch first
     assert torch.equal(_decode(used, ids, mask, config, compiled=True)[0], fresh)
+
+
+def test_a_cache_first_made_under_inference_mode_serves_a_later_fit(tiny):
+    """A review: ``trainer.validate`` runs its steps under ``torch.inference_mode``, so the kept cache
+    it allocated held inference tensors, and the next ``fit``'s rollout of the same shape failed to
+    reset it ("Inplace update to inference tensor outside InferenceMode")."""
+    model = _load(tiny["llama"])
+    ids, mask = _prompts()
+    config = _config(model, do_sample=False, compiled=True)
+    before = COMPILATIONS.count
+    with torch.inference_mode():  # trainer.validate
+        validated = generate(model, ids, mask, config).response_ids
+    with torch.no_grad():  # a fit's rollouts, then its validation (Lightning's no_grad there)
+        assert torch.equal(generate(model, ids, mask, config).response_ids, validated)
+    with torch.inference_mode():  # a validate after the fit
+        assert torch.equal(generate(model, ids, mask, config).response_ids, validated)
+    eager = _config(model, do_sample=False, compiled=False)
+    assert torch.equal(generate(model, ids, mask, eager).response_ids, validated)
+    assert len(state_of(model).caches) == 1 and COMPILATIONS.count - before == 1  # one graph for all
