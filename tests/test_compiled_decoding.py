@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import threading
 
 import pytest
@@ -376,3 +377,17 @@ def test_a_cache_first_made_under_inference_mode_serves_a_later_fit(tiny):
     eager = _config(model, do_sample=False, compiled=False)
     assert torch.equal(generate(model, ids, mask, eager).response_ids, validated)
     assert len(state_of(model).caches) == 1 and COMPILATIONS.count - before == 1  # one graph for all
+
+
+def test_a_model_that_decoded_compiled_still_pickles(tiny):
+    """A review: the state kept on the model (its lock, its compiled call) made ``pickle`` and
+    ``torch.save`` of a policy fail once it had decoded compiled, where it pickled before. A pickled
+    copy starts empty, as a deep copy does, and decodes as the original."""
+    model = _load(tiny["llama"])
+    ids, mask = _prompts()
+    config = _config(model, do_sample=False, compiled=True)
+    with torch.no_grad():
+        tokens = generate(model, ids, mask, config).response_ids
+        copied = pickle.loads(pickle.dumps(model))
+        assert not state_of(copied).caches and state_of(copied).compiled is None
+        assert torch.equal(generate(copied, ids, mask, config).response_ids, tokens)

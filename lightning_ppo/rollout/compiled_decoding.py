@@ -166,7 +166,8 @@ def batch_bucket(rows: int) -> int:
 
 class DecodingState:
     """What a model keeps for compiled decoding: one static cache per shape and its compiled call.
-    A copy of the model (``copy.deepcopy``) starts with a new, empty one."""
+    A copy of the model (``copy.deepcopy``, or ``pickle`` / ``torch.save`` and a load: the lock and
+    the compiled call do not pickle) starts with a new, empty one."""
 
     def __init__(self) -> None:
         self.caches: dict[tuple[Any, ...], transformers.Cache | None] = {}
@@ -175,6 +176,9 @@ class DecodingState:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DecodingState:
         return DecodingState()
+
+    def __reduce__(self) -> tuple[type[DecodingState], tuple[()]]:
+        return DecodingState, ()
 
     def cache(
         self, model: transformers.PreTrainedModel, key: tuple[Any, ...], length: int
