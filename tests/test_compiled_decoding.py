@@ -391,3 +391,20 @@ def test_a_model_that_decoded_compiled_still_pickles(tiny):
         copied = pickle.loads(pickle.dumps(model))
         assert not state_of(copied).caches and state_of(copied).compiled is None
         assert torch.equal(generate(copied, ids, mask, config).response_ids, tokens)
+
+
+def test_the_caches_of_a_dtype_the_model_left_are_dropped(tiny):
+    """A review: a model moved to another dtype or device (a second fit under ``bf16-true``, a
+    ``.to()``) kept every cache of the old one allocated for good, beside the new ones, though none
+    can serve it again: each is a whole generation's keys and values."""
+    model = _load(tiny["llama"])
+    config = _config(model, do_sample=False, compiled=True)
+    with torch.no_grad():
+        for width in (7, 20):  # two shapes in float32
+            generate(model, *_prompts(width=width), config)
+        model.to(torch.bfloat16)
+        ids, mask = _prompts()
+        tokens = generate(model, ids, mask, config).response_ids
+        eager = generate(model, ids, mask, _config(model, do_sample=False, compiled=False)).response_ids
+    assert torch.equal(tokens, eager)
+    assert [key[4] for key in state_of(model).caches] == [torch.bfloat16]

@@ -19,7 +19,7 @@ built outside the graph at the cache's full length. What it leaves to the caller
 - **One cache per shape, kept.** Each (batch, length, dtype) gets one static cache, reset and reused
   by every later call instead of allocated per call (CUDA graphs replay on fixed addresses). They
   stay allocated between iterations: the memory of one generation's cache per shape, held through
-  the update too.
+  the update too; those of a device or weight dtype the model has left are dropped at its next call.
 - **The compiled call belongs to this module.** It is handed to ``generate`` for the call only
   (``get_compiled_call`` on the instance, removed after), so a copy of the policy
   (``ppo.max_staleness`` snapshots are ``copy.deepcopy``) never carries a call bound to the original.
@@ -186,12 +186,20 @@ class DecodingState:
         """The cache of this shape, emptied for a new generation (allocated on first use); None when
         the model's windows are shorter than ``length`` (decoded eagerly)."""
         if key not in self.caches:
+            self._drop_left(key)
             cache = OneDtypeStaticCache(config=model.config, max_cache_len=length)
             self.caches[key] = cache if without_windows(cache, length) else None
         cache = self.caches[key]
         if cache is not None:
             cache.reset()
         return cache
+
+    def _drop_left(self, key: tuple[Any, ...]) -> None:
+        """Drop the caches of a device or weight dtype other than ``key``'s (:func:`decode`'s
+        ``key[3:5]``): the model has left it (moved, a second fit under another precision), so none
+        of them serves it again, and each holds a whole generation's keys and values."""
+        for old in [old for old in self.caches if old[3:5] != key[3:5]]:
+            del self.caches[old]
 
 
 _SHAPES: set[tuple[Any, ...]] = set()  # every (model class, shape, dtype) decoded in this process
@@ -298,7 +306,7 @@ def decode(
         batch = batch_bucket(rows)
         length = prompt_bucket(width) + generation_config.max_new_tokens
         dtypes = (next(model.parameters()).dtype, autocast_dtype(device))
-        key = (type(_base(model)), batch, length, device, *dtypes)
+        key = (type(_base(model)), batch, length, device, *dtypes)  # [3:5]: where the weights are
         cache = state.cache(model, key, length)
         if cache is None:
             return None
