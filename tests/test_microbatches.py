@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
@@ -116,7 +117,9 @@ def _module(policy: str, aggregation: str) -> PPOLightningModule:
     )
 
 
-def _rank_gradients(rank: int, port: int, policy: str, folder: str) -> None:
+def _rank_gradients(
+    rank: int, port: int, policy: str, folder: str, aggregations: Sequence[str] = AGGREGATIONS
+) -> None:
     """Rank ``rank`` of 2 (gloo): its half of the rows (rank 0 the shortest responses), in two
     micro-batches, gradients averaged over the ranks as DDP averages them; with the shares of the
     global minibatch and, for comparison, of its own half."""
@@ -128,7 +131,7 @@ def _rank_gradients(rank: int, port: int, policy: str, folder: str) -> None:
         part = exp.select(mine)
         facts, rows = RowFacts.read(part), [np.arange(len(part))]
         result = {}
-        for aggregation in AGGREGATIONS:
+        for aggregation in aggregations:
             module = _module(policy, aggregation)
             own = [plan_minibatch(facts, rows[0], 2)]
             for name, plan in (
@@ -166,3 +169,29 @@ def test_two_ranks_with_uneven_lengths_step_as_one_process_on_the_whole_minibatc
             torch.testing.assert_close(rank[f"{aggregation} global"], whole, rtol=0, atol=TOLERANCE)
         gap = (ranks[0][f"{aggregation} own"] - whole).abs().max()
         assert gap > 100 * TOLERANCE, aggregation  # and it matters: each rank's own mean is another step
+
+
+@pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
+def test_a_rank_whose_samples_were_all_dropped_does_not_scale_the_step(tiny_gpt2, tmp_path):
+    """Every sample of rank 0 dropped (on_bad_reward: drop): the step is one process's on the whole
+    batch, i.e. on rank 1's samples alone. With each rank's own mean, rank 0's zero gradient entered
+    DDP's average and scaled the step by (W - 1) / W = 1/2."""
+    exp = _experience(_module(str(tiny_gpt2), "token_mean"))
+    shortest = torch.argsort(exp.response_mask.sum(1), stable=True)
+    assert exp.response_mask[shortest[8]].any()  # so the 8 emptied rows are exactly rank 0's half
+    exp.response_mask[shortest[:8]] = False
+    torch.save(exp, tmp_path / "exp.pt")
+    aggregations = [*AGGREGATIONS, "constant"]
+    spawn_forked(_rank_gradients, args=(free_port(), str(tiny_gpt2), str(tmp_path), aggregations), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for aggregation in aggregations:
+        whole = _gradient(_module(str(tiny_gpt2), aggregation), [(exp, Share())])
+        assert whole.abs().max() > 100 * TOLERANCE  # rank 1's samples do move the weights
+        for rank in ranks:
+            torch.testing.assert_close(rank[f"{aggregation} global"], whole, rtol=0, atol=TOLERANCE)
+        own = ranks[0][f"{aggregation} own"]
+        if aggregation == "constant":  # its policy term divides by rows, dropped or not; the
+            # critic's and the entropy's token means are halved all the same
+            assert (own - whole).abs().max() > 100 * TOLERANCE
+        else:  # every term a token (response) mean: per rank, the whole step halved
+            torch.testing.assert_close(own, whole / 2, rtol=0, atol=TOLERANCE)
