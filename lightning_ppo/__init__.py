@@ -18,10 +18,12 @@ if TYPE_CHECKING:
     from lightning_ppo.ppo.experience import Experience, make_experience
     from lightning_ppo.ppo.rollout_data import Rollout
     from lightning_ppo.rewards import RewardFunction, ScoreInputs
+    from lightning_ppo.tasks.math_answer import MathAnswerReward, math_answer_reward
 
 _HOMES = {
     "Experience": "lightning_ppo.ppo.experience",
     "GenerationConfig": "lightning_ppo.config",
+    "MathAnswerReward": "lightning_ppo.tasks.math_answer",
     "PPOConfig": "lightning_ppo.config",
     "PPOLightningModule": "lightning_ppo.module",
     "PromptBatch": "lightning_ppo.data",
@@ -30,10 +32,12 @@ _HOMES = {
     "Rollout": "lightning_ppo.ppo.rollout_data",
     "ScoreInputs": "lightning_ppo.rewards",
     "make_experience": "lightning_ppo.ppo.experience",
+    "math_answer_reward": "lightning_ppo.tasks.math_answer",
 }
 __all__ = [
     "Experience",
     "GenerationConfig",
+    "MathAnswerReward",
     "PPOConfig",
     "PPOLightningModule",
     "PromptBatch",
@@ -42,6 +46,7 @@ __all__ = [
     "Rollout",
     "ScoreInputs",
     "make_experience",
+    "math_answer_reward",
 ]
 __version__ = "0.1.0"
 

@@ -59,6 +59,10 @@ class TrainerState:
     is_local_process_zero: bool = True
 
 
+# The log_extra column of per-completion correctness (1.0 / 0.0) that validation logs as eval/accuracy.
+ACCURACY_COLUMN = "correct"
+
+
 def _discard(*args: Any) -> None:
     """``log_metric`` and ``log_extra`` outside a module's ``score``: nothing to log to."""
 
@@ -77,7 +81,9 @@ class ScoreInputs:
         log_metric: ``log_metric(name, value)`` logs a number as ``reward/<name>`` (the mean of the
             values given for one batch).
         log_extra: ``log_extra(column, values)`` adds a column, one value per completion, to the sample
-            tables (``lightning_ppo.callbacks.SampleTable``).
+            tables (``lightning_ppo.callbacks.SampleTable``). A reward that knows right from wrong
+            writes 1.0 / 0.0 as ``ACCURACY_COLUMN`` (``correct``): logged as ``reward/accuracy``, and
+            as ``eval/accuracy`` in validation (``lightning_ppo.MathAnswerReward`` does).
     """
 
     extras: dict[str, list[Any]] = field(default_factory=dict)

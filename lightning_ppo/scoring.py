@@ -30,13 +30,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_ppo.rewards import ScoreInputs, TrainerState, check_scores
+from lightning_ppo.rewards import ACCURACY_COLUMN, ScoreInputs, TrainerState, check_scores
 from lightning_ppo.runs.bounded_calls import await_bounded
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.warn import warn
-
-# The log_extra column of per-completion correctness (1.0 / 0.0) that validation logs as eval/accuracy.
-ACCURACY_COLUMN = "correct"
 
 
 def answer_accuracy(correct: list[Any], batch_size: int) -> float:

@@ -88,6 +88,17 @@ def test_both_forms_are_called_with_trls_keywords():
     assert RewardCall.of(math_answer_reward).trl and RewardCall.of(MathAnswerReward()).trl
 
 
+def test_the_package_exports_both_forms_and_the_column_validation_reads():
+    import lightning_ppo
+    from lightning_ppo.scoring import ACCURACY_COLUMN
+
+    assert lightning_ppo.MathAnswerReward is MathAnswerReward
+    assert lightning_ppo.math_answer_reward is math_answer_reward
+    extra: dict = {}
+    MathAnswerReward()(["q"], ["7"], answer=["#### 7"], log_extra=extra.__setitem__)
+    assert extra == {ACCURACY_COLUMN: [1.0]}
+
+
 @pytest.mark.parametrize(
     "reward_fn",
     [

@@ -15,9 +15,11 @@ LaTeX by hand.
   ``1 + format_weight``.
 
 Use it in YAML by class path (``lightning_ppo.tasks.math_answer.MathAnswerReward``) or import path
-(``lightning_ppo.tasks.math_answer.math_answer_reward``), or hand ``math_answer_reward`` to TRL's
-trainers: both take TRL's keywords (``completions`` and the dataset's columns). Each batch logs
-``reward/accuracy`` and the sample tables' ``correct`` column; validation logs it as ``eval/accuracy``.
+(``lightning_ppo.tasks.math_answer.math_answer_reward``); in Python both are also
+``lightning_ppo.MathAnswerReward`` and ``lightning_ppo.math_answer_reward``. Hand
+``math_answer_reward`` to TRL's trainers: both take TRL's keywords (``completions`` and the
+dataset's columns). Each batch logs ``reward/accuracy`` and the sample tables' ``correct`` column;
+validation logs it as ``eval/accuracy``.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lightning_ppo.rewards import ACCURACY_COLUMN
 from lightning_ppo.runs.errors import UsageError
-from lightning_ppo.scoring import ACCURACY_COLUMN
 
 # The instruction Qwen2.5's math models are trained with, and what the format term looks for.
 BOXED_INSTRUCTION = r"Please reason step by step, and put your final answer within \boxed{}."
