@@ -408,3 +408,48 @@ def test_the_caches_of_a_dtype_the_model_left_are_dropped(tiny):
         eager = generate(model, ids, mask, _config(model, do_sample=False, compiled=False)).response_ids
     assert torch.equal(tokens, eager)
     assert [key[4] for key in state_of(model).caches] == [torch.bfloat16]
+
+
+def test_a_compile_on_another_thread_does_not_rewind_the_samples_random_numbers(tiny):
+    """A review: dynamo puts torch's global random state back as it was when a compilation began
+    (``preserve_global_state``), so the draws another thread made meanwhile were drawn again after
+    it: with ``ppo.max_staleness`` the rollouts sampled on the background thread while the main
+    thread compiled (a validation shape under ``generation.compile``, ``ppo.torch_compile``'s loss)
+    reused the same random numbers. A sampling ``generate`` and a compilation now never overlap.
+    Events order the two threads; with the fix each wait runs out instead (the order is then the
+    sampler's whole generate, then the compilation), so nothing here depends on timing."""
+    model = _load(tiny["llama"])
+    ids, mask = _prompts()
+    config = _config(model, do_sample=True, compiled=False)
+    torch.manual_seed(7)
+    alone = generate(model, ids, mask, config).response_ids
+    compiling, drew, compiled = threading.Event(), threading.Event(), threading.Event()
+    forwards = []
+
+    def between_draws(module, args, kwargs):
+        forwards.append(1)
+        if len(forwards) == 1:  # before the first draw: the compilation has begun (bug) or waits
+            compiling.wait(timeout=2)
+        elif len(forwards) == 2:  # the first token is drawn: the compilation may end now
+            drew.set()
+            compiled.wait(timeout=2)
+
+    def backend(graph, example_inputs):
+        compiling.set()
+        drew.wait(timeout=30)
+        return graph.forward
+
+    sampled = {}
+
+    def sample() -> None:
+        sampled["ids"] = generate(model, ids, mask, config).response_ids
+
+    handle = model.register_forward_pre_hook(between_draws, with_kwargs=True)
+    torch.manual_seed(7)
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))  # the main thread compiles
+    compiled.set()
+    sampler.join()
+    handle.remove()
+    assert torch.equal(sampled["ids"], alone)

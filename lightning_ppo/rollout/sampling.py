@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +113,27 @@ def weights_cast_once(device_type: str) -> Iterator[None]:
         torch.clear_autocast_cache()
 
 
+@contextmanager
+def compiling_waits_for_sampling(generation_config: transformers.GenerationConfig) -> Iterator[None]:
+    """A sampling ``generate`` holds dynamo's compilation lock throughout: no compilation on another
+    thread overlaps its draws, and it waits for one under way.
+
+    Dynamo puts torch's global random state back as it found it when a compilation began
+    (``preserve_global_state``, ``torch._dynamo.convert_frame``), so what another thread drew from
+    the global generator meanwhile was drawn again after it. With ``ppo.max_staleness`` the
+    background thread samples while the main thread may compile (``generation.compile``'s
+    validation shapes, ``ppo.torch_compile``'s loss): the rollouts reused random numbers (a test saw
+    each row's first token sampled twice). The lock is re-entrant: a compilation this ``generate``
+    starts itself (compiled decoding) takes it again. The price: a compilation waits for a sampling
+    ``generate`` on another thread, and the reverse; greedy decoding draws nothing and holds nothing.
+    """
+    from torch._dynamo import convert_frame
+
+    lock = getattr(convert_frame, "compile_lock", None) if generation_config.do_sample else None
+    with lock or nullcontext():
+        yield
+
+
 def cache_for(
     model: transformers.PreTrainedModel,
     prompt_width: int,
@@ -160,7 +181,8 @@ def generate(
     was_training = model.training
     # Generation runs in eval mode: with gradient checkpointing in train mode HF drops the KV cache.
     model.eval()
-    with weights_cast_once(prompt_ids.device.type), quiet_generation():
+    apart = compiling_waits_for_sampling(generation_config)
+    with apart, weights_cast_once(prompt_ids.device.type), quiet_generation():
         new_tokens = None
         if compiled:
             new_tokens = compiled_decoding.decode(model, prompt_ids, prompt_mask, generation_config)
