@@ -300,9 +300,9 @@ def decode(
     device = prompt_ids.device
     # One generate per model at a time (the caches are the model's). Never under inference mode
     # (``trainer.validate`` decodes under it): a cache allocated there would hold inference tensors,
-    # which a later call outside it (a fit's rollouts) may not reset or write; ``generate`` itself
-    # runs under ``no_grad``.
-    with state.lock, torch.inference_mode(False):
+    # which a later call outside it (a fit's rollouts) may not reset or write. ``no_grad`` after it:
+    # leaving inference mode turns gradients on.
+    with state.lock, torch.inference_mode(False), torch.no_grad():
         batch = batch_bucket(rows)
         length = prompt_bucket(width) + generation_config.max_new_tokens
         dtypes = (next(model.parameters()).dtype, autocast_dtype(device))
