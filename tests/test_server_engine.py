@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -117,11 +118,13 @@ def _closed_port() -> int:
 
 
 def test_a_hung_server_is_one_error_naming_it_within_the_timeout(silent_port):
+    """The server never answers: the call ends at its own timeout (0.5 s), not the default one (300 s)
+    or never; the bound asserted (30 s) is far from both, so a loaded machine cannot flip it."""
     client = ServerClient(f"http://127.0.0.1:{silent_port}", timeout=0.5)
     start = time.monotonic()
     with pytest.raises(GenerationServerError) as caught:
         client.post("/v1/completions", {"prompt": [1]})
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30
     assert str(caught.value) == (
         f"generation server http://127.0.0.1:{silent_port} (/v1/completions): "
         "no answer within 0.5 s (generation.server_timeout)"
@@ -254,24 +257,29 @@ def test_a_tensor_parallel_servers_workers_add_up_to_the_whole_tensors():
     )  # one shard is not the whole
 
 
+SYNCED = "run/1"  # the weights version of _server_engine's last sync
+
+
 class _Stuck(http.server.BaseHTTPRequestHandler):
     """A server whose workers answer the weights-version call (``version``) and whose completions
-    never come (a hung engine); records the Authorization header of each call."""
+    never come until ``release`` is set, at the test's end (a hung engine); records the
+    Authorization header of each call. Each ``stuck`` server has a subclass of its own (its own
+    version, release and record): a handler left over from another test cannot write to them."""
 
-    version = "run/1"
-    authorizations: list[str | None] = []
-    release = threading.Event()
+    version = SYNCED
+    authorizations: list[str | None]
+    release: threading.Event
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        _Stuck.authorizations.append(self.headers.get("Authorization"))
+        self.authorizations.append(self.headers.get("Authorization"))
         if self.path == "/collective_rpc":
-            body = json.dumps({"results": [_Stuck.version]}).encode()
+            body = json.dumps({"results": [self.version]}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
             return
-        _Stuck.release.wait(30)
+        self.release.wait(600)  # set as the test ends: only a test that hangs reaches the bound
 
     def log_message(self, *args) -> None:
         pass
@@ -282,16 +290,21 @@ class _Backlogged(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
 
+@dataclass
+class StuckServer:
+    url: str
+    handler: type[_Stuck]  # its version, release and record
+
+
 @pytest.fixture
-def stuck() -> Iterator[str]:
-    server = _Backlogged(("127.0.0.1", 0), _Stuck)
+def stuck() -> Iterator[StuckServer]:
+    handler = type("Stuck", (_Stuck,), {"authorizations": [], "release": threading.Event()})
+    server = _Backlogged(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    _Stuck.release.clear()
-    _Stuck.authorizations.clear()
     try:
-        yield f"http://127.0.0.1:{server.server_port}"
+        yield StuckServer(f"http://127.0.0.1:{server.server_port}", handler)
     finally:
-        _Stuck.release.set()
+        handler.release.set()
         server.shutdown()
         server.server_close()
 
@@ -308,36 +321,35 @@ def _server_engine(tiny_policy: Path, url: str, timeout: float) -> VLLMServerEng
 
 
 def test_a_hung_server_stops_the_batch_within_one_timeout(stuck, tiny_policy):
-    """300 prompts on a server that never completes: one error within about one server_timeout (not
-    one per wave of 64 requests in flight: 5 x 1.5 s), and every thread left waiting is a daemon,
-    which does not hold the process's exit."""
-    engine = _server_engine(tiny_policy, stuck, timeout=1.5)
+    """300 prompts, 8 requests in flight, on a server that never completes: one error after about
+    one server_timeout (2 s), not one per wave of requests (38 x 2 s = 76 s); the bound asserted
+    (30 s) is far from both, so a loaded machine cannot flip it. Every thread left waiting is a
+    daemon, which does not hold the process's exit."""
+    engine = _server_engine(tiny_policy, stuck.url, timeout=2.0)
+    engine.max_in_flight = 8  # 38 waves: what one timeout per wave would take is far past the bound
     ids = torch.tensor([[i // 100, i // 10 % 10, i % 10] for i in range(300)])  # 300 distinct prompts
     mask = torch.ones(300, 3, dtype=torch.long)
     start = time.monotonic()
     with pytest.raises(GenerationServerError, match=r"\(/v1/completions\): no (completion|answer)"):
         engine.generate(ids, mask)
-    assert time.monotonic() - start < 6.0
+    assert time.monotonic() - start < 30
     waiting = [t for t in threading.enumerate() if t.name.startswith("lightning-ppo-request")]
     assert waiting and all(t.daemon for t in waiting)
 
 
 def test_a_server_restarted_since_the_last_sync_stops_the_run_before_sampling(stuck, tiny_policy):
-    _Stuck.version = ""  # a restarted server holds its startup checkpoint
-    try:
-        engine = _server_engine(tiny_policy, stuck, timeout=5)
-        with pytest.raises(GenerationServerError, match=r"holds weights version none .* last sync \(run/1\)"):
-            engine.generate(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))
-    finally:
-        _Stuck.version = "run/1"
+    stuck.handler.version = ""  # a restarted server holds its startup checkpoint
+    engine = _server_engine(tiny_policy, stuck.url, timeout=5)
+    with pytest.raises(GenerationServerError, match=r"holds weights version none .* last sync \(run/1\)"):
+        engine.generate(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))
 
 
 def test_the_api_key_travels_from_the_environment(stuck, monkeypatch):
-    client = ServerClient(stuck, timeout=5)
+    client = ServerClient(stuck.url, timeout=5)
     client.rpc("lppo_version")
     monkeypatch.setenv("VLLM_API_KEY", "s3cret")
     client.rpc("lppo_version")
-    assert _Stuck.authorizations == [None, "Bearer s3cret"]
+    assert stuck.handler.authorizations == [None, "Bearer s3cret"]
 
 
 def _asgi(
@@ -456,10 +468,13 @@ def test_weights_sent_in_memory_arrive_whole_in_buckets_on_every_receiver():
     for rank in (1, 2):
         assert [name for name, _ in got[rank]] == [name for name, _ in weights]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got[rank], weights, strict=True))
+    assert not any(thread.is_alive() for thread in threads)
+    # Nobody joins: the group's own timeout (2 s) ends the wait, not torch's default (30 min); the
+    # bound asserted (60 s) is far from both, so a loaded machine cannot flip it.
     start = time.monotonic()
     with pytest.raises(Exception):  # noqa: B017 (torch's store raises its own timeout types)
         open_group("127.0.0.1", free_port(), 0, 2, 2, "127.0.0.1")
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 60
 
 
 def _listening_addresses(port: int) -> set[str]:
@@ -537,19 +552,20 @@ def test_any_failure_of_rank_zeros_sync_is_one_line_for_every_rank(tmp_path, tin
 
 
 class _OneAtATime(http.server.BaseHTTPRequestHandler):
-    """A busy server: completes one request every 0.4 s, in turn (vLLM answers a non-streamed
-    request only when it is done, so a queued one's socket is silent until then)."""
+    """A busy server: completes one request every ``GAP`` seconds, in turn (vLLM answers a
+    non-streamed request only when it is done, so a queued one's socket is silent until then)."""
 
+    GAP = 0.15
     lock = threading.Lock()
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         length = int(self.headers.get("Content-Length", 0))
         request = json.loads(self.rfile.read(length) or b"{}")
         if self.path == "/collective_rpc":
-            answer = {"results": [_Stuck.version]}
+            answer = {"results": [SYNCED]}
         else:
-            with _OneAtATime.lock:
-                time.sleep(0.4)
+            with _OneAtATime.lock:  # the sleep paces the answers: it waits for no other thread
+                time.sleep(self.GAP)
             choice = {"index": 0, "token_ids": [3, 4], "logprobs": {"token_logprobs": [-0.5, -0.25]}}
             answer = {"choices": [{**choice, "index": i} for i in range(request["n"])]}
         body = json.dumps(answer).encode()
@@ -563,19 +579,20 @@ class _OneAtATime(http.server.BaseHTTPRequestHandler):
 
 
 def test_a_busy_server_that_keeps_answering_is_not_a_hung_one(tiny_policy):
-    """8 requests answered one every 0.4 s with server_timeout 1 s: the last waits 3.2 s, longer than
-    the timeout, but the batch is making progress, so it completes (a socket limit of one timeout
-    per request failed it)."""
+    """30 requests answered one every 0.15 s with server_timeout 3 s: the last waits at least 4.5 s
+    (the sleeps' sum: a loaded machine only lengthens it), longer than the timeout, but the batch is
+    making progress, so it completes (a socket limit of one timeout per request failed it). Only an
+    answer 20 times later than paced, a stall of seconds, would stop it."""
     server = _Backlogged(("127.0.0.1", 0), _OneAtATime)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        engine = _server_engine(tiny_policy, f"http://127.0.0.1:{server.server_port}", timeout=1.0)
-        ids = torch.tensor([[i, 1, 2] for i in range(8)])
+        engine = _server_engine(tiny_policy, f"http://127.0.0.1:{server.server_port}", timeout=3.0)
+        ids = torch.tensor([[i // 10, i % 10, 2] for i in range(30)])  # 30 distinct prompts
         rollout = engine.generate(ids, torch.ones_like(ids))
     finally:
         server.shutdown()
         server.server_close()
-    assert rollout.response_ids.shape == (8, 2)
+    assert rollout.response_ids.shape == (30, 2)
     assert torch.allclose(rollout.engine_logprobs[0], torch.tensor([-0.5, -0.25]))
 
 
@@ -608,3 +625,111 @@ def test_only_a_cors_preflight_passes_the_guard_without_the_key(monkeypatch):
     preflight = ((b"origin", b"http://x"), (b"access-control-request-method", b"GET"))
     assert _asgi(guard, "/metrics/", method="OPTIONS") == 401
     assert _asgi(guard, "/metrics/", method="OPTIONS", headers=preflight) == 200
+
+
+QWEN_VOCAB = 151_936  # Qwen2.5's: the size the suppressed-token encoding was measured at
+
+
+def _suppressing_engine(tiny_policy: Path, url: str, suppressed: list[int], vocab: int) -> VLLMServerEngine:
+    engine = _server_engine(tiny_policy, url, timeout=5)
+    engine.vocab_size = vocab
+    engine.hf_generation.suppress_tokens = suppressed
+    return engine
+
+
+def test_a_few_suppressed_tokens_go_as_a_bias_and_most_of_the_vocabulary_as_the_allowed_ids(tiny_policy):
+    """151,936 tokens, 2 suppressed: a request of a few hundred bytes with logit_bias -100 on the two
+    (the allowed list was about 1 MB of JSON in every request); a pattern that suppresses most of
+    the vocabulary goes as the allowed ids, the smaller then; an exact request always does."""
+    few = _suppressing_engine(tiny_policy, "http://127.0.0.1:9", [7, 151_000], QWEN_VOCAB)
+    request = few._request("policy", [1, 2, 3], seed=5, n=4)
+    assert len(json.dumps(request).encode()) < 2_000
+    assert request["logit_bias"] == {"7": -100, "151000": -100} and "allowed_token_ids" not in request
+    exact = few._request("policy", [1, 2, 3], seed=5, n=1, exact=True)
+    assert "logit_bias" not in exact and len(exact["allowed_token_ids"]) == QWEN_VOCAB - 2
+    assert 7 not in exact["allowed_token_ids"] and 151_000 not in exact["allowed_token_ids"]
+    most = _suppressing_engine(tiny_policy, "http://127.0.0.1:9", list(range(100, QWEN_VOCAB)), QWEN_VOCAB)
+    request = most._request("policy", [1, 2, 3], seed=5)
+    assert request["allowed_token_ids"] == list(range(100)) and "logit_bias" not in request
+    none = _suppressing_engine(tiny_policy, "http://127.0.0.1:9", [], QWEN_VOCAB)._request("policy", [1], 5)
+    assert "logit_bias" not in none and "allowed_token_ids" not in none
+
+
+class _Biased(http.server.BaseHTTPRequestHandler):
+    """A server whose bias is not enough: under ``logit_bias`` sample 1 of a request holds the
+    suppressed id 7 (a model that puts its logit 100 above the rest); under ``allowed_token_ids``
+    every sample holds 4 there instead (7 where ``ignores_allowed``). Records every completion
+    request."""
+
+    requests: list[dict] = []
+    ignores_allowed = False
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path == "/collective_rpc":
+            answer = {"results": [_Stuck.version]}
+        else:
+            _Biased.requests.append(request)
+            exact = "allowed_token_ids" in request
+            held = 7 if not exact or _Biased.ignores_allowed else 4
+
+            def choice(i: int) -> dict:
+                tokens = [3, held] if i == 1 or exact else [3, 5]
+                return {"index": i, "token_ids": tokens, "logprobs": {"token_logprobs": [-0.5, -0.5 - exact]}}
+
+            answer = {"choices": [choice(i) for i in range(request["n"])][::-1]}  # in any order
+        body = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def biased() -> Iterator[str]:
+    server = _Backlogged(("127.0.0.1", 0), _Biased)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Biased.requests.clear()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        _Biased.ignores_allowed = False
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_sample_holding_a_suppressed_token_is_requested_again_exactly(biased, tiny_policy):
+    """A group of 3 copies sent with logit_bias comes back with a suppressed id in sample 1: that
+    sample alone is requested again under allowed_token_ids, with the seed vLLM gave it in the
+    group (seed + 1), once; the rollout holds the exact answer, its tokens and log-probs."""
+    engine = _suppressing_engine(
+        tiny_policy, biased, [7], len(AutoTokenizer.from_pretrained(str(tiny_policy)))
+    )
+    ids = torch.tensor([[1, 2, 3]] * 3)
+    torch.manual_seed(0)
+    rollout = engine.generate(ids, torch.ones_like(ids))
+    first, again = _Biased.requests
+    assert "logit_bias" in first and first["n"] == 3 and "allowed_token_ids" not in first
+    assert "logit_bias" not in again and 7 not in again["allowed_token_ids"]
+    assert (again["n"], again["seed"], again["prompt"]) == (1, first["seed"] + 1, first["prompt"])
+    assert engine.exact_requests == 1 and engine.requests_sent == [2]
+    assert rollout.response_ids.tolist() == [[3, 5], [3, 4], [3, 5]]
+    assert rollout.engine_logprobs.tolist() == [[-0.5, -0.5], [-0.5, -1.5], [-0.5, -0.5]]
+
+
+def test_a_server_that_ignores_the_allowed_ids_stops_the_batch_in_one_line(biased, tiny_policy):
+    _Biased.ignores_allowed = True
+    engine = _suppressing_engine(
+        tiny_policy, biased, [7], len(AutoTokenizer.from_pretrained(str(tiny_policy)))
+    )
+    ids = torch.tensor([[1, 2, 3]] * 2)
+    with pytest.raises(GenerationServerError) as caught:
+        engine.generate(ids, torch.ones_like(ids))
+    assert str(caught.value) == (
+        f"generation server {biased} (/v1/completions): sampled the suppressed token id 7 under "
+        "allowed_token_ids: it ignores them"
+    )
+    assert len(_Biased.requests) == 2  # once, not again and again

@@ -36,6 +36,7 @@ from lightning_ppo.rollout.engines.completions import completions_to_rollout, gr
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
 from lightning_ppo.rollout.engines.server_memory import MemorySync, sync_address
 from lightning_ppo.rollout.engines.server_requests import Stalled, send_all
+from lightning_ppo.rollout.engines.server_suppress import Suppression, suppression
 from lightning_ppo.rollout.engines.server_sync import (
     combine_workers,
     mismatch,
@@ -82,6 +83,7 @@ class VLLMServerEngine:
         self._memory: MemorySync | None = None
         self.max_in_flight = MAX_IN_FLIGHT
         self.batch_requests = 1
+        self.exact_requests = 0  # samples requested again under allowed_token_ids (_exact_again)
 
     # --- weights -------------------------------------------------------------------------------
 
@@ -266,12 +268,13 @@ class VLLMServerEngine:
                 )
 
     def _complete(
-        self, index: int, prompt: list[int], seed: int, n: int
+        self, index: int, prompt: list[int], seed: int, n: int, exact: bool = False
     ) -> list[tuple[list[int], list[float]]]:
-        """``n`` samples of ``prompt`` from server ``index``: each one's tokens and log-probs."""
+        """``n`` samples of ``prompt`` from server ``index``: each one's tokens and log-probs
+        (``exact``: suppressed tokens sent as ``allowed_token_ids`` whatever their number)."""
         server = self.servers[index]
         self.requests_sent[index] += 1
-        request = self._request(self.served_names[index], prompt, seed, n)
+        request = self._request(self.served_names[index], prompt, seed, n, exact)
         # The socket may wait behind the whole batch (vLLM answers a request when it is done); a batch
         # that makes no progress is stopped after server_timeout by send_all.
         answer = server.post(
@@ -290,20 +293,51 @@ class VLLMServerEngine:
             raise server.error(
                 "/v1/completions", f"gave {len(samples)} samples (of {n}) or tokens without their log-probs"
             )
+        return samples if exact else self._exact_again(index, prompt, seed, samples)
+
+    def _exact_again(
+        self, index: int, prompt: list[int], seed: int, samples: list[tuple[list[int], list[float]]]
+    ) -> list[tuple[list[int], list[float]]]:
+        """``samples`` with each one that holds a suppressed id requested again, exactly.
+
+        A request that sent ``logit_bias`` (:mod:`.server_suppress`) leaves a suppressed token
+        e^-100 of its odds, so it is drawn where the model puts its logit about 100 above the rest;
+        the trainer's log-probs give it -inf, and the promise is that it is never sampled. Such a
+        sample goes again alone under ``allowed_token_ids``, with the seed vLLM gave it in its group
+        (seed + i): it is the sample an exact request would have drawn, the same again on a resume.
+        Once: a server that returns a suppressed id under ``allowed_token_ids`` does not apply them.
+        The request runs on this request's thread, inside the batch's one bound (:func:`send_all`).
+        """
+        suppression = self._suppression()
+        for i, (tokens, _) in enumerate(samples):
+            if suppression.first_in(tokens) is None:
+                continue
+            self.exact_requests += 1
+            samples[i] = self._complete(index, prompt, seed + i, 1, exact=True)[0]
+            token = suppression.first_in(samples[i][0])
+            if token is not None:
+                raise self.servers[index].error(
+                    "/v1/completions",
+                    f"sampled the suppressed token id {token} under allowed_token_ids: it ignores them",
+                )
         return samples
+
+    def _suppression(self) -> Suppression:
+        return suppression(self.hf_generation.suppress_tokens, self.vocab_size)
 
     def _stop_id(self) -> int | None:
         return self.hf_generation.eos_token_id
 
-    def _request(self, model: str, prompt: list[int], seed: int, n: int = 1) -> dict[str, Any]:
+    def _request(
+        self, model: str, prompt: list[int], seed: int, n: int = 1, exact: bool = False
+    ) -> dict[str, Any]:
         """One completion request under exactly ``hf_generation``'s settings (nothing from the server's
-        defaults: it runs with ``--generation-config vllm``)."""
+        defaults: it runs with ``--generation-config vllm``); the suppressed tokens in the smaller
+        encoding, or ``allowed_token_ids`` where ``exact`` (:mod:`.server_suppress`)."""
         gen = self.hf_generation
         sampled = bool(gen.do_sample)
         stop = self._stop_id()
-        vocab = self.vocab_size
-        suppressed = set(gen.suppress_tokens or ())
-        request: dict[str, Any] = {
+        return {
             "model": model,
             "prompt": prompt,
             "n": n,
@@ -314,15 +348,13 @@ class VLLMServerEngine:
             "seed": seed,
             # Only our stop token ends a response, as in HF generate with eos_token_id=stop.
             "ignore_eos": True,
-            "stop_token_ids": [stop] if stop is not None and 0 <= stop < vocab else [],
+            "stop_token_ids": [stop] if stop is not None and 0 <= stop < self.vocab_size else [],
             "logprobs": 0,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
+            **self._suppression().fields(exact),
         }
-        if suppressed:
-            request["allowed_token_ids"] = [i for i in range(vocab) if i not in suppressed]
-        return request
 
 
 def _sync_failure(err: Exception) -> str:
