@@ -10,7 +10,9 @@ itself (not a copy: classes stay identical, ``isinstance`` and pickling hold) an
 
 A file pickled before the move names its classes by their old paths, and ``torch.load(weights_only=
 True)`` matches those names as strings: allow-listed by their new paths alone they are refused. Pass
-:func:`with_old_paths` of the list to ``torch.serialization.safe_globals`` to allow both names.
+:func:`with_old_paths` of the list to ``torch.serialization.safe_globals`` to allow both names
+(public as ``lightning_ppo.checkpoint.with_old_paths``). The package's own readers of checkpoints
+read within :func:`old_paths_allowed`, so there what a user allowed by its new path loads by its old.
 
 Two old modules are folders now, ``rollout`` and ``models``: their packages forward the old names
 with :func:`forwarding`, importing each one on first use so the folders stay cheap to import.
@@ -24,9 +26,12 @@ import importlib.machinery
 import importlib.util
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
+
+import torch.serialization
 
 # old module (under lightning_ppo.) -> new module (under lightning_ppo.)
 MOVED = {
@@ -69,6 +74,19 @@ MOVED = {
 }
 PACKAGE = "lightning_ppo"
 
+# Classes that left a module which stayed (or became a folder), where MOVED does not name them:
+# their dotted name (under lightning_ppo.) then -> now. Before the folders, and the moves since.
+MOVED_CLASSES = {
+    "data.PromptBatch": "rollout.prompts.PromptBatch",
+    "module.Samples": "watch.samples.Samples",
+    "rollout.Rollout": "ppo.rollout_data.Rollout",
+    "models.ValueModel": "models.loading.ValueModel",
+    "episodes.EnvironmentFailure": "rollout.answers.EnvironmentFailure",
+    "rollout.episodes.EnvironmentFailure": "rollout.answers.EnvironmentFailure",
+    "rollout.OneDtypeStaticCache": "rollout.static_cache.OneDtypeStaticCache",
+    "rollout.sampling.OneDtypeStaticCache": "rollout.static_cache.OneDtypeStaticCache",
+}
+
 
 def new_name(fullname: str) -> str | None:
     """``lightning_ppo.engines.vllm`` -> ``lightning_ppo.rollout.engines.vllm``; None if not moved."""
@@ -87,16 +105,41 @@ def old_name(module: str) -> str | None:
     return None
 
 
-def with_old_paths(safe_globals: list[Any]) -> list[Any]:
-    """``safe_globals`` plus ``(each, its dotted name before the move)`` for those of a moved module: the
-    form ``torch.serialization.safe_globals`` takes for a renamed global, so that a file pickled under
-    the old path loads with what the caller allows, and nothing else."""
+def old_path_aliases(safe_globals: Iterable[Any]) -> list[tuple[Any, str]]:
+    """``(each, a dotted name it had before it moved)`` for those of ``safe_globals`` that moved: its
+    module's old name (MOVED), or the module it left (MOVED_CLASSES). ``(global, name)`` entries,
+    a caller's own renames, are left as they are."""
     aliases = []
     for obj in safe_globals:
-        module = old_name(getattr(obj, "__module__", None) or "")
-        if module is not None:
-            aliases.append((obj, f"{module}.{obj.__qualname__}"))
-    return [*safe_globals, *aliases]
+        module, qualname = getattr(obj, "__module__", None) or "", getattr(obj, "__qualname__", None)
+        if isinstance(obj, tuple) or qualname is None:
+            continue
+        old_module, now = old_name(module), f"{module}.{qualname}"
+        names = [f"{old_module}.{qualname}"] if old_module else []
+        names += [f"{PACKAGE}.{old}" for old, new in MOVED_CLASSES.items() if f"{PACKAGE}.{new}" == now]
+        aliases += [(obj, name) for name in names]
+    return aliases
+
+
+def with_old_paths(safe_globals: list[Any]) -> list[Any]:
+    """``safe_globals`` plus ``(each, its dotted name before the move)`` for those that moved: the
+    form ``torch.serialization.safe_globals`` takes for a renamed global, so that a file pickled under
+    the old path loads with what the caller allows, and nothing else."""
+    return [*safe_globals, *old_path_aliases(safe_globals)]
+
+
+@contextmanager
+def old_paths_allowed() -> Iterator[None]:
+    """Within it, ``torch.load(weights_only=True)`` allows every global allowed now (by
+    ``torch.serialization.add_safe_globals`` or ``safe_globals``) under its names before the move
+    too: how the package's readers open a checkpoint (preflight, log continuity, export, resume),
+    so that a user who allowed a class by its new path reads an old file, and nothing else is
+    allowed. Aliases already allowed are left out, so leaving does not remove the user's own."""
+    allowed = torch.serialization.get_safe_globals()
+    present = set(allowed)
+    extra = [alias for alias in old_path_aliases(allowed) if alias not in present]
+    with torch.serialization.safe_globals(extra):
+        yield
 
 
 class _Alias(importlib.abc.Loader):

@@ -5,6 +5,9 @@ controller, its counters and the score statistics from one iteration to the next
 and each iteration consumes random numbers (sampling), so a run resumed without them samples
 different responses and drifts from the uninterrupted one. The sampling state of every rank is
 saved here, as plain tensors, so checkpoints still load with ``weights_only=True``.
+
+:func:`with_old_paths` allow-lists classes for ``torch.serialization.safe_globals`` under their
+names from before the package's modules moved too (``lightning_ppo._moved``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
+# public here: the allow-list that reads a file pickled before the modules moved (docs/resuming.md)
+from lightning_ppo._moved import with_old_paths as with_old_paths
 from lightning_ppo.distributed.sharded_checkpoint import remove_stale_folders
 from lightning_ppo.runs.checkpoint_io import install_atomic_checkpoint_io, remove_stale_temp_files
 from lightning_ppo.runs.errors import UsageError

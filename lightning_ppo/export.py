@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from lightning_ppo._moved import old_paths_allowed
 from lightning_ppo.models.loading import FROZEN_DTYPES, load_tokenizer, resolve_suppressed_tokens
 from lightning_ppo.models.roles import LoraSettings, apply_lora
 from lightning_ppo.runs.errors import UsageError
@@ -89,7 +90,8 @@ def read_checkpoint(
     shards, with the non-tensor state (hyper-parameters) from ``meta.pt``.
     """
     if not path.is_dir():
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with old_paths_allowed():
+            return torch.load(path, map_location="cpu", weights_only=True)
     if not (path / _METADATA_FILENAME).is_file():
         raise UsageError(f"checkpoint: {str(path)!r} is a folder but not a sharded checkpoint (no meta.pt)")
     reader = FileSystemReader(path)
@@ -101,7 +103,8 @@ def read_checkpoint(
     with warnings.catch_warnings():  # "... assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"state_dict": wanted}, storage_reader=reader)  # reads these keys' bytes only
-    checkpoint = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=True)
+    with old_paths_allowed():
+        checkpoint = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=True)
     checkpoint["state_dict"] = wanted
     return checkpoint
 

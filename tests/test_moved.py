@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 
+import lightning_ppo.checkpoint
 from lightning_ppo import _moved
+from lightning_ppo.export import read_checkpoint
 from lightning_ppo.models.roles import LoraSettings
+from lightning_ppo.rollout.prompts import PromptBatch
+from lightning_ppo.runs.checkpoint_io import AtomicCheckpointIO
+from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.log_continuity import LOGS_KEY, read_logger_records
+from lightning_ppo.runs.preflight import check_checkpoint_file
 
 # In a fresh interpreter: the old path imported for the first time, then the new module asked for
 # its spec and reloaded (here, reloading would redefine classes the other tests hold).
@@ -62,3 +75,74 @@ def test_an_old_path_pickle_loads_with_the_class_allowed_under_its_new_path():
         loaded = torch.load(_pickled_under_the_old_path(LoraSettings(r=3)), weights_only=True)
     assert loaded["lora"] == LoraSettings(r=3) and type(loaded["lora"]) is LoraSettings
     assert _moved.with_old_paths([torch.Size]) == [torch.Size]  # nothing added for what never moved
+    assert lightning_ppo.checkpoint.with_old_paths is _moved.with_old_paths  # its public place
+
+
+@contextmanager
+def _named_as(old: dict[type, str]) -> Iterator[None]:
+    """Each class pickled under its module before the move (``old``: class -> that module)."""
+    new = {cls: cls.__module__ for cls in old}
+    for cls, module in old.items():
+        cls.__module__ = module
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield
+    finally:
+        for cls, module in new.items():
+            cls.__module__ = module
+
+
+def _old_checkpoint(path: Path) -> Path:
+    """A checkpoint as a run before the move wrote it, with objects of moved classes in it (a user's
+    callback state, say): ``LoraSettings`` then in ``lightning_ppo.roles`` (a module renamed) and
+    ``PromptBatch`` then in ``lightning_ppo.data`` (a class moved to another module)."""
+    batch = PromptBatch(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool), ["ab"])
+    checkpoint = {
+        "state_dict": {"roles.policy.w": torch.zeros(2)},
+        "hyper_parameters": {"policy": "gpt2"},
+        LOGS_KEY: [{"kind": "csv", "version": 3}],
+        "callbacks": {"Kept": {"lora": LoraSettings(r=3), "batch": batch}},
+    }
+    with _named_as({LoraSettings: "lightning_ppo.roles", PromptBatch: "lightning_ppo.data"}):
+        torch.save(checkpoint, path)
+    return path
+
+
+def _old_sharded_checkpoint(folder: Path) -> Path:
+    """The same as a sharded (FSDP2) checkpoint folder: the weights as shards, the rest in meta.pt."""
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"state_dict": {"roles.policy.w": torch.zeros(2)}}, checkpoint_id=folder)
+    _old_checkpoint(folder / _METADATA_FILENAME)
+    return folder
+
+
+def test_an_old_checkpoint_loads_through_the_packages_readers_with_its_classes_allowed_by_new_paths(tmp_path):
+    """Before, each of the package's readers matched the pickle's old names against the new ones the
+    user allowed, and refused it (preflight's error, the log records lost, export and resume failed)."""
+    path = _old_checkpoint(tmp_path / "old.ckpt")
+    with pytest.raises(UsageError, match="refuses"):  # nothing allowed: still refused
+        check_checkpoint_file(str(path))
+    with torch.serialization.safe_globals([LoraSettings, PromptBatch]):
+        check_checkpoint_file(str(path))
+        assert read_logger_records(path) == [{"kind": "csv", "version": 3}]
+        folder = _old_sharded_checkpoint(tmp_path / "old-sharded.ckpt")
+        readers = (read_checkpoint(path), read_checkpoint(folder), AtomicCheckpointIO().load_checkpoint(path))
+        for loaded in readers:
+            kept = loaded["callbacks"]["Kept"]
+            assert kept["lora"] == LoraSettings(r=3) and type(kept["batch"]) is PromptBatch
+            assert kept["batch"].prompts == ["ab"]
+    assert LoraSettings not in torch.serialization.get_safe_globals()  # and nothing stays allowed
+    assert not [g for g in torch.serialization.get_safe_globals() if isinstance(g, tuple)]
+
+
+def test_old_names_cover_classes_that_left_their_module():
+    """``with_old_paths`` also names a class by the module it left (one that stayed or became a
+    folder, where MOVED has no entry): each new name in the table is that class today."""
+    assert (PromptBatch, "lightning_ppo.data.PromptBatch") in _moved.with_old_paths([PromptBatch])
+    for old, new in _moved.MOVED_CLASSES.items():
+        module, _, name = f"lightning_ppo.{new}".rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        assert f"{cls.__module__}.{cls.__qualname__}" == f"lightning_ppo.{new}"
+        assert (cls, f"lightning_ppo.{old}") in _moved.with_old_paths([cls])

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lightning_ppo._moved import old_paths_allowed
 from lightning_ppo.runs.checkpoint_io import fsync_folder, os_error_in, save_error
 from lightning_ppo.runs.run_lock import _gone
 
@@ -114,6 +115,11 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         return FileSystemWriter(folder)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        # old class paths allowed, as runs.checkpoint_io's load allows them (lightning_ppo._moved)
+        with old_paths_allowed():
+            return self._load_checkpoint(checkpoint_path, weights_only)
+
+    def _load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if not _is_sharded_checkpoint(path):
             return super().load_checkpoint(path, weights_only)

@@ -23,6 +23,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_ppo._moved import old_paths_allowed
 from lightning_ppo.runs.processes import host_name, writer_gone
 
 # ".last.ckpt.tmp-node7-1234": hidden, so neither Lightning's "last" lookup nor a user's glob sees it,
@@ -43,8 +44,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     renamed over the target, and the folder is fsynced so the rename survives a power cut. On any
     failure (a full disk, Ctrl-C) the temporary file is removed and the previous checkpoint is left as
     it was; an ``OSError`` is re-raised with the path and that fact in its message. Remote paths
-    (``s3://``, ...) and loading are Lightning's, unchanged.
+    (``s3://``, ...) are Lightning's, unchanged; so is loading, but for a class allowed by its new
+    path (``torch.serialization.add_safe_globals``) that a file names by its path before the
+    package's modules moved: allowed too (:func:`lightning_ppo._moved.old_paths_allowed`).
     """
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        with old_paths_allowed():
+            return super().load_checkpoint(path, map_location, weights_only)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
         if storage_options is not None or not _is_local_file_protocol(path):

@@ -31,6 +31,8 @@ from lightning.pytorch import loggers as pl_loggers
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
+from lightning_ppo._moved import old_paths_allowed
+
 LOGS_KEY = "lightning_ppo_logs"  # the checkpoint's entry: a list of plain dicts (weights_only loads it)
 
 
@@ -90,7 +92,8 @@ def read_logger_records(path: Path) -> list[dict[str, Any]]:
     file = path / _METADATA_FILENAME if path.is_dir() else path
     try:
         # Memory-mapped: the weights stay on disk, only the small entries are read.
-        checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        with old_paths_allowed():  # what Lightning's load of it reads (runs.checkpoint_io)
+            checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # not readable here: Lightning's own load of it will say why
         return []
     records = checkpoint.get(LOGS_KEY, []) if isinstance(checkpoint, dict) else []

@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import (
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
+from lightning_ppo._moved import old_paths_allowed
 from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.runs.errors import VLLM_INSTALL_HINT, MissingPathError, UsageError
 
@@ -167,8 +168,10 @@ def check_checkpoint_file(ckpt_path: str, field: str = "ckpt_path") -> None:
     with path.open("rb") as file:
         is_zip = file.read(4) == b"PK\x03\x04"  # torch.save's format since torch 1.6
     try:
-        # Memory mapping (zip format only) reads the structure without loading every tensor.
-        torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+        # Memory mapping (zip format only) reads the structure without loading every tensor; old
+        # class paths allowed as the resume's load allows them (AtomicCheckpointIO)
+        with old_paths_allowed():
+            torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except pickle.UnpicklingError as err:
         reason = (
             "it holds objects that torch.load(weights_only=True), as Lightning reads it, refuses"
