@@ -24,7 +24,8 @@ pytest.importorskip("vllm")
 from transformers import AutoTokenizer  # noqa: E402
 
 from lightning_ppo import GenerationConfig, PPOLightningModule  # noqa: E402
-from lightning_ppo.models.loading import load_causal_lm  # noqa: E402
+from lightning_ppo.models.loading import load_causal_lm, response_logits  # noqa: E402
+from lightning_ppo.ppo import functional as F  # noqa: E402
 from lightning_ppo.rollout.engines import Placement  # noqa: E402
 from lightning_ppo.rollout.engines.local_server import LocalServer  # noqa: E402
 from lightning_ppo.rollout.engines.server import VLLMServerEngine  # noqa: E402
@@ -290,6 +291,92 @@ def test_a_groups_one_request_samples_as_its_rows_would_one_by_one(servers, poli
         for (_, a), (_, b) in zip(grouped, one_by_one, strict=True)
     )
     assert len({tuple(tokens) for tokens, _ in grouped}) > 1  # four different samples
+
+
+LOGPROB_TOLERANCE = 1e-4  # the engine's log-probs against the trainer's (as test_vllm_engine.py)
+
+
+def _suppressing(policy: Path, url: str) -> tuple[VLLMServerEngine, torch.nn.Module, list[int]]:
+    """An engine suppressing "3" and "7" (2 of 14 ids: sent as logit_bias, the smaller encoding)."""
+    engine, model = _engine(policy, [url])
+    suppressed = [engine.tokenizer.convert_tokens_to_ids(t) for t in ("3", "7")]
+    gen = engine.hf_generation
+    engine.hf_generation = hf_generation_config(
+        engine.config, gen.eos_token_id, gen.pad_token_id, suppressed=suppressed
+    )
+    assert "logit_bias" in engine._request("policy", [1], 0)
+    return engine, model, suppressed
+
+
+def _exact_as_before(engine: VLLMServerEngine) -> VLLMServerEngine:
+    """``engine`` sending every request as allowed_token_ids, as every request went before."""
+    request = engine._request
+    engine._request = lambda model, prompt, seed, n=1, exact=False: request(model, prompt, seed, n, True)
+    return engine
+
+
+def _masked_logprobs(model: torch.nn.Module, rollout, suppressed: list[int]) -> torch.Tensor:
+    """The trainer's log-probs of the rollout's tokens: the suppressed ids' logits at -inf."""
+    width = rollout.response_mask.shape[1]
+    with torch.no_grad():
+        logits = response_logits(
+            model, rollout.input_ids, rollout.attention_mask, rollout.position_ids, width
+        )
+    return F.logprobs_from_logits(logits, rollout.response_ids, 0.8, suppressed)
+
+
+def test_suppressed_tokens_sent_as_a_bias_are_never_sampled_and_log_probs_use_the_mask(servers, policy):
+    """Three batches with "3" and "7" suppressed by logit_bias: neither is sampled (both are, about a
+    fifth of the tokens, unsuppressed), the log-probs are the trainer's under the -inf mask, and
+    tokens and log-probs equal those of the exact encoding (allowed_token_ids) for the same seeds:
+    e^-125 of a token's odds is 0 in float32. No sample needed asking again."""
+    engine, model, suppressed = _suppressing(policy, servers[0].url)
+    exact = _exact_as_before(_suppressing(policy, servers[0].url)[0])
+    free, _ = _engine(policy, [servers[0].url])
+    engine.sync_weights(model)
+    ids, mask = _prompts(policy)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        rollout = engine.generate(ids, mask)
+        torch.manual_seed(seed)
+        assert torch.equal(rollout.response_ids, exact.generate(ids, mask).response_ids)
+        torch.manual_seed(seed)
+        unsuppressed = free.generate(ids, mask)
+        held = rollout.response_ids[rollout.response_mask]
+        assert not torch.isin(held, torch.tensor(suppressed)).any()
+        assert torch.isin(
+            unsuppressed.response_ids[unsuppressed.response_mask], torch.tensor(suppressed)
+        ).any()
+        diff = (rollout.engine_logprobs - _masked_logprobs(model, rollout, suppressed))[rollout.response_mask]
+        assert diff.abs().max().item() < LOGPROB_TOLERANCE
+    assert engine.exact_requests == 0
+
+
+def test_a_suppressed_token_the_bias_cannot_hold_is_sampled_again_exactly(servers, policy):
+    """The policy's "7" pushed 200 logits above its own (through the final norm's bias, nothing else
+    moved): the bias leaves it 100 above the rest, every first answer holds it, and every sample is
+    requested again under allowed_token_ids with its group's seed. The rollout holds no "7", its
+    tokens and log-probs are those of exact requests for the same seeds (groups of 2 copies: the
+    samples' seeds s and s + 1), and its log-probs the trainer's under the mask."""
+    engine, model, suppressed = _suppressing(policy, servers[1].url)
+    head = model.get_output_embeddings().weight  # tied: the logits are the final norm's output times it
+    push = torch.zeros(head.shape[0])
+    push[suppressed[1]] = 200.0
+    with torch.no_grad():
+        model.transformer.ln_f.bias.add_(torch.linalg.pinv(head) @ push)
+    exact = _exact_as_before(_suppressing(policy, servers[1].url)[0])
+    engine.sync_weights(model)
+    ids, mask = (t[:8].repeat_interleave(2, dim=0) for t in _prompts(policy))
+    torch.manual_seed(0)
+    rollout = engine.generate(ids, mask)
+    torch.manual_seed(0)
+    expected = exact.generate(ids, mask)
+    assert engine.exact_requests == 16  # every sample, each alone
+    assert not torch.isin(rollout.response_ids[rollout.response_mask], torch.tensor(suppressed)).any()
+    assert torch.equal(rollout.response_ids, expected.response_ids)
+    assert torch.allclose(rollout.engine_logprobs, expected.engine_logprobs, atol=1e-6)
+    diff = (rollout.engine_logprobs - _masked_logprobs(model, rollout, suppressed))[rollout.response_mask]
+    assert diff.abs().max().item() < LOGPROB_TOLERANCE
 
 
 def test_a_server_whose_worker_lost_the_weights_group_is_joined_again(servers, policy):

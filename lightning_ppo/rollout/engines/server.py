@@ -18,6 +18,7 @@ in one line. Servers are started with ``lightning-ppo serve``.
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -84,6 +85,7 @@ class VLLMServerEngine:
         self.max_in_flight = MAX_IN_FLIGHT
         self.batch_requests = 1
         self.exact_requests = 0  # samples requested again under allowed_token_ids (_exact_again)
+        self._counting = threading.Lock()  # the requests' threads count them
 
     # --- weights -------------------------------------------------------------------------------
 
@@ -312,7 +314,8 @@ class VLLMServerEngine:
         for i, (tokens, _) in enumerate(samples):
             if suppression.first_in(tokens) is None:
                 continue
-            self.exact_requests += 1
+            with self._counting:
+                self.exact_requests += 1
             samples[i] = self._complete(index, prompt, seed + i, 1, exact=True)[0]
             token = suppression.first_in(samples[i][0])
             if token is not None:
