@@ -15,7 +15,8 @@ the reason printed where that interpreter or ``import vllm`` is missing, and on 
 preset whose head size vLLM's CPU attention has no kernel for); ``lightning_ppo_dynamic`` (HF's
 dynamic generation cache instead of the default static one) and ``lightning_ppo_compiled``
 (``ppo.torch_compile``: the loss passes compiled; its first iteration, not counted, compiles) only
-when named. For every (config, precision)
+when named (``--variable-variants`` names them for the variable-length table, ``--no-main`` runs
+that table alone: gpu_check's ``bench-64x32-variable``). For every (config, precision)
 the variants run one after another in a rotating order (``--rounds`` times), so that drift in
 the machine's speed hits all of them alike.
 With CUDA (``--device auto`` finds it) the default is a ~0.5B Llama-style model in bf16-mixed, with
@@ -74,12 +75,16 @@ class Settings:
     response_length: int = 32
     prompt_length: int = 0  # tokens per prompt of the main table; 0: the quickstart's 6
     threads: int = 0  # 0: torch's default
+    main: bool = True  # the main table (off: only the other tables, e.g. gpu_check's variable stage)
     scaling: bool = True
     scaling_config: str = "medium"
     scaling_precision: str = "32"
     # the variable-length table: prompts of 8 to 2 x variable_response tokens, responses cut at 1
-    # to variable_response tokens, fp32; lightning_ppo padded / default / token budget, the floor
+    # to variable_response tokens, in variable_precision; lightning_ppo padded / default / token
+    # budget, the floor (TRL and lightning_ppo_compiled where named in variable_variants)
     variable: bool = True
+    variable_variants: str = ",".join(report.VARIABLE_VARIANTS)
+    variable_precision: str = "32"
     variable_config: str = "medium"
     variable_response: int = 128
     variable_iterations: int = 4
@@ -133,6 +138,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--response-length", type=int, help="new tokens per response (32)")
     p.add_argument("--prompt-length", type=int, help="tokens per prompt of the main table (6)")
     p.add_argument("--threads", type=int, help="torch threads per run (default: torch's; --quick: 1)")
+    p.add_argument("--main", action=argparse.BooleanOptionalAction, help="the main table (default: on)")
     p.add_argument("--scaling", action=argparse.BooleanOptionalAction, help="lightning_ppo scaling table")
     p.add_argument("--scaling-config", help="model preset of the scaling table")
     p.add_argument("--scaling-iterations", type=int, default=4, help="PPO iterations per scaling run")
@@ -141,6 +147,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scaling-batches", default="16,64,128", help="rollout batches of the scaling table")
     p.add_argument("--variable", action=argparse.BooleanOptionalAction, help="the variable-length table")
     p.add_argument("--variable-config", help="model preset of the variable-length table")
+    p.add_argument(
+        "--variable-variants",
+        help=f"comma-separated variants of the variable-length table (default: "
+        f"{','.join(report.VARIABLE_VARIANTS)}; also trl, {report.COMPILED})",
+    )
+    p.add_argument("--variable-precision", help="precision of the variable-length table (32)")
     p.add_argument("--variable-response", type=int, help="longest response of the variable workload (128)")
     p.add_argument("--variable-iterations", type=int, help="PPO iterations per variable-length run (4)")
     p.add_argument(
@@ -275,7 +287,7 @@ def plan(
         )
 
     jobs, rotation = [], 0
-    for preset in s.configs.split(","):
+    for preset in s.configs.split(",") if s.main else []:
         variants = [v for v in s.variants.split(",") if (v, preset) not in skip]
         if not variants:
             continue
@@ -319,12 +331,12 @@ def variable_jobs(args, s: Settings, spec, skip) -> list[report.Job]:
     minibatch's padded rectangle (prompts up to 2 x and responses up to 1 x the response length)."""
     minibatch = s.batch_size // s.minibatches
     budget = minibatch * 3 * s.variable_response // 4
-    variants = [v for v in report.VARIABLE_VARIANTS if (v, s.variable_config) not in skip]
+    variants = [v for v in s.variable_variants.split(",") if v and (v, s.variable_config) not in skip]
     jobs = []
-    for k in range(args.rounds):
+    for k in range(args.rounds if variants else 0):
         for variant in variants[k % len(variants) :] + variants[: k % len(variants)]:
             point = replace(
-                spec(variant, s.variable_config, "32"),
+                spec(variant, s.variable_config, s.variable_precision),
                 workload="variable",
                 response_length=s.variable_response,
                 iterations=s.variable_iterations,
@@ -450,11 +462,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = (set(s.variants.split(",")) - {*report.VARIANTS, report.DYNAMIC, report.COMPILED}) | (
         set(s.configs.split(",")) - set(common.PRESETS)
     )
+    unknown |= set(filter(None, s.variable_variants.split(","))) - set(RUNNERS)
     if unknown:
         raise SystemExit(f"unknown variant or model preset: {sorted(unknown)}")
     notes = []
-    if "trl" in s.variants.split(",") and not trl_available():
+    if "trl" in f"{s.variants},{s.variable_variants}".split(",") and not trl_available():
         s.variants = ",".join(v for v in s.variants.split(",") if v != "trl")
+        s.variable_variants = ",".join(v for v in s.variable_variants.split(",") if v != "trl")
         notes.append(
             "TRL is not importable (`make bench` installs the `bench` extra): its variant is skipped."
         )
@@ -481,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="lightning-ppo-bench-") as tmp:
         work = Path(tmp)
-        presets = set(s.configs.split(",")) | ({s.scaling_config} if s.scaling else set())
+        presets = set(s.configs.split(",") if s.main else []) | ({s.scaling_config} if s.scaling else set())
         presets |= {s.variable_config} if s.variable else set()
         kept = Path(args.checkpoints) if args.checkpoints else work
         checkpoints = {p: kept_checkpoints(p, kept / p) for p in sorted(presets)}

@@ -15,9 +15,12 @@ too little is left:
    minibatches: lightning_ppo and the floor, seconds per iteration, generated tokens per second and
    peak memory;
 3. the benchmark's CUDA table: llama-0.5b, bf16-mixed, batch 64 x 32 new tokens: lightning_ppo
-   eager and compiled, the floor and TRL (if importable);
-4. the same at batch 256 x 256 new tokens: lightning_ppo and the floor;
-5. decoding alone (``benchmarks.decoding``, where it exists): ms per step against length.
+   eager and compiled, the floor and TRL (if importable), each row's time against TRL's;
+4. the same on variable lengths (``bench-64x32-variable``, the benchmark's variable-length table):
+   64 prompts of 8 to 64 tokens, responses cut at 1 to 32 tokens (each prompt's scheduled length,
+   the same in every variant, TRL's included): TRL, lightning_ppo compiled and eager, the floor;
+5. the same at batch 256 x 256 new tokens: lightning_ppo and the floor;
+6. decoding alone (``benchmarks.decoding``, where it exists): ms per step against length.
 
 ``--stages`` picks and orders them (a short lease: the rows that matter first).
 
@@ -34,6 +37,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,8 +59,17 @@ TINY = {
 # in run order: what the targets compare first, should the time run out
 MAIN_VARIANTS = ("lightning_ppo", "floor", "trl", "lightning_ppo_compiled")
 LONG_VARIANTS = ("lightning_ppo", "floor")
+# The variable-length stage's, in run order: the target is the compiled variant's time against TRL's
+VARIABLE_VARIANTS = ("trl", "lightning_ppo_compiled", "lightning_ppo", "floor")
 # Each stage's share of the budget (at most: a stage that ends early leaves its time to the next).
-STAGE_SHARES = {"checks": 0.15, "recipe": 0.5, "bench-64x32": 0.45, "bench-256x256": 0.3, "decoding": 0.15}
+STAGE_SHARES = {
+    "checks": 0.15,
+    "recipe": 0.5,
+    "bench-64x32": 0.45,
+    "bench-64x32-variable": 0.45,
+    "bench-256x256": 0.3,
+    "decoding": 0.15,
+}
 # The GSM8K recipe (configs/gsm8k_ppo.yaml): batch 64, ~200-token prompts, 1 epoch x 4 minibatches
 RECIPE = ["--configs", "qwen2.5-0.5b", "--batch-size", "64", "--prompt-length", "200"]
 RECIPE += ["--ppo-epochs", "1", "--minibatches", "4", "--iterations", "2"]
@@ -66,6 +79,11 @@ GPU_TESTS = ["tests/test_gpu.py", "tests/test_faults.py", "-k", "cuda"]
 # the benchmark's stages on the CPU: a tiny Llama, one thread, small batches (these flags come last: they win)
 CPU_TRIAL = ["--device", "cpu", "--configs", "tiny-llama", "--precisions", "bf16-mixed", "--threads", "1"]
 CPU_TRIAL += ["--batch-size", "8", "--response-length", "8", "--minibatches", "2", "--ppo-epochs", "2"]
+# The variable-length table at the main table's shapes (batch, epochs, minibatches) and precision;
+# its first iteration (the compiled variant's compilations) is not counted.
+VARIABLE = ["--variable-config", "llama-0.5b", "--variable-precision", "bf16-mixed"]
+VARIABLE += ["--variable-response", "32", "--variable-iterations", "4"]
+VARIABLE_TRIAL = ["--variable-config", "tiny-llama", "--variable-response", "8", "--variable-iterations", "2"]
 
 
 @dataclass
@@ -89,7 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quickstart-iterations", type=int, default=100)
     p.add_argument(
         "--stages",
-        default="checks,recipe,bench-64x32,bench-256x256,decoding",
+        default=",".join(STAGE_SHARES),
         help=f"comma-separated, in run order, of {list(STAGE_SHARES)}",
     )
     p.add_argument("--config-iterations", type=int, default=3)
@@ -173,13 +191,18 @@ def child_env() -> dict[str, str]:
 
 
 def run_logged(command: list[str], log: Path, timeout: float, **env: str) -> str | None:
-    """Run ``command`` from the project root, output to ``log``; None if it succeeded, else why not."""
+    """Run ``command`` from the project root, output to ``log``; None if it succeeded, else why not.
+    On its timeout the command's whole process group is killed: the benchmark's runs are its
+    children, and one left running would hold the GPU through the next stage."""
     with log.open("w") as out:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env={**child_env(), **env}, stdout=out, stderr=out, start_new_session=True
+        )
         try:
-            proc = subprocess.run(
-                command, cwd=ROOT, env={**child_env(), **env}, stdout=out, stderr=out, timeout=timeout
-            )
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             return f"timed out after {timeout:.0f} s"
     if proc.returncode == 0:
         return None
@@ -260,38 +283,69 @@ def config_line(out: Path, name: str, precision: str, code: int | str) -> Line:
     return Line("config", name, precision, "ok", r["s_per_it"], r["gpu_mib"], r["rss_mib"], note)
 
 
-def bench(out: Path, name: str, timeout: float, variants: tuple[str, ...], extra: list[str]) -> list[Line]:
-    """One benchmark table (``benchmarks.bench``), its runs as rows."""
+def bench(
+    out: Path, name: str, timeout: float, variants: tuple[str, ...], extra: list[str], group: str = "main"
+) -> list[Line]:
+    """One benchmark table (``benchmarks.bench``), its runs as rows: the main table, or with
+    ``group="variable"`` the variable-length one (``extra`` names its shapes)."""
     from benchmarks import report
 
     known = [v for v in variants if v in (*report.VARIANTS, report.DYNAMIC, report.COMPILED)]
-    folder = out / name
-    command = [sys.executable, "-m", "benchmarks.bench", "--rounds", "1"]
-    command += ["--no-scaling", "--no-variable", "--no-count-ops", "--variants", ",".join(known)]
+    folder, log = out / name, out / f"{name}.log"
+    command = [sys.executable, "-m", "benchmarks.bench", "--rounds", "1", "--no-scaling", "--no-count-ops"]
+    if group == "main":
+        command += ["--no-variable", "--variants", ",".join(known)]
+    else:
+        command += ["--no-main", "--variable", "--variable-variants", ",".join(known)]
     command += ["--out", str(folder), *extra]  # ops are counted on CPU (docs/performance.md), not here
-    failure = run_logged(command, out / f"{name}.log", timeout)
+    failure = run_logged(command, log, timeout)
     results = folder / "results.json"
     if not results.exists():
         return [Line(name, ",".join(known), "bf16-mixed", "FAILED", note=failure or "no results")]
-    lines = []
-    for r in json.loads(results.read_text()):
-        if r["group"] != "main":
-            continue
-        steady = r["iteration_s"][1:] or r["iteration_s"]
-        seconds = statistics.median(steady) if steady else None  # as the benchmark's report
-        mfu = r.get("mfu")
-        note = f"training RSS {r.get('train_rss_mib') or r['peak_rss_mib']:.0f} MiB"
-        note += f", MFU {100 * mfu:.1f} %" if mfu is not None else ""
-        rate = generated_per_s(r)
-        note += f", generated {rate:,.0f} tok/s" if rate else ""
-        note = r["error"][:120] if r["error"] else note
-        status = "FAILED" if r["error"] else "ok"
-        spec = r["spec"]
-        what = f"{spec['variant']} {spec['preset']} b{spec['batch_size']} x {spec['response_length']}"
-        what += f", prompts {spec['prompt_length']}" if spec.get("prompt_length") else ""
-        memory = r["peak_gpu_mib"], r["peak_rss_mib"]
-        lines.append(Line(name, what, spec["precision"], status, seconds, *memory, note))
-    return lines
+    records = [r for r in json.loads(results.read_text()) if r["group"] == group]
+    lines = [bench_line(name, r) for r in records]
+    against_trl(lines, records)
+    ran = {r["spec"]["variant"] for r in records}
+    return lines + [not_run(name, v, failure, log) for v in known if v not in ran]
+
+
+def bench_line(name: str, r: dict) -> Line:
+    """A benchmark run's row: its steady seconds per iteration, memory, and what the note says."""
+    steady = r["iteration_s"][1:] or r["iteration_s"]
+    seconds = statistics.median(steady) if steady else None  # as the benchmark's report
+    spec, mfu = r["spec"], r.get("mfu")
+    variable = spec.get("workload") == "variable"
+    note = f"training RSS {r.get('train_rss_mib') or r['peak_rss_mib']:.0f} MiB"
+    # MFU counts the padded rectangle of fixed prompts: on variable lengths, the real share instead
+    note += f", MFU {100 * mfu:.1f} %" if mfu is not None and not variable else ""
+    if variable and r.get("tokens_computed"):
+        note += f", policy tokens real {r['tokens_real'] / r['tokens_computed']:.0%} of computed"
+    rate = generated_per_s(r)
+    note += f", generated {rate:,.0f} tok/s" if rate else ""
+    note = r["error"][:120] if r["error"] else note
+    status = "FAILED" if r["error"] else "ok"
+    length = f"1-{spec['response_length']}" if variable else spec["response_length"]
+    what = f"{spec['variant']} {spec['preset']} b{spec['batch_size']} x {length}"
+    what += f", prompts 8-{2 * spec['response_length']}" if variable else ""
+    what += f", prompts {spec['prompt_length']}" if spec.get("prompt_length") else ""
+    memory = r["peak_gpu_mib"], r["peak_rss_mib"]
+    return Line(name, what, spec["precision"], status, seconds, *memory, note)
+
+
+def against_trl(lines: list[Line], records: list[dict]) -> None:
+    """Each row's seconds per iteration against TRL's in the same table, first in its note."""
+    rows = [(line, r["spec"]["variant"]) for line, r in zip(lines, records, strict=True) if line.s_per_it]
+    trl = next((line.s_per_it for line, variant in rows if variant == "trl" and line.status == "ok"), None)
+    for line, variant in rows:
+        if trl and line.status == "ok" and variant != "trl":
+            line.note = f"{line.s_per_it / trl:.2f}x TRL, {line.note}"
+
+
+def not_run(name: str, variant: str, failure: str | None, log: Path) -> Line:
+    """The row of a variant the benchmark did not run: TRL not importable, or the stage's time out."""
+    said = log.read_text().splitlines() if variant == "trl" and log.exists() else []
+    said = [x for x in said if "not importable" in x]
+    return Line(name, variant, "", "skipped", note=(said or [f"not run: {failure or 'see ' + log.name}"])[0])
 
 
 def generated_per_s(result: dict) -> float | None:
@@ -387,8 +441,13 @@ def run_stage(stage: str, out: Path, allowed: float, args: argparse.Namespace) -
         return recipe(out, allowed, device)
     if stage == "decoding":
         return decoding(out, allowed, args.accelerator)
+    kept = ["--checkpoints", str(out / "checkpoints")]  # llama-0.5b's built once for both 64 x 32 stages
     if stage == "bench-64x32":
-        return bench(out, stage, allowed, MAIN_VARIANTS, ["--iterations", "3", *device])
+        return bench(out, stage, allowed, MAIN_VARIANTS, ["--iterations", "3", *kept, *device])
+    if stage == "bench-64x32-variable":
+        trial = VARIABLE_TRIAL if args.accelerator == "cpu" else []
+        extra = [*VARIABLE, *kept, *device, *trial]
+        return bench(out, stage, allowed, VARIABLE_VARIANTS, extra, group="variable")
     long = ["--iterations", "2", "--batch-size", "256", "--response-length", "256"]
     return bench(out, stage, allowed, LONG_VARIANTS, [*long, *device])
 

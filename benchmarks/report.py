@@ -31,6 +31,9 @@ VARIABLE_VARIANTS = (
     "lightning_ppo_budget",
     "floor",
 )
+# The variable-length table's rows in order: its default variants, then those run only when named
+# (``--variable-variants``): the compiled variant and TRL (its responses padded after the same lengths).
+VARIABLE_ROWS = (*VARIABLE_VARIANTS, COMPILED, "trl")
 # lightning_ppo with ``value_model: shared`` (one backbone for policy and critic): not the same
 # work as the others, so it is compared with TRL's fp32 time only.
 SHARED = "lightning_ppo_shared"
@@ -477,9 +480,9 @@ def variable_table(dones: list[Done]) -> str:
     """The variable-length workload: seconds per iteration and the policy tokens computed."""
     rows = rows_by_point(dones)
     by_variant = {key[0]: row for key, row in rows.items()}
-    padded, floor = by_variant.get("lightning_ppo_padded"), by_variant.get("floor")
+    bases = [by_variant.get(name) for name in ("lightning_ppo_padded", "floor", "trl")]
     body = []
-    for variant in VARIABLE_VARIANTS:
+    for variant in VARIABLE_ROWS:
         row = by_variant.get(variant)
         if row is None:
             continue
@@ -487,18 +490,11 @@ def variable_table(dones: list[Done]) -> str:
         iterations = sum(len(r.iteration_s) for r in runs) or 1
         computed = sum(r.tokens_computed for r in runs) / iterations
         real = sum(r.tokens_real for r in runs) / iterations
-        body.append(
-            [
-                variant,
-                fmt(row.seconds),
-                fmt(row.seconds / padded.seconds, 2) if padded and not padded.error else "n/a",
-                fmt(row.seconds / floor.seconds, 2) if floor and not floor.error else "n/a",
-                f"{computed:,.0f}",
-                f"{real:,.0f} ({real / computed:.0%})" if computed else "n/a",
-            ]
-        )
-    header = ["variant", "s / iteration", "vs padded", "vs floor", "policy tokens computed / it", "real"]
-    return table(header, body)
+        ratios = [fmt(row.seconds / b.seconds, 2) if b and not b.error else "n/a" for b in bases]
+        tokens = [f"{computed:,.0f}", f"{real:,.0f} ({real / computed:.0%})" if computed else "n/a"]
+        body.append([variant, fmt(row.seconds), *ratios, *tokens])
+    header = ["variant", "s / iteration", "vs padded", "vs floor", "vs TRL", "policy tokens computed / it"]
+    return table([*header, "real"], body)
 
 
 COUNTS_NOTE = (
@@ -536,10 +532,11 @@ def render(dones: list[Done], s: Any, flops: Flops, facts: list[str]) -> str:
         spec = variable[0].job.spec
         parts += [
             "## Variable-length sequences",
-            f"{model_label(spec.preset)}, fp32, batch {spec.batch_size}: prompts of 8 to "
-            f"{2 * spec.response_length} tokens, responses cut at 1 to {spec.response_length} tokens "
-            "(the same lengths in every variant); policy tokens: its rollout forward and every PPO "
-            "pass, rows x columns computed, and the real ones among them.",
+            f"{model_label(spec.preset)}, {PRECISION_LABEL[spec.precision]}, batch {spec.batch_size}: "
+            f"prompts of 8 to {2 * spec.response_length} tokens, responses cut at 1 to "
+            f"{spec.response_length} tokens (the same lengths in every variant); policy tokens: its "
+            "rollout forward and every PPO pass, rows x columns computed, and the real ones among them "
+            "(TRL: its PPO passes; its rollout log-probs come from generation's logits).",
             variable_table(variable),
         ]
     failed = [f"- {describe(d)}" for d in dones + variable + counted if d.result.error]

@@ -13,6 +13,15 @@ removed, like the Lightning logger and progress bar; TRL still computes and ``.i
 One phase is timed, ``generate``: TRL's ``batch_generation`` (HF ``generate`` of the rollout,
 which also keeps the sampling logits), wrapped in the trainer module's namespace.
 
+The variable workload (``spec.workload == "variable"``) gives TRL the same prompts and the same
+scheduled response lengths as the others: what ``batch_generation`` returns is cut at each prompt's
+length (``common.length_schedule``) by padding the rest, outside the timed phase. TRL reads a
+response's length as the tokens before its first pad (``sequence_lengths``), so its masks, rewards and
+losses cover exactly the scheduled tokens, as EOS at that place would; EOS itself cannot be written
+there, being outside the models' output vocabulary. TRL still computes every forward on the padded
+rectangle (as it does with real EOS): the policy tokens counted are its ``ppo_epochs`` passes (its
+rollout log-probs come from generation's logits, not from a policy forward).
+
     python -m benchmarks.run_trl SPEC.json RESULT.json
 """
 
@@ -49,6 +58,26 @@ class Clock(TrainerCallback):
         self.timer.end_iteration()
 
 
+def cut_at_scheduled_lengths(ppo_trainer, spec: common.RunSpec, tokenizer, texts, result) -> None:
+    """The variable workload: each generated response padded after its prompt's scheduled length,
+    and the policy tokens of TRL's PPO passes (rows x columns, and the attended ones) counted."""
+    generate, pad = ppo_trainer.batch_generation, tokenizer.pad_token_id
+    # TRL's loader shuffles the prompts: each row's text is found by its token ids
+    by_ids = {tuple(tokenizer(t)["input_ids"]): t for t in texts}
+
+    def scheduled(model, queries, *args, **kwargs):
+        query_responses, logits = generate(model, queries, *args, **kwargs)
+        width = queries.shape[1]
+        prompts = [by_ids[tuple(row[row != pad].tolist())] for row in queries.cpu()]
+        responses, _ = common.length_schedule(query_responses[:, width:], prompts, spec.response_length, pad)
+        query_responses = torch.cat([queries, responses], dim=1)
+        result.tokens_computed += spec.ppo_epochs * query_responses.numel()
+        result.tokens_real += spec.ppo_epochs * int((query_responses != pad).sum())
+        return query_responses, logits
+
+    ppo_trainer.batch_generation = scheduled
+
+
 def run(spec: common.RunSpec) -> common.RunResult:
     # Imported here, after benchmarks.common has silenced TRL's experimental-API notice.
     import trl.experimental.ppo.ppo_trainer as ppo_trainer
@@ -71,7 +100,11 @@ def run(spec: common.RunSpec) -> common.RunResult:
     reference = AutoModelForCausalLM.from_pretrained(spec.policy)
     value = AutoModelForSequenceClassification.from_pretrained(spec.policy, num_labels=1)
     reward = AutoModelForSequenceClassification.from_pretrained(spec.reward, num_labels=1)
-    texts = common.prompts(spec.batch_size * spec.iterations, spec.seed, spec.prompt_length)
+    if spec.workload == "variable":
+        texts = common.variable_prompts(spec.batch_size * spec.iterations, spec.response_length, spec.seed)
+        cut_at_scheduled_lengths(ppo_trainer, spec, tokenizer, texts, result)
+    else:
+        texts = common.prompts(spec.batch_size * spec.iterations, spec.seed, spec.prompt_length)
     dataset = Dataset.from_dict({"input_ids": [tokenizer(t)["input_ids"] for t in texts]})
     with tempfile.TemporaryDirectory() as output_dir:
         args = PPOConfig(

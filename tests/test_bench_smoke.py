@@ -5,8 +5,12 @@ Nothing here asserts on speed: only that every run finished and the report holds
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,3 +98,60 @@ def test_gpu_check_counts_generated_tokens_per_second_of_the_steady_iterations()
     }
     assert generated_per_s(result) == 64 * 256 / 3.0  # the first (warm-up) left out, then the median
     assert generated_per_s({**result, "phases": []}) is None
+
+
+def test_gpu_check_variable_stage_runs_its_cpu_trial(tmp_path, monkeypatch):
+    # gpu_check's `bench-64x32-variable` on the CPU: its benchmark in this process (its runs forked,
+    # as above), to check the stage's flags and rows, not its speed
+    from benchmarks import gpu_check
+
+    def in_process(command, log, timeout, **env):
+        assert command[1:3] == ["-m", "benchmarks.bench"]
+        with log.open("w") as out, contextlib.redirect_stdout(out):
+            code = bench.main(command[3:])
+        return None if code == 0 else f"exit {code}"
+
+    monkeypatch.setattr(bench, "run", forked_run)
+    monkeypatch.setattr(gpu_check, "run_logged", in_process)
+    stage = "bench-64x32-variable"
+    argv = ["--accelerator", "cpu", "--stages", stage, "--out", str(tmp_path), "--budget", "900"]
+    assert gpu_check.main(argv) == 0
+
+    rows = {line["what"].split()[0]: line for line in json.loads((tmp_path / "gpu-check.json").read_text())}
+    assert sorted(rows) == sorted(gpu_check.VARIABLE_VARIANTS)
+    ran = [name for name in rows if name != "trl" or bench.trl_available()]
+    for name in ran:
+        row = rows[name]
+        assert row["stage"] == stage and row["status"] == "ok" and row["precision"] == "bf16-mixed"
+        assert "tiny-llama b8 x 1-8, prompts 8-16" in row["what"] and row["s_per_it"] > 0
+        assert "policy tokens real" in row["note"]
+        assert ("x TRL" in row["note"]) == ("trl" in ran and name != "trl")
+    if "trl" not in ran:
+        assert rows["trl"]["status"] == "skipped" and "not importable" in rows["trl"]["note"]
+
+    # the same scheduled lengths in every variant: the same real tokens per policy pass
+    records = json.loads((tmp_path / stage / "results.json").read_text())
+    passes = {r["spec"]["variant"]: 2 if r["spec"]["variant"] == "trl" else 3 for r in records}  # 2 epochs
+    real = {r["tokens_real"] // passes[r["spec"]["variant"]] for r in records}
+    assert len(real) == 1 and real.pop() > 0
+    assert "| lightning_ppo_compiled |" in (tmp_path / stage / "report.md").read_text()
+
+
+def test_gpu_check_kills_a_timed_out_command_with_its_children(tmp_path):
+    from benchmarks import gpu_check
+
+    # the command starts a child (as the benchmark starts its runs), prints its pid and waits
+    sleep = "[sys.executable, '-c', 'import time; time.sleep(60)']"
+    script = f"import subprocess, sys, time; p = subprocess.Popen({sleep}); print(p.pid, flush=True)"
+    script += "; time.sleep(60)"
+    command = [sys.executable, "-c", script]
+    log = tmp_path / "log"
+    assert gpu_check.run_logged(command, log, timeout=3) == "timed out after 3 s"
+    pid = int(log.read_text().split()[0])
+    for _ in range(50):  # reaped by init once its parent is gone
+        stat = Path(f"/proc/{pid}/stat")
+        if not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the command's child {pid} outlived its timeout")
