@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,7 +22,7 @@ from lightning_ppo.rollout.ahead import check_ahead, pending_of_rank
 from lightning_ppo.rollout.episodes import Environment, StepResult, Turn
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
-from tests.helpers import forked_cli_process, quiet_trainer, ranks_process, start_forked
+from tests.helpers import StartedRanks, forked_cli_process, quiet_trainer, ranks_process, start_forked
 from tests.test_learning import SHARED_RUN, _fit, quickstart_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,12 +150,38 @@ def test_pending_batches_of_another_number_of_ranks_are_refused():
         pending_of_rank([["a batch"]], Two(), 1)
 
 
-def _fit_args(policy: Path, root: Path, log: Path, batches: int) -> list[str]:
+class HaltUntilKilled(pl.Callback):
+    """Halts the run at a point fixed in advance until the test kills it: as the step after
+    ``iteration`` starts (its checkpoint saved, the next batch sampled ahead and pending), or, not
+    ``checkpointed``, as ``iteration`` ends (its prompts logged: TrainedPromptLog comes first, and
+    Lightning runs checkpoint callbacks last). It writes ``path`` and waits there, so the test's
+    SIGKILL lands at that point however loaded the machine, not wherever the run had got to by the
+    time the test saw a checkpoint."""
+
+    def __init__(self, iteration: int, checkpointed: bool, path: str) -> None:
+        self.iteration, self.checkpointed, self.path = iteration, checkpointed, path
+
+    def on_train_batch_start(self, trainer, module, *args) -> None:
+        if self.checkpointed and module.iteration == self.iteration:
+            self._halt()
+
+    def on_train_batch_end(self, trainer, module, *args) -> None:
+        if not self.checkpointed and module.iteration == self.iteration and module.last_samples is not None:
+            self._halt()
+
+    def _halt(self) -> None:
+        Path(self.path).write_text("halted\n")
+        threading.Event().wait(600)  # the kill comes first; a test that died leaves no run behind for long
+        raise RuntimeError(f"halted at iteration {self.iteration} and not killed within 600 s")
+
+
+def _fit_args(policy: Path, root: Path, log: Path, batches: int, halt: dict | None = None) -> list[str]:
     saver = {
         "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
         "init_args": {"every_n_iterations": 1, "save_top_k": -1, "dirpath": str(root / "ckpt")},
     }
     recorder = {"class_path": "tests.helpers.TrainedPromptLog", "init_args": {"path": str(log)}}
+    halting = [{"class_path": "tests.test_async.HaltUntilKilled", "init_args": halt}] if halt else []
     return [
         *(
             "fit",
@@ -166,7 +193,7 @@ def _fit_args(policy: Path, root: Path, log: Path, batches: int) -> list[str]:
         *("--model.init_args.ppo.max_staleness", "1", "--trainer.limit_train_batches", str(batches)),
         *("--trainer.limit_val_batches", "0", "--trainer.default_root_dir", str(root)),
         *("--trainer.logger", "false", "--trainer.enable_progress_bar", "false"),
-        *("--trainer.callbacks", json.dumps([recorder, saver])),
+        *("--trainer.callbacks", json.dumps([recorder, *halting, saver])),
     ]
 
 
@@ -176,10 +203,22 @@ def _trained(log: Path) -> list[tuple[int, str]]:
     ]
 
 
+def _halted(marker: Path, process) -> None:
+    """Once the run has written ``marker`` (HaltUntilKilled), where it waits to be killed."""
+    deadline = time.monotonic() + 300  # a guard: the run gets there in seconds
+    while not marker.exists():
+        assert process.poll() is None, "the run ended before it halted"
+        assert time.monotonic() < deadline, "the run did not halt within 300 s"
+        time.sleep(0.05)  # polls a file another process writes; the run waits there for the kill
+
+
 def test_every_prompt_is_trained_exactly_once_across_sigkills_and_resumes(tiny_digits, tmp_path):
-    """The quickstart with staleness 1, 10 batches: killed (SIGKILL) after the checkpoints of
-    iterations 3 and 6 and resumed with ``--ckpt_path last`` each time; the prompts trained, counted
-    by the iterations the checkpoints kept, are the uninterrupted run's multiset."""
+    """The quickstart with staleness 1, 10 batches: killed (SIGKILL) just after the checkpoint of
+    iteration 3, its next batch sampled ahead and pending, and resumed with ``--ckpt_path
+    last``; killed again once iteration 7 trained and logged its prompts, before its checkpoint (the
+    resumed run trains it again); resumed again to the end. The prompts trained, counted by the
+    iterations the checkpoints kept, are the uninterrupted run's multiset. Each run halts where it
+    is killed (HaltUntilKilled): the kills land at those points whatever the machine's load."""
     whole_log = tmp_path / "whole.log"
     run = forked_cli_process(_fit_args(tiny_digits, tmp_path / "whole", whole_log, 10))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -187,18 +226,15 @@ def test_every_prompt_is_trained_exactly_once_across_sigkills_and_resumes(tiny_d
     assert [i for i, _ in whole][::64] == list(range(1, 10))  # 9 trained, the 10th batch pending
 
     root, log, kept = tmp_path / "stopped", tmp_path / "stopped.log", []
-    for kill_after in (3, 6, None):
-        args = _fit_args(tiny_digits, root, log, 10) + (
-            ["--ckpt_path", "last"] if kept or log.exists() else []
-        )
-        process = start_forked(args)
-        if kill_after is None:
+    for index, (iteration, checkpointed) in enumerate([(3, True), (7, False), (None, None)]):
+        marker = tmp_path / f"halted{index}"
+        halt = None if iteration is None else {"iteration": iteration, "checkpointed": checkpointed}
+        args = _fit_args(tiny_digits, root, log, 10, halt and {**halt, "path": str(marker)})
+        process = start_forked(args + (["--ckpt_path", "last"] if kept else []))
+        if halt is None:
             assert process.wait(timeout=300) == 0
         else:
-            deadline = time.monotonic() + 300
-            while not (root / "ckpt" / f"iteration={kill_after}.ckpt").exists():
-                assert process.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
+            _halted(marker, process)
             process.send_signal(signal.SIGKILL)
             process.wait(timeout=60)
         lines = _trained(log)
@@ -209,6 +245,8 @@ def test_every_prompt_is_trained_exactly_once_across_sigkills_and_resumes(tiny_d
     for lines, after in zip(kept, kept[1:] + [None], strict=True):
         resumed_from = after[0][0] if after else None
         counted += [(i, p) for i, p in lines if resumed_from is None or i < resumed_from]
+    assert [lines[0][0] for lines in kept] == [1, 4, 7]  # resumed after iterations 3 and 6
+    assert kept[1][-1][0] == 7  # the killed run had trained iteration 7, and it was trained again
     assert Counter(p for _, p in counted) == Counter(p for _, p in whole)
     assert sorted({i for i, _ in counted}) == list(range(1, 10))
 
@@ -464,7 +502,7 @@ class FailsOnRankOne(Environment):
 
 
 @pytest.mark.ranks
-def test_one_ranks_failed_background_job_stops_every_rank(tiny_digits, tmp_path):
+def test_one_ranks_failed_background_job_stops_every_rank(tiny_digits, tmp_path, monkeypatch):
     """DDP on 2 CPU ranks one step off: rank 1's background episodes fail on its second batch. Both
     ranks stop (rank 0 with one line naming rank 1's failure), long before the process group's
     timeout: without the agreement rank 0 waited for rank 1 in the gradients' all-reduce."""
@@ -473,6 +511,10 @@ def test_one_ranks_failed_background_job_stops_every_rank(tiny_digits, tmp_path)
         *("--model.init_args.environment", "tests.test_async.FailsOnRankOne"),
         *("--model.init_args.episode.max_tokens", "16"),
     ]
+    # Both ranks end together, at the agreement; the watcher kills a rank still running 5 s after
+    # another failed, which a loaded machine could reach before rank 0 prints its line. A rank that
+    # hangs is still caught: without its line, or after the 240 s guard.
+    monkeypatch.setattr(StartedRanks, "GRACE_S", 120.0)
     run = ranks_process(args, timeout=240)
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("lightning-ppo: error: ")]
