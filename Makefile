@@ -102,8 +102,9 @@ bench-engines: $(VENV)/.bench-installed
 
 # What only a GPU shows, in one run of under 8 minutes on one H100/H200 (benchmarks/gpu_check.py):
 # the GPU-only tests, the quickstart on cuda beside every config in bf16-mixed, the CUDA benchmark
-# (lightning_ppo eager and compiled, the floor, TRL), one table at the end. It runs with the
-# interpreter it is given, as it is (no venv, no downloads: a GPU machine may be offline):
+# (lightning_ppo eager and compiled, the floor, TRL; 64 x 32 on fixed and on variable lengths),
+# one table at the end. It runs with the interpreter it is given, as it is (no venv, no downloads:
+# a GPU machine may be offline):
 #   make gpu-check PYTHON=/path/to/python GPU_CHECK_ARGS="--out runs/gpu-check --budget 480"
 GPU_CHECK_ARGS ?=
 gpu-check:
