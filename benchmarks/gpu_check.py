@@ -33,6 +33,7 @@ anything failed; without CUDA (and ``--accelerator cuda``) it says so and exits 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -198,12 +199,18 @@ def run_logged(command: list[str], log: Path, timeout: float, **env: str) -> str
         proc = subprocess.Popen(
             command, cwd=ROOT, env={**child_env(), **env}, stdout=out, stderr=out, start_new_session=True
         )
+        timed_out = False
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return f"timed out after {timeout:.0f} s"
+            timed_out = True
+        finally:  # timed out, or this process interrupted: a Ctrl-C no longer reaches the new session
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if timed_out:
+        return f"timed out after {timeout:.0f} s"
     if proc.returncode == 0:
         return None
     last = (log.read_text().strip().splitlines() or ["no output"])[-1]
