@@ -56,7 +56,6 @@ from lightning_ppo.reward_setup import RewardSetup
 from lightning_ppo.rewards import RewardLike, RunningMoments, ScoreInputs, check_scores
 from lightning_ppo.rollout.ahead import (
     PENDING_KEY,
-    EndSamplingOnFailure,
     EpisodeRecord,
     RolloutsAhead,
     Sampled,
@@ -74,6 +73,7 @@ from lightning_ppo.rollout.engines import (
     engine_mismatch,
 )
 from lightning_ppo.rollout.episodes import Environment, StepResult, make_episode_runner
+from lightning_ppo.rollout.fit_callbacks import fit_callbacks
 from lightning_ppo.rollout.prompts import PromptBatch, PromptEndWarning
 from lightning_ppo.rollout.sampling import SamplingSetup, generate
 from lightning_ppo.rollout.tools import prompt_tools
@@ -311,7 +311,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             self._left_running = None
 
     def configure_callbacks(self) -> list[Callback]:
-        return [EndSamplingOnFailure()]  # a failed fit leaves no pipeline for the next one
+        return fit_callbacks()  # a failed fit leaves no pipeline for the next one; no open connections
 
     def configure_model(self) -> None:
         shard_if_model_parallel(self, self.trainer.strategy, str(self.trainer.precision))  # FSDP2, once

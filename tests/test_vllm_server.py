@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -277,6 +278,12 @@ def test_two_servers_serve_one_batch_as_one_server_does(servers, policy):
     assert both.requests_sent == [8, 8]
 
 
+def _complete(engine: VLLMServerEngine, prompt: list[int], seed: int, n: int) -> list:
+    """One completion request of ``n`` samples to the engine's first server, alone in its batch."""
+    connections = engine._connected()
+    return connections.send([partial(engine._complete, connections.sessions[0], prompt, seed, n)], 60)[0]
+
+
 def test_a_groups_one_request_samples_as_its_rows_would_one_by_one(servers, policy):
     """n = 4 samples of one prompt in one request (seed s) equal four requests seeded s, s+1, s+2,
     s+3: the seeds the colocated engine gives a group's rows (completions.row_seeds)."""
@@ -284,8 +291,8 @@ def test_a_groups_one_request_samples_as_its_rows_would_one_by_one(servers, poli
     engine.sync_weights(model)
     engine.served_names = [engine._served_name(engine.servers[0])]
     prompt = _prompts(policy)[0][3][-3:].tolist()
-    grouped = engine._complete(0, prompt, 1234, 4)
-    one_by_one = [engine._complete(0, prompt, 1234 + i, 1)[0] for i in range(4)]
+    grouped = _complete(engine, prompt, 1234, 4)
+    one_by_one = [_complete(engine, prompt, 1234 + i, 1)[0] for i in range(4)]
     assert [tokens for tokens, _ in grouped] == [tokens for tokens, _ in one_by_one]
     assert all(
         torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)

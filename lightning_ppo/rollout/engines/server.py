@@ -10,15 +10,15 @@ the first sync, and every one under ``generation.verify_sync``, is checked again
 weights. Before the first, each server is checked to serve the policy's architecture, vocabulary
 and tokenizer, with the sampling settings this package needs. Every call is bounded by
 ``generation.server_timeout`` (:mod:`.server_client`), and a batch's requests together by the same
-bound without an answer (:mod:`.server_requests`). Before each batch a synced server is asked which
-weights it holds: one restarted since the last sync (serving its startup checkpoint) stops the run
-in one line. Servers are started with ``lightning-ppo serve``.
+bound without an answer (:mod:`.server_batch`); they go over pooled connections on the engine's own
+event loop (:mod:`.server_connections`), closed at the end of each fit. Before each batch a synced
+server is asked which weights it holds: one restarted since the last sync (serving its startup
+checkpoint) stops the run in one line. Servers are started with ``lightning-ppo serve``.
 """
 
 from __future__ import annotations
 
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -35,8 +35,10 @@ from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rollout.engines import Placement
 from lightning_ppo.rollout.engines.completions import completions_to_rollout, group_seeds, prompt_groups
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
+from lightning_ppo.rollout.engines.server_connections import Connections
 from lightning_ppo.rollout.engines.server_memory import MemorySync, sync_address
-from lightning_ppo.rollout.engines.server_requests import Stalled, send_all
+from lightning_ppo.rollout.engines.server_requests import Stalled
+from lightning_ppo.rollout.engines.server_session import ServerSession
 from lightning_ppo.rollout.engines.server_suppress import Suppression, suppression
 from lightning_ppo.rollout.engines.server_sync import (
     combine_workers,
@@ -49,7 +51,8 @@ from lightning_ppo.rollout.engines.weights import hf_weights
 # Letters, digits, punctuation, spaces and a few words: where two tokenizers usually part ways.
 _TOKENIZER_PROBE = "The quick brown fox, 0123456789 = 42; x+y*z? (a|b) [done] naïve\n\tend."
 # Requests in flight at once, per rank: vLLM's default batch (max_num_seqs), so the server's own
-# scheduler, not a cap here, sets how many sequences it decodes together; each is one socket.
+# scheduler, not a cap here, sets how many sequences it decodes together; at most as many pooled
+# connections per server carry them.
 MAX_IN_FLIGHT = 256
 
 
@@ -85,7 +88,7 @@ class VLLMServerEngine:
         self.max_in_flight = MAX_IN_FLIGHT
         self.batch_requests = 1
         self.exact_requests = 0  # samples requested again under allowed_token_ids (_exact_again)
-        self._counting = threading.Lock()  # the requests' threads count them
+        self._connections: Connections | None = None  # made at the first batch (_connected)
 
     # --- weights -------------------------------------------------------------------------------
 
@@ -232,13 +235,15 @@ class VLLMServerEngine:
         groups = prompt_groups(prompts)
         seeds = group_seeds(groups)
         first = self.placement.rank * len(groups)  # spreads every rank's requests over the servers
+        connections = self._connected()
+        sessions = [connections.sessions[(first + i) % len(self.servers)] for i in range(len(groups))]
         calls = [
-            partial(self._complete, (first + i) % len(self.servers), prompts[start], seed, count)
-            for i, ((start, count), seed) in enumerate(zip(groups, seeds, strict=True))
+            partial(self._complete, session, prompts[start], seed, count)
+            for session, (start, count), seed in zip(sessions, groups, seeds, strict=True)
         ]
         self.batch_requests = len(calls)
         try:
-            answers = send_all(calls, self.config.server_timeout, self.max_in_flight)
+            answers = connections.send(calls, self.config.server_timeout)
         except Stalled as stalled:
             server = self.servers[(first + stalled.waiting[0]) % len(self.servers)]
             raise server.error(
@@ -250,6 +255,21 @@ class VLLMServerEngine:
         logprobs = [row for answer in answers for _, row in answer]
         pad = self.hf_generation.pad_token_id
         return completions_to_rollout(prompt_ids, prompt_mask, tokens, logprobs, self._stop_id(), pad)
+
+    def _connected(self) -> Connections:
+        """The engine's connections, made anew after :meth:`close`, in a forked child, or for
+        another ``max_in_flight``."""
+        if self._connections is None or not self._connections.serves(self.max_in_flight):
+            self.close()
+            self._connections = Connections(self.servers, self.max_in_flight)
+        return self._connections
+
+    def close(self) -> None:
+        """Closes the connections to the servers (a batch still out is cancelled); the next batch
+        opens them again. Called as each fit ends (:mod:`lightning_ppo.rollout.fit_callbacks`)."""
+        if self._connections is not None:
+            self._connections.close()
+            self._connections = None
 
     def _version(self, syncs: int) -> str:
         return f"{self.tag}/{syncs}"
@@ -269,17 +289,18 @@ class VLLMServerEngine:
                     "the run (--ckpt_path last) to sync it again",
                 )
 
-    def _complete(
-        self, index: int, prompt: list[int], seed: int, n: int, exact: bool = False
+    async def _complete(
+        self, session: ServerSession, prompt: list[int], seed: int, n: int, exact: bool = False
     ) -> list[tuple[list[int], list[float]]]:
-        """``n`` samples of ``prompt`` from server ``index``: each one's tokens and log-probs
+        """``n`` samples of ``prompt`` from ``session``'s server: each one's tokens and log-probs
         (``exact``: suppressed tokens sent as ``allowed_token_ids`` whatever their number)."""
-        server = self.servers[index]
-        self.requests_sent[index] += 1
+        server = session.client
+        index = self.servers.index(server)
+        self.requests_sent[index] += 1  # on the engine's loop, one request at a time: no lock
         request = self._request(self.served_names[index], prompt, seed, n, exact)
         # The socket may wait behind the whole batch (vLLM answers a request when it is done); a batch
-        # that makes no progress is stopped after server_timeout by send_all.
-        answer = server.post(
+        # that makes no progress is stopped after server_timeout (server_batch).
+        answer = await session.post(
             "/v1/completions", request, timeout=self.config.server_timeout * self.batch_requests
         )
         try:
@@ -295,10 +316,14 @@ class VLLMServerEngine:
             raise server.error(
                 "/v1/completions", f"gave {len(samples)} samples (of {n}) or tokens without their log-probs"
             )
-        return samples if exact else self._exact_again(index, prompt, seed, samples)
+        return samples if exact else await self._exact_again(session, prompt, seed, samples)
 
-    def _exact_again(
-        self, index: int, prompt: list[int], seed: int, samples: list[tuple[list[int], list[float]]]
+    async def _exact_again(
+        self,
+        session: ServerSession,
+        prompt: list[int],
+        seed: int,
+        samples: list[tuple[list[int], list[float]]],
     ) -> list[tuple[list[int], list[float]]]:
         """``samples`` with each one that holds a suppressed id requested again, exactly.
 
@@ -308,18 +333,17 @@ class VLLMServerEngine:
         sample goes again alone under ``allowed_token_ids``, with the seed vLLM gave it in its group
         (seed + i): it is the sample an exact request would have drawn, the same again on a resume.
         Once: a server that returns a suppressed id under ``allowed_token_ids`` does not apply them.
-        The request runs on this request's thread, inside the batch's one bound (:func:`send_all`).
+        The request goes in this request's place in the batch, inside the batch's one bound.
         """
         suppression = self._suppression()
         for i, (tokens, _) in enumerate(samples):
             if suppression.first_in(tokens) is None:
                 continue
-            with self._counting:
-                self.exact_requests += 1
-            samples[i] = self._complete(index, prompt, seed + i, 1, exact=True)[0]
+            self.exact_requests += 1
+            samples[i] = (await self._complete(session, prompt, seed + i, 1, exact=True))[0]
             token = suppression.first_in(samples[i][0])
             if token is not None:
-                raise self.servers[index].error(
+                raise session.client.error(
                     "/v1/completions",
                     f"sampled the suppressed token id {token} under allowed_token_ids: it ignores them",
                 )

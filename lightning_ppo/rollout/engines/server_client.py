@@ -3,7 +3,9 @@
 A server that is down, dies mid-run, hangs, or answers with an error status gives one
 :class:`GenerationServerError` naming its URL and the route, within ``timeout`` seconds: peers'
 syncs that waited forever on a hung server without a word (trl#6796, trl#6797) are the reason.
-Only the standard library: the trainer needs no HTTP client package.
+These calls (checks, syncs, worker calls: a few per iteration) use the standard library; a
+batch's completions go over pooled connections on the engine's event loop
+(:mod:`.server_session`), with the same messages (the ``what`` functions below).
 
 Where the environment variable ``VLLM_API_KEY`` is set (the key ``lightning-ppo serve`` starts the
 server with), every call carries it as a bearer token. It is read from the environment only, never
@@ -50,7 +52,7 @@ class ServerClient:
 
     def post(self, route: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
         """``timeout``: the socket's limit for this call, where it is longer than ``self.timeout`` (a
-        completion queued behind a batch's others; the batch is bounded by :mod:`.server_requests`)."""
+        call queued behind others; a batch of them is bounded by :mod:`.server_batch`)."""
         data = json.dumps(body or {}).encode()
         headers = {"Content-Type": "application/json", **auth_headers()}
         request = urllib.request.Request(self.url + route, data=data, headers=headers, method="POST")
@@ -72,32 +74,55 @@ class ServerClient:
     def error(self, route: str, what: str) -> GenerationServerError:
         return GenerationServerError(f"generation server {self.url} ({route}): {what}", what)
 
-    def _call(self, request: urllib.request.Request, route: str, timeout: float) -> Any:
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                body = response.read()
-        except urllib.error.HTTPError as err:
-            hint = f" (the server wants an API key: set {API_KEY_VARIABLE} to it)" if err.code == 401 else ""
-            raise self.error(route, f"HTTP {err.code}: {_message(err.read())}{hint}") from None
-        except TimeoutError:
-            raise self.error(route, f"no answer within {timeout:g} s (generation.server_timeout)") from None
-        except http.client.HTTPException as err:  # IncompleteRead, a malformed status line...
-            raise self.error(route, f"broke off its answer ({type(err).__name__}: {err})") from None
-        except (urllib.error.URLError, ConnectionError, OSError) as err:
-            reason = getattr(err, "reason", err)
-            if isinstance(reason, TimeoutError | socket.timeout):
-                raise self.error(
-                    route, f"no answer within {timeout:g} s (generation.server_timeout)"
-                ) from None
-            raise self.error(
-                route, f"unreachable ({reason}); is it running? Start one with `lightning-ppo serve`"
-            ) from None
+    def answer(self, route: str, body: bytes) -> Any:
+        """A call's answer: its JSON (``None`` where empty), or one error naming the server."""
         if not body:
             return None
         try:
             return json.loads(body)
         except json.JSONDecodeError:
-            raise self.error(route, f"answered with something other than JSON: {body[:200]!r}") from None
+            raise self.error(route, not_json(body)) from None
+
+    def _call(self, request: urllib.request.Request, route: str, timeout: float) -> Any:
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                body = response.read()
+        except urllib.error.HTTPError as err:
+            raise self.error(route, refused(err.code, err.read())) from None
+        except TimeoutError:
+            raise self.error(route, no_answer(timeout)) from None
+        except http.client.HTTPException as err:  # IncompleteRead, a malformed status line...
+            raise self.error(route, broke_off(err)) from None
+        except (urllib.error.URLError, ConnectionError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            if isinstance(reason, TimeoutError | socket.timeout):
+                raise self.error(route, no_answer(timeout)) from None
+            raise self.error(route, unreachable(reason)) from None
+        return self.answer(route, body)
+
+
+# What went wrong, as every call says it (after the server's URL and route).
+
+
+def refused(status: int, body: bytes) -> str:
+    hint = f" (the server wants an API key: set {API_KEY_VARIABLE} to it)" if status == 401 else ""
+    return f"HTTP {status}: {_message(body)}{hint}"
+
+
+def no_answer(timeout: float) -> str:
+    return f"no answer within {timeout:g} s (generation.server_timeout)"
+
+
+def broke_off(err: BaseException) -> str:
+    return f"broke off its answer ({type(err).__name__}: {err})"
+
+
+def unreachable(reason: object) -> str:
+    return f"unreachable ({reason}); is it running? Start one with `lightning-ppo serve`"
+
+
+def not_json(body: bytes) -> str:
+    return f"answered with something other than JSON: {body[:200]!r}"
 
 
 def api_key() -> str | None:

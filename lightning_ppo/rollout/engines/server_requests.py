@@ -1,10 +1,12 @@
-"""A batch's requests to the generation servers, sent together, with one bound for the batch.
+"""A few calls to the generation servers at once, on threads, while the caller does other work.
 
-Each request waits on its own daemon thread (at most ``max_in_flight`` at once) and the batch
-fails as soon as one request fails, or once no request has answered for ``stall_timeout``
-seconds: a hung server stops the batch within one ``generation.server_timeout``, not once per
-wave of requests, and a request still waiting is abandoned (a daemon thread: it never holds the
-process's exit; its socket gives up on its own within the same timeout).
+The in-memory weight sync (:mod:`.server_memory`) asks every server's workers to join its group or
+receive a sync (one call per server, each returning once the broadcast it takes part in is over)
+while rank 0 broadcasts. Each call waits on its own daemon thread (at most ``max_in_flight`` at
+once); they fail as soon as one fails, or once none has answered for ``stall_timeout`` seconds
+(:class:`Stalled`, which a batch of completions raises too: :mod:`.server_batch`). A call still
+waiting then is abandoned (a daemon thread: it never holds the process's exit; its socket gives up
+on its own within its timeout).
 """
 
 from __future__ import annotations
@@ -12,9 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
-
-T = TypeVar("T")
+from typing import Any
 
 
 class Stalled(Exception):
@@ -24,12 +24,6 @@ class Stalled(Exception):
     def __init__(self, waiting: list[int]) -> None:
         super().__init__(f"{len(waiting)} requests unanswered")
         self.waiting = waiting
-
-
-def send_all(calls: Sequence[Callable[[], T]], stall_timeout: float, max_in_flight: int) -> list[T]:
-    """Every call's result, in order; the first exception raised by any call is raised here (the
-    rest are abandoned), and :class:`Stalled` when none answers for ``stall_timeout`` seconds."""
-    return Requests(calls, max_in_flight).wait(stall_timeout)
 
 
 class Requests:

@@ -1,0 +1,76 @@
+"""The server engine's own event loop, on a daemon thread, and one pooled session per server.
+
+A batch's completions (:mod:`.server_batch`) run on this loop, not on the process's shared one
+(:mod:`lightning_ppo.runs.background_loop`): that one runs the user's async environments, tools
+and rewards, where one blocking call would stall every request, and the batch's bound with them.
+The engine makes its connections at its first batch, and again after :meth:`Connections.close`
+(at the end of each fit: :mod:`lightning_ppo.rollout.fit_callbacks`), in a forked child (a loop's
+thread does not survive a fork: the parent's is left alone there) or with another in-flight cap.
+They are closed at the process's exit too; their thread, a daemon, never holds that exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from lightning_ppo.rollout.engines.server_batch import Batch
+from lightning_ppo.rollout.engines.server_client import ServerClient
+from lightning_ppo.rollout.engines.server_session import ServerSession
+
+CLOSE_S = 10.0  # the most closing waits for the loop to cancel what runs and close its sockets
+
+
+class Connections:
+    """One session per server of ``clients`` (at most ``limit`` connections each) on a loop of
+    their own; batches of at most ``limit`` requests in flight."""
+
+    def __init__(self, clients: Sequence[ServerClient], limit: int) -> None:
+        self.limit = limit
+        self.sessions = [ServerSession(client, limit) for client in clients]
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="lightning-ppo-http", daemon=True)
+        self.thread.start()
+        self.pid = os.getpid()
+        # close(), the engine let go of, or the process's exit: whichever comes first, once.
+        self._close = weakref.finalize(self, _shut, self.loop, self.thread, self.sessions, self.pid)
+
+    def serves(self, limit: int) -> bool:
+        """Usable here, for batches of ``limit`` in flight (not closed, not a forked parent's)."""
+        return self.limit == limit and self.pid == os.getpid() and self._close.alive
+
+    def send(self, calls: Sequence[Callable[[], Awaitable[Any]]], stall_timeout: float) -> list[Any]:
+        """Every call's result, in order (:class:`~.server_batch.Batch`)."""
+        return Batch(calls, self.limit, self.loop).wait(stall_timeout)
+
+    def close(self) -> None:
+        """Cancels any batch still out, closes every connection, ends the loop's thread."""
+        self._close()
+
+
+def _shut(loop: asyncio.AbstractEventLoop, thread: threading.Thread, sessions: list, pid: int) -> None:
+    if pid != os.getpid() or not thread.is_alive():  # a forked child: the loop ran in the parent
+        return
+    try:
+        asyncio.run_coroutine_threadsafe(_close_all(sessions), loop).result(CLOSE_S)
+    except Exception:  # noqa: BLE001  (closing what is left: the loop stops below all the same)
+        pass
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(CLOSE_S)
+    if not thread.is_alive():
+        loop.close()
+
+
+async def _close_all(sessions: list[ServerSession]) -> None:
+    """Cancels every batch still out (a fit that failed left one: its caller hears it), then closes
+    the sessions."""
+    running = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in running:
+        task.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
+    for session in sessions:
+        await session.close()

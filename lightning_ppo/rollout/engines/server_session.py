@@ -1,0 +1,80 @@
+"""One generation server's pooled connections, for a batch's completions (:mod:`.server_batch`).
+
+Every request of a batch to one server goes through one aiohttp session on the engine's event
+loop (:mod:`.server_connections`): keep-alive connections, at most the in-flight cap of them,
+where each request had a socket and an OS thread of its own. What goes wrong is said word for
+word as :class:`~.server_client.ServerClient` says it, naming the server's URL and route once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+from lightning_ppo.rollout.engines.server_client import (
+    ServerClient,
+    auth_headers,
+    broke_off,
+    no_answer,
+    refused,
+    unreachable,
+)
+
+# vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): the session lets
+# go of it first, so that no request goes out on a connection the server is closing.
+KEEP_ALIVE_S = 4.0
+# An answer cut short, or not HTTP: the standard library's IncompleteRead, RemoteDisconnected or
+# BadStatusLine (aiohttp says a malformed answer with a ClientResponseError; no status is raised).
+BROKEN = (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
+
+
+class ServerSession:
+    """The pooled connections to ``client``'s server, at most ``limit`` of them; made on the loop at
+    the first request (aiohttp binds a session to the loop it is made on)."""
+
+    def __init__(self, client: ServerClient, limit: int) -> None:
+        self.client = client
+        self.limit = limit
+        self.session: aiohttp.ClientSession | None = None
+
+    async def post(self, route: str, body: dict[str, Any], timeout: float) -> Any:
+        """The JSON answer to ``body`` at ``route``; ``timeout``: how long the socket may stay silent
+        (a completion waits behind its batch's others: the batch is bounded as a whole)."""
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", **auth_headers()}
+        limits = aiohttp.ClientTimeout(total=None, sock_connect=self.client.timeout, sock_read=timeout)
+        try:
+            async with self._session().post(
+                self.client.url + route, data=data, headers=headers, timeout=limits
+            ) as response:
+                status, answer = response.status, await response.read()
+        except aiohttp.ConnectionTimeoutError:
+            raise self.client.error(route, no_answer(self.client.timeout)) from None
+        except asyncio.TimeoutError:  # the socket silent for ``timeout`` (aiohttp's SocketTimeoutError)
+            raise self.client.error(route, no_answer(timeout)) from None
+        except aiohttp.ClientConnectorError as err:
+            raise self.client.error(route, unreachable(err.os_error)) from None
+        except BROKEN as err:
+            raise self.client.error(route, broke_off(err)) from None
+        except (aiohttp.ClientError, OSError) as err:  # reset mid-call
+            raise self.client.error(route, unreachable(err)) from None
+        if status >= 400:
+            raise self.client.error(route, refused(status, answer))
+        return self.client.answer(route, answer)
+
+    async def close(self) -> None:
+        """Closes every connection (those of requests still out too)."""
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            connector = aiohttp.TCPConnector(limit=self.limit, keepalive_timeout=KEEP_ALIVE_S)
+            # trust_env: the proxy settings (and no_proxy) the standard library's calls follow
+            unbounded = aiohttp.ClientTimeout(total=None)  # each call says its own limits
+            self.session = aiohttp.ClientSession(connector=connector, timeout=unbounded, trust_env=True)
+        return self.session
