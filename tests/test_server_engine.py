@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -735,3 +737,208 @@ def test_a_server_that_ignores_the_allowed_ids_stops_the_batch_in_one_line(biase
         "allowed_token_ids: it ignores them"
     )
     assert len(_Biased.requests) == 2  # once, not again and again
+
+
+class _KeepAlive(http.server.BaseHTTPRequestHandler):
+    """A server that keeps connections open between answers (HTTP/1.1) and answers every completion
+    at once; records the client's threads (those not the fake server's own) at each request."""
+
+    protocol_version = "HTTP/1.1"
+    requests = 0
+    client_threads: set[tuple[int | None, str]] = set()
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        _KeepAlive.requests += 1
+        _KeepAlive.client_threads |= {
+            (t.ident, t.name) for t in threading.enumerate() if not t.name.startswith("fake-server")
+        }
+        choice = {"token_ids": [3, 4], "logprobs": {"token_logprobs": [-0.5, -0.25]}}
+        body = json.dumps({"choices": [{**choice, "index": i} for i in range(request["n"])]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+class _Counting(_Backlogged):
+    """Counts the TCP connections it accepts; its threads are named, to tell them from the client's."""
+
+    connections = 0
+
+    def process_request(self, request, client_address) -> None:
+        type(self).connections += 1
+        serve = partial(self.process_request_thread, request, client_address)
+        threading.Thread(target=serve, name="fake-server", daemon=True).start()
+
+
+@pytest.fixture
+def counting() -> Iterator[type[_Counting]]:
+    server = type("Counting", (_Counting,), {"connections": 0})(("127.0.0.1", 0), _KeepAlive)
+    threading.Thread(target=server.serve_forever, name="fake-server-main", daemon=True).start()
+    _KeepAlive.requests, _KeepAlive.client_threads = 0, set()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_batch_of_300_requests_runs_on_one_loop_over_pooled_connections(counting, tiny_policy):
+    """300 requests, 32 in flight: the client runs no thread per request (its threads during the
+    batch are the ones before it and the engine's loop), and its connections are reused (at most 32
+    opened, one per request before). A second batch after close() (a second fit) opens them again."""
+    engine = _server_engine(tiny_policy, f"http://127.0.0.1:{counting.server_address[1]}", timeout=30)
+    engine.max_in_flight = 32
+    engine.syncs = 0  # this fake server keeps no weights version
+    ids = torch.tensor([[i // 100, i // 10 % 10, i % 10] for i in range(300)])  # 300 distinct prompts
+    before = {(t.ident, t.name) for t in threading.enumerate() if not t.name.startswith("fake-server")}
+    rollout = engine.generate(ids, torch.ones_like(ids))
+    assert rollout.response_ids.shape == (300, 2) and _KeepAlive.requests == 300
+    assert [name for _, name in _KeepAlive.client_threads - before] == ["lightning-ppo-http"]
+    assert counting.connections <= 32
+    (loop,) = [t for t in threading.enumerate() if t.name == "lightning-ppo-http"]
+    assert loop.daemon
+    engine.close()
+    assert not loop.is_alive()  # the loop's thread ends with the connections
+    assert engine.generate(ids[:40], torch.ones_like(ids[:40])).response_ids.shape == (40, 2)
+    assert _KeepAlive.requests == 340 and counting.connections <= 64
+    engine.close()
+
+
+def test_a_forked_child_makes_connections_of_its_own(counting, tiny_policy, monkeypatch):
+    """A loop's thread does not survive a fork: in a child (another process id) the parent's
+    connections are not used, nor touched when the child closes them."""
+    from lightning_ppo.rollout.engines import server_connections
+
+    engine = _server_engine(tiny_policy, f"http://127.0.0.1:{counting.server_address[1]}", timeout=30)
+    parents = engine._connected()
+    assert parents.serves(engine.max_in_flight)
+    monkeypatch.setattr(server_connections.os, "getpid", lambda: parents.pid + 1)  # as the child sees it
+    assert not parents.serves(engine.max_in_flight)
+    parents.close()
+    monkeypatch.undo()
+    assert parents.thread.is_alive()  # the parent's loop, left alone
+    server_connections._shut(parents.loop, parents.thread, parents.sessions, parents.pid)
+    assert not parents.thread.is_alive()
+
+
+class _Holding(http.server.BaseHTTPRequestHandler):
+    """Completions that never come, each held until its client closes the connection (the fake
+    server records it) or the test ends; ``failing`` prompts are answered HTTP 500 at once."""
+
+    held: list[int]
+    closed: list[int]
+    failing: list[list[int]]
+    release: threading.Event
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if request.get("prompt") in self.failing:
+            body = b'{"error": {"message": "no room", "code": 500}}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.held.append(1)
+        deadline = time.monotonic() + 120  # bounded: the test ends long before, or fails
+        while not self.release.is_set() and time.monotonic() < deadline:
+            if select.select([self.connection], [], [], 0.1)[0]:
+                if not self.connection.recv(1, socket.MSG_PEEK):  # the client closed it
+                    self.closed.append(1)
+                    return
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("ending", ["stalled", "failed"])
+def test_a_batch_that_ends_early_leaves_no_request_running(ending, tiny_policy):
+    """A batch stopped by a stall (no answer within server_timeout) or by one request's HTTP 500
+    while the others are held: every request it left is cancelled, its connection closed (the
+    server sees each one close), not left to wait on its socket for minutes."""
+    handler = type(
+        "Holding", (_Holding,), {"held": [], "closed": [], "failing": [], "release": threading.Event()}
+    )
+    server = _Backlogged(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = _server_engine(tiny_policy, f"http://127.0.0.1:{server.server_port}", timeout=1.0)
+        engine.max_in_flight, engine.syncs = 8, 0
+        ids = torch.tensor([[i // 10, i % 10, 5] for i in range(40)])  # 40 distinct prompts
+        if ending == "failed":
+            engine.config.server_timeout = 600.0  # only the failure can end the batch early
+            handler.failing = [ids[7].tolist()]  # among the first 8 in flight
+        with pytest.raises(GenerationServerError, match="no completion of 8|HTTP 500: no room"):
+            engine.generate(ids, torch.ones_like(ids))
+        deadline = time.monotonic() + 60  # the closes were sent before generate raised
+        while len(handler.closed) < len(handler.held) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert handler.held and len(handler.closed) == len(handler.held)
+        engine.close()
+    finally:
+        handler.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+class _Faulty(http.server.BaseHTTPRequestHandler):
+    """Answers every call with its ``fault``."""
+
+    fault = "status"
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body, status, length = {
+            "status": (b'{"error": {"message": "Worker failed", "code": 500}}', 500, None),
+            "unauthorized": (b'{"error": "Unauthorized"}', 401, None),
+            "not json": (b"<html>proxy error</html>", 200, None),
+            "cut short": (b'{"choices": [', 200, 100),  # promises 100 bytes, sends 13
+        }[self.fault]
+        self.send_response(status)
+        self.send_header("Content-Length", str(length or len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fault", ["status", "unauthorized", "not json", "cut short", "down", "hung"])
+def test_a_batch_says_what_went_wrong_as_a_single_call_does(fault, silent_port):
+    """Each failure worded as ServerClient words it (one line naming the URL and route once); an
+    answer cut short differs only in the HTTP library's own words for it."""
+    from lightning_ppo.rollout.engines.server_connections import Connections
+
+    server = None
+    if fault == "down":
+        url = f"http://127.0.0.1:{_closed_port()}"
+    elif fault == "hung":
+        url = f"http://127.0.0.1:{silent_port}"
+    else:
+        server = _Backlogged(("127.0.0.1", 0), type("Faulty", (_Faulty,), {"fault": fault}))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_port}"
+    connections = Connections([ServerClient(url, 0.5)], 4)
+    try:
+        with pytest.raises(GenerationServerError) as alone:
+            ServerClient(url, 0.5).post("/v1/completions", {"prompt": [1]})
+        call = partial(connections.sessions[0].post, "/v1/completions", {"prompt": [1]}, 0.5)
+        with pytest.raises(GenerationServerError) as batched:
+            connections.send([call], 30)
+    finally:
+        connections.close()
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+    expected = str(alone.value)
+    if fault == "cut short":
+        expected = expected[: expected.index("(", expected.index("broke off")) + 1]
+    assert str(batched.value).startswith(expected) and str(batched.value).count(url) == 1, (
+        str(batched.value),
+        str(alone.value),
+    )

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import urllib.request
 from typing import Any
+from urllib.parse import urlparse
 
 import aiohttp
 
@@ -39,6 +42,7 @@ class ServerSession:
         self.client = client
         self.limit = limit
         self.session: aiohttp.ClientSession | None = None
+        self.proxy = _proxy(client.url)
 
     async def post(self, route: str, body: dict[str, Any], timeout: float) -> Any:
         """The JSON answer to ``body`` at ``route``; ``timeout``: how long the socket may stay silent
@@ -48,7 +52,7 @@ class ServerSession:
         limits = aiohttp.ClientTimeout(total=None, sock_connect=self.client.timeout, sock_read=timeout)
         try:
             async with self._session().post(
-                self.client.url + route, data=data, headers=headers, timeout=limits
+                self.client.url + route, data=data, headers=headers, timeout=limits, proxy=self.proxy
             ) as response:
                 status, answer = response.status, await response.read()
         except aiohttp.ConnectionTimeoutError:
@@ -56,7 +60,7 @@ class ServerSession:
         except asyncio.TimeoutError:  # the socket silent for ``timeout`` (aiohttp's SocketTimeoutError)
             raise self.client.error(route, no_answer(timeout)) from None
         except aiohttp.ClientConnectorError as err:
-            raise self.client.error(route, unreachable(err.os_error)) from None
+            raise self.client.error(route, unreachable(_as_the_library_says(err.os_error))) from None
         except BROKEN as err:
             raise self.client.error(route, broke_off(err)) from None
         except (aiohttp.ClientError, OSError) as err:  # reset mid-call
@@ -74,7 +78,24 @@ class ServerSession:
     def _session(self) -> aiohttp.ClientSession:
         if self.session is None:
             connector = aiohttp.TCPConnector(limit=self.limit, keepalive_timeout=KEEP_ALIVE_S)
-            # trust_env: the proxy settings (and no_proxy) the standard library's calls follow
             unbounded = aiohttp.ClientTimeout(total=None)  # each call says its own limits
-            self.session = aiohttp.ClientSession(connector=connector, timeout=unbounded, trust_env=True)
+            self.session = aiohttp.ClientSession(connector=connector, timeout=unbounded)
         return self.session
+
+
+def _as_the_library_says(err: OSError) -> OSError:
+    """``err`` worded as the standard library words it ("[Errno 111] Connection refused"): asyncio
+    puts the address in a refused connection's message instead. A lookup's error stays as it is."""
+    if isinstance(err.errno, int) and err.errno > 0:
+        return OSError(err.errno, os.strerror(err.errno))
+    return err
+
+
+def _proxy(url: str) -> str | None:
+    """The proxy the standard library's calls to ``url`` go through (``http_proxy`` unless
+    ``no_proxy`` names the host), looked up once (aiohttp's own lookup, ``trust_env``, costs a
+    thread hop per request and reads ``~/.netrc``, whose credentials would clash with the key)."""
+    parts = urlparse(url)
+    if parts.hostname is None or urllib.request.proxy_bypass(parts.hostname):
+        return None
+    return urllib.request.getproxies().get(parts.scheme)
