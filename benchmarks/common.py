@@ -507,11 +507,15 @@ def quiet_fit_command(config: str, policy: str, out: Path, iterations: int) -> l
     return cmd
 
 
-def pinned_child(module: str, args: list[str], cores: str, env: dict[str, str]) -> dict:
+def pinned_child(
+    module: str, args: list[str], cores: str, env: dict[str, str], root: Path | None = None
+) -> dict:
     """``python -m MODULE --child ARGS`` on ``cores`` (taskset), its environment added to ours; the
-    JSON of its last line of output."""
+    JSON of its last line of output. ``root``: the checkout it runs in (its ``lightning_ppo`` and
+    ``benchmarks``; another checkout's, such as a ``git worktree`` of an earlier commit), this one's
+    by default."""
     command = ["taskset", "-c", cores, sys.executable, "-m", module, "--child", *args]
-    root = Path(__file__).resolve().parents[1]
+    root = root or Path(__file__).resolve().parents[1]
     run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env}, cwd=root)
     if run.returncode != 0:
         raise RuntimeError(run.stderr[-3000:])

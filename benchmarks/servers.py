@@ -18,6 +18,12 @@ the checksums (``verify_sync``: the server's checksums and the trainer's compari
 **One rollout of 512 prompts x 64 new tokens** on one server: at most 64 requests in flight per
 rank (as before issue 40) against ``MAX_IN_FLIGHT`` (256), alternated in the same run;
 and 64 prompts x 8 samples sent as 512 requests against 64 grouped requests of ``n`` 8.
+``--before DIR`` runs each round of it twice, alternated: from the checkout at ``DIR`` (``git
+worktree add DIR COMMIT``: the engine as it was at COMMIT) and from this one, against the same
+server::
+
+    git worktree add /tmp/before HEAD~1
+    .venv-vllm/bin/python -m benchmarks.servers --only rollouts --rounds 3 --before /tmp/before
 """
 
 from __future__ import annotations
@@ -97,6 +103,11 @@ def child_syncs(policy: str, engine: str, url: str | None, repeats: int) -> dict
     return results
 
 
+# The ways child_rollouts sends the batch, in its order (an earlier checkout's child names them its own
+# way: they are read in this order).
+WAYS = ["64 in flight", "256 in flight", "64 x 8, a request per row", "64 x 8, grouped (n = 8)"]
+
+
 def child_rollouts(policy: str, url: str, rounds: int) -> dict[str, list[float]]:
     """Seconds of one 512-prompt x 64-token rollout under each way of sending it, alternated."""
     import torch
@@ -117,12 +128,9 @@ def child_rollouts(policy: str, url: str, rounds: int) -> dict[str, list[float]]
     distinct = torch.randint(0, 10, (512, 6))
     grouped = torch.randint(0, 10, (64, 6)).repeat_interleave(8, dim=0)
     mask = torch.ones(512, 6, dtype=torch.long)
-    ways = {
-        "64 in flight (before)": (64, distinct, False),
-        f"{server_module.MAX_IN_FLIGHT} in flight (now)": (server_module.MAX_IN_FLIGHT, distinct, False),
-        "64 x 8, a request per row": (server_module.MAX_IN_FLIGHT, grouped, True),
-        "64 x 8, grouped (n = 8)": (server_module.MAX_IN_FLIGHT, grouped, False),
-    }
+    cap = server_module.MAX_IN_FLIGHT
+    sent = [(64, distinct, False), (cap, distinct, False), (cap, grouped, True), (cap, grouped, False)]
+    ways = dict(zip(WAYS, sent, strict=True))
     times: dict[str, list[float]] = {name: [] for name in ways}
     real_groups = server_module.prompt_groups
     for _ in range(rounds):
@@ -138,19 +146,38 @@ def child_rollouts(policy: str, url: str, rounds: int) -> dict[str, list[float]]
     return times
 
 
-def rollout_table(policy: Path, work: Path, rounds: int) -> None:
+def rollout_table(policy: Path, work: Path, rounds: int, before: Path | None = None) -> None:
+    checkouts = {"before: ": before, "": ROOT} if before else {"": ROOT}
+    times: dict[str, list[float]] = {}
     server = _start_server(policy, work / "server-rollouts.log")
     try:
-        times = _child(["rollouts", str(policy), "vllm_server", server.url, str(rounds)])
+        for _ in range(rounds):
+            for label, root in checkouts.items():
+                took = _child(["rollouts", str(policy), "vllm_server", server.url, "1"], root)
+                for way, seconds in zip(WAYS, took.values(), strict=True):
+                    times.setdefault(label + way, []).extend(seconds)
     finally:
         server.stop()
     print(f"\nOne rollout, 512 x 64 new tokens, one server, {rounds} rounds alternated")
+    if before:
+        _before_and_now(times)
+        return
     print("| requests | s / rollout (median) | min | max |")
     print("| --- | --- | --- | --- |")
     base = statistics.median(next(iter(times.values())))
     for name, took in times.items():
         median = statistics.median(took)
         print(f"| {name} | {median:.2f} ({median / base:.2f}x) | {min(took):.2f} | {max(took):.2f} |")
+
+
+def _before_and_now(times: dict[str, list[float]]) -> None:
+    print("| requests | before: s / rollout (median, min-max) | now | now / before |")
+    print("| --- | --- | --- | --- |")
+    for way in WAYS:
+        was, now = times["before: " + way], times[way]
+        ratio = statistics.median(now) / statistics.median(was)
+        cells = [f"{statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f})" for t in (was, now)]
+        print(f"| {way} | {cells[0]} | {cells[1]} | {ratio:.2f}x |")
 
 
 def _write_with_checksums(write, weights, folder, dtype, with_checksums=True):
@@ -164,10 +191,11 @@ def _start_server(policy: Path, log: Path):
     return LocalServer(policy, log, dtype="float32", env={"VLLM_CPU_OMP_THREADS_BIND": "1"}).wait_ready()
 
 
-def _child(args: list[str]) -> dict:
-    """Run this module as a child on core 0, one thread; its JSON answer."""
+def _child(args: list[str], root: Path = ROOT) -> dict:
+    """Run this module (``root``'s copy of it) as a child on core 0, one thread; its JSON answer."""
     env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    return pinned_child("benchmarks.servers", args, "0", {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return pinned_child("benchmarks.servers", args, "0", env, root)
 
 
 def main() -> None:
@@ -177,6 +205,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="4x256,8x512,12x768")
     parser.add_argument("--child", nargs="*")
     parser.add_argument("--only", choices=["iterations", "syncs", "rollouts"], help="One table only.")
+    parser.add_argument("--before", type=Path, help="A checkout to run the rollouts from too, alternated.")
     args = parser.parse_args()
     if args.child:
         kind, policy, engine, url, count = args.child
@@ -195,7 +224,7 @@ def main() -> None:
     policies = {s: make_tiny_checkpoint(work / s, _spec(s), alphabet="0123456789=") for s in sizes}
     first = policies[sizes[0]]
     if args.only == "rollouts":
-        rollout_table(first, work, args.rounds)
+        rollout_table(first, work, args.rounds, args.before)
         return
     if args.only == "syncs":
         sync_table(policies, work)
@@ -219,7 +248,7 @@ def main() -> None:
         print(f"| {name} | {median:.3f} ({median / base:.2f}x) | {min(times):.3f} | {max(times):.3f} |")
     if args.only is None:
         sync_table(policies, work)
-        rollout_table(first, work, args.rounds)
+        rollout_table(first, work, args.rounds, args.before)
 
 
 def sync_table(policies: dict[str, Path], work: Path) -> None:
