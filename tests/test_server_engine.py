@@ -790,23 +790,35 @@ def counting() -> Iterator[type[_Counting]]:
 def test_a_batch_of_300_requests_runs_on_one_loop_over_pooled_connections(counting, tiny_policy):
     """300 requests, 32 in flight: the client runs no thread per request (its threads during the
     batch are the ones before it and the engine's loop), and its connections are reused (at most 32
-    opened, one per request before). A second batch after close() (a second fit) opens them again."""
-    engine = _server_engine(tiny_policy, f"http://127.0.0.1:{counting.server_address[1]}", timeout=30)
+    opened, one per request before). The module's callbacks close them as a fit ends (the loop's
+    thread ends), and the next batch (a second fit) opens them again."""
+    url = f"http://127.0.0.1:{counting.server_address[1]}"
+    engine = _server_engine(tiny_policy, url, timeout=30)
     engine.max_in_flight = 32
     engine.syncs = 0  # this fake server keeps no weights version
     ids = torch.tensor([[i // 100, i // 10 % 10, i % 10] for i in range(300)])  # 300 distinct prompts
     before = {(t.ident, t.name) for t in threading.enumerate() if not t.name.startswith("fake-server")}
     rollout = engine.generate(ids, torch.ones_like(ids))
     assert rollout.response_ids.shape == (300, 2) and _KeepAlive.requests == 300
-    assert [name for _, name in _KeepAlive.client_threads - before] == ["lightning-ppo-http"]
+    new = _KeepAlive.client_threads - before
+    assert [name for _, name in new] == ["lightning-ppo-http"]
     assert counting.connections <= 32
-    (loop,) = [t for t in threading.enumerate() if t.name == "lightning-ppo-http"]
+    (loop,) = [t for t in threading.enumerate() if (t.ident, t.name) in new]
     assert loop.daemon
-    engine.close()
+    module = PPOLightningModule(
+        policy=str(tiny_policy),
+        reward_fn=lambda p, c, b: [1.0] * len(c),
+        generation=GenerationConfig(engine="vllm_server", server_urls=[url]),
+    )
+    module._engine = engine
+    for callback in module.configure_callbacks():  # as a fit ends
+        callback.teardown(None, module, "fit")
     assert not loop.is_alive()  # the loop's thread ends with the connections
     assert engine.generate(ids[:40], torch.ones_like(ids[:40])).response_ids.shape == (40, 2)
     assert _KeepAlive.requests == 340 and counting.connections <= 64
-    engine.close()
+    for callback in module.configure_callbacks():  # as a fit that raised ends
+        callback.on_exception(None, module, RuntimeError())
+    assert engine._connections is None
 
 
 def test_a_forked_child_makes_connections_of_its_own(counting, tiny_policy, monkeypatch):
