@@ -840,23 +840,31 @@ def test_a_forked_child_makes_connections_of_its_own(counting, tiny_policy, monk
 
 class _Holding(http.server.BaseHTTPRequestHandler):
     """Completions that never come, each held until its client closes the connection (the fake
-    server records it) or the test ends; ``failing`` prompts are answered HTTP 500 at once."""
+    server records it) or the test ends; ``failing`` prompts are answered HTTP 500 once
+    ``held_first`` requests are held (so the failure ends a batch with those out, whichever thread
+    runs first)."""
 
     held: list[int]
     closed: list[int]
     failing: list[list[int]]
+    held_first = 0
     release: threading.Event
+    holding: threading.Condition
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         if request.get("prompt") in self.failing:
+            with self.holding:  # a guard: the others are sent at once, held within milliseconds
+                self.holding.wait_for(lambda: len(self.held) >= self.held_first, timeout=60)
             body = b'{"error": {"message": "no room", "code": 500}}'
             self.send_response(500)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
             return
-        self.held.append(1)
+        with self.holding:
+            self.held.append(1)
+            self.holding.notify_all()
         deadline = time.monotonic() + 120  # bounded: the test ends long before, or fails
         while not self.release.is_set() and time.monotonic() < deadline:
             if select.select([self.connection], [], [], 0.1)[0]:
@@ -868,15 +876,32 @@ class _Holding(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _Joined(_Backlogged):
+    """Its request threads are joined by ``server_close``: once it returns, each request the server
+    read has ended, and nothing more is counted."""
+
+    daemon_threads = False
+
+
 @pytest.mark.parametrize("ending", ["stalled", "failed"])
 def test_a_batch_that_ends_early_leaves_no_request_running(ending, tiny_policy):
     """A batch stopped by a stall (no answer within server_timeout) or by one request's HTTP 500
-    while the others are held: every request it left is cancelled, its connection closed (the
-    server sees each one close), not left to wait on its socket for minutes."""
+    while the other 7 in flight are held: every request it left is cancelled, its connection closed
+    (the server sees each one close), not left to wait on its socket for minutes. The server is
+    closed before counting, which waits for each request it read to see its close (or fail at its
+    120 s bound): no count is read while a request is still on its way."""
     handler = type(
-        "Holding", (_Holding,), {"held": [], "closed": [], "failing": [], "release": threading.Event()}
+        "Holding",
+        (_Holding,),
+        {
+            "held": [],
+            "closed": [],
+            "failing": [],
+            "release": threading.Event(),
+            "holding": threading.Condition(),
+        },
     )
-    server = _Backlogged(("127.0.0.1", 0), handler)
+    server = _Joined(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         engine = _server_engine(tiny_policy, f"http://127.0.0.1:{server.server_port}", timeout=1.0)
@@ -884,13 +909,13 @@ def test_a_batch_that_ends_early_leaves_no_request_running(ending, tiny_policy):
         ids = torch.tensor([[i // 10, i % 10, 5] for i in range(40)])  # 40 distinct prompts
         if ending == "failed":
             engine.config.server_timeout = 600.0  # only the failure can end the batch early
-            handler.failing = [ids[7].tolist()]  # among the first 8 in flight
+            handler.failing, handler.held_first = [ids[7].tolist()], 7  # among the first 8 in flight
         with pytest.raises(GenerationServerError, match="no completion of 8|HTTP 500: no room"):
             engine.generate(ids, torch.ones_like(ids))
-        deadline = time.monotonic() + 60  # the closes were sent before generate raised
-        while len(handler.closed) < len(handler.held) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert handler.held and len(handler.closed) == len(handler.held)
+        server.shutdown()
+        server.server_close()  # joins every request's thread: each ends as it sees its close
+        assert len(handler.held) >= (7 if ending == "failed" else 1)
+        assert len(handler.closed) == len(handler.held)
         engine.close()
     finally:
         handler.release.set()
@@ -954,3 +979,41 @@ def test_a_batch_says_what_went_wrong_as_a_single_call_does(fault, silent_port):
         str(batched.value),
         str(alone.value),
     )
+
+
+class _Dropping(_KeepAlive):
+    """Closes the connection without an answer for its first ``drops`` requests (a kept-alive
+    connection the server closes as a request goes out), answers the rest."""
+
+    drops = 1
+    seen = 0
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        type(self).seen += 1
+        if type(self).seen > self.drops:
+            return super().do_POST()
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.close_connection = True  # no answer: the connection closes
+
+
+@pytest.mark.parametrize("drops", [1, 2])
+def test_a_request_dropped_before_its_answer_is_sent_once_more(drops, tiny_policy):
+    """Dropped once: sent again on a new connection, answered; dropped twice: one error, saying the
+    server broke off, after two tries (never a third)."""
+    handler = type("Dropping", (_Dropping,), {"drops": drops, "seen": 0})
+    server = _Backlogged(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = _server_engine(tiny_policy, f"http://127.0.0.1:{server.server_port}", timeout=30)
+        engine.syncs = 0
+        ids = torch.tensor([[1, 2, 3]])
+        if drops == 1:
+            assert engine.generate(ids, torch.ones_like(ids)).response_ids.tolist() == [[3, 4]]
+        else:
+            with pytest.raises(GenerationServerError, match=r"\(/v1/completions\): broke off its answer"):
+                engine.generate(ids, torch.ones_like(ids))
+        engine.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert handler.seen == 2 and engine.requests_sent == [1]
