@@ -51,10 +51,7 @@ class ServerSession:
         headers = {"Content-Type": "application/json", **auth_headers()}
         limits = aiohttp.ClientTimeout(total=None, sock_connect=self.client.timeout, sock_read=timeout)
         try:
-            async with self._session().post(
-                self.client.url + route, data=data, headers=headers, timeout=limits, proxy=self.proxy
-            ) as response:
-                status, answer = response.status, await response.read()
+            status, answer = await self._exchange(self.client.url + route, data, headers, limits)
         except aiohttp.ConnectionTimeoutError:
             raise self.client.error(route, no_answer(self.client.timeout)) from None
         except asyncio.TimeoutError:  # the socket silent for ``timeout`` (aiohttp's SocketTimeoutError)
@@ -68,6 +65,26 @@ class ServerSession:
         if status >= 400:
             raise self.client.error(route, refused(status, answer))
         return self.client.answer(route, answer)
+
+    async def _exchange(
+        self, url: str, data: bytes, headers: dict[str, str], limits: aiohttp.ClientTimeout
+    ) -> tuple[int, bytes]:
+        """One call's status and body. Sent again, once, where the connection closed before any
+        answer began: a kept-alive connection the server was closing as the request went out (its
+        keep-alive timer runs from its own last answer, so a loaded server can close one that is
+        young here). The server did not read that request, or samples it again alike (its seed)."""
+
+        def send() -> Any:
+            return self._session().post(url, data=data, headers=headers, timeout=limits, proxy=self.proxy)
+
+        try:
+            response = await send()
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
+            if isinstance(err, aiohttp.ClientConnectorError):  # no connection at all: nothing to retry
+                raise
+            response = await send()
+        async with response:
+            return response.status, await response.read()
 
     async def close(self) -> None:
         """Closes every connection (those of requests still out too)."""
