@@ -416,19 +416,21 @@ def test_a_compile_on_another_thread_does_not_rewind_the_samples_random_numbers(
     it: with ``ppo.max_staleness`` the rollouts sampled on the background thread while the main
     thread compiled (a validation shape under ``generation.compile``, ``ppo.torch_compile``'s loss)
     reused the same random numbers. A sampling ``generate`` and a compilation now never overlap.
-    Events order the two threads; with the fix each wait runs out instead (the order is then the
-    sampler's whole generate, then the compilation), so nothing here depends on timing."""
+    Events put the compilation between the sampler's first two draws; with the fix the compilation
+    waits for the whole generate instead (the sampler's waits run out), so the outcome never
+    depends on timing."""
     model = _load(tiny["llama"])
     ids, mask = _prompts()
     config = _config(model, do_sample=True, compiled=False)
     torch.manual_seed(7)
     alone = generate(model, ids, mask, config).response_ids
-    compiling, drew, compiled = threading.Event(), threading.Event(), threading.Event()
+    started, compiling, drew, compiled = (threading.Event() for _ in range(4))
     forwards = []
 
     def between_draws(module, args, kwargs):
         forwards.append(1)
-        if len(forwards) == 1:  # before the first draw: the compilation has begun (bug) or waits
+        if len(forwards) == 1:  # the prefill, before the first draw: the compilation has begun
+            started.set()
             compiling.wait(timeout=2)
         elif len(forwards) == 2:  # the first token is drawn: the compilation may end now
             drew.set()
@@ -448,6 +450,7 @@ def test_a_compile_on_another_thread_does_not_rewind_the_samples_random_numbers(
     torch.manual_seed(7)
     sampler = threading.Thread(target=sample)
     sampler.start()
+    started.wait(timeout=30)  # the sampler is inside its generate
     torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))  # the main thread compiles
     compiled.set()
     sampler.join()
