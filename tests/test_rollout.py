@@ -221,3 +221,14 @@ def test_a_static_cache_samples_as_the_dynamic_one_at_each_call_s_own_length(arc
         (static,) = made[-1].values()
         assert static.layers[0].keys.shape[2] == ids.shape[1] + 12  # this call's length, not the longest
     assert [bool(m) for m in made] == [False, True, False, True]  # dynamic: HF makes its own
+
+
+def test_a_generate_that_fails_leaves_the_model_in_the_mode_it_found(tiny_gpt2):
+    """Generation runs in eval mode; one that raises (here an id past the vocabulary, as a caught
+    out-of-memory or an interrupt would) still puts a model in training mode back in it."""
+    model = load_causal_lm(str(tiny_gpt2)).train()
+    gen = hf_generation_config(GenerationConfig(max_new_tokens=2), stop_token_id=1, pad_token_id=0)
+    prompt_ids = torch.tensor([[5, model.config.vocab_size + 7]])
+    with pytest.raises(IndexError):
+        generate(model, prompt_ids, torch.ones_like(prompt_ids, dtype=torch.bool), gen)
+    assert model.training

@@ -182,13 +182,15 @@ def generate(
     # Generation runs in eval mode: with gradient checkpointing in train mode HF drops the KV cache.
     model.eval()
     apart = compiling_waits_for_sampling(generation_config)
-    with apart, weights_cast_once(prompt_ids.device.type), quiet_generation():
-        new_tokens = None
-        if compiled:
-            new_tokens = compiled_decoding.decode(model, prompt_ids, prompt_mask, generation_config)
-        if new_tokens is None:
-            new_tokens = _eager(model, prompt_ids, prompt_mask, generation_config, cache)
-    model.train(was_training)
+    try:  # a failed or interrupted generate (a caught OOM, a retry) leaves the mode as it found it
+        with apart, weights_cast_once(prompt_ids.device.type), quiet_generation():
+            new_tokens = None
+            if compiled:
+                new_tokens = compiled_decoding.decode(model, prompt_ids, prompt_mask, generation_config)
+            if new_tokens is None:
+                new_tokens = _eager(model, prompt_ids, prompt_mask, generation_config, cache)
+    finally:
+        model.train(was_training)
     response_ids, response_mask, ended = truncate_at_stop(
         new_tokens, generation_config.eos_token_id, generation_config.pad_token_id
     )
