@@ -61,9 +61,10 @@ def test_the_format_term_pays_only_for_the_asked_for_format():
 @pytest.mark.parametrize("truth", ["twelve", "", "#### ", "N/A"])
 def test_a_ground_truth_that_does_not_parse_is_one_line_naming_the_row(truth):
     with pytest.raises(UsageError) as err:
-        math_answer_reward(["q1", "q2"], ["1", "2"], answer=["1", truth])
+        math_answer_reward(["q1", "How many\napples are left?"], ["1", "2"], answer=["1", truth])
     message = str(err.value)
     assert "\n" not in message and "row 1 of this batch" in message and repr(truth) in message
+    assert "prompt 'How many apples are left?'" in message  # what finds the row in the dataset
 
 
 def test_a_missing_answer_column_names_the_columns_there_are():

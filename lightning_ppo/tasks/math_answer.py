@@ -131,7 +131,8 @@ class MathAnswerReward:
                 f"MathAnswerReward needs the ground truth in the dataset column {self.answer_column!r} "
                 f"(answer_column); the batch has the columns {shown}"
             )
-        truths = [self.truth(value, row) for row, value in enumerate(columns[self.answer_column])]
+        pairs = enumerate(zip(columns[self.answer_column], prompts, strict=True))
+        truths = [self.truth(value, row, _text(prompt)) for row, (value, prompt) in pairs]
         texts = [_text(c) for c in completions]
         correct = [float(is_correct(text, truth)) for text, truth in zip(texts, truths, strict=True)]
         if log_extra is not None:
@@ -144,13 +145,15 @@ class MathAnswerReward:
             c + self.format_weight * bool(self._format.search(t)) for c, t in zip(correct, texts, strict=True)
         ]
 
-    def truth(self, value: Any, row: int = 0) -> tuple[Any, ...]:
-        """The parsed ground truth of one row; one that does not parse is a one-line error naming it."""
+    def truth(self, value: Any, row: int = 0, prompt: str = "") -> tuple[Any, ...]:
+        """The parsed ground truth of one row; one that does not parse is a one-line error naming it,
+        with its prompt's start (the batch's row number alone does not find it in the dataset)."""
         answer = gsm8k_answer(value)
         parsed = _parse_truth(answer) if answer else ()
         if not parsed:
+            asked = f", prompt {' '.join(prompt.split())[:60]!r}" if prompt else ""
             raise UsageError(
-                f"MathAnswerReward: the ground truth of row {row} of this batch (column "
+                f"MathAnswerReward: the ground truth of row {row} of this batch{asked} (column "
                 f"{self.answer_column!r}: {str(value)[-80:]!r}) is no number or expression math-verify can "
                 "read; GSM8K's answers end with a line '#### <number>', a plain answer column holds the "
                 "answer alone (72, 0.5, \\frac{1}{2})"
