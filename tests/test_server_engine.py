@@ -982,38 +982,46 @@ def test_a_batch_says_what_went_wrong_as_a_single_call_does(fault, silent_port):
 
 
 class _Dropping(_KeepAlive):
-    """Closes the connection without an answer for its first ``drops`` requests (a kept-alive
-    connection the server closes as a request goes out), answers the rest."""
+    """Closes a connection without an answer: at the second request on it (``every`` False: a
+    kept-alive connection whose timer fired as the request went out), or at once (``every``)."""
 
-    drops = 1
+    every = False
     seen = 0
+    connections = 0
+
+    def setup(self) -> None:  # one handler per connection
+        super().setup()
+        type(self).connections += 1
+        self.here = 0
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         type(self).seen += 1
-        if type(self).seen > self.drops:
+        self.here += 1
+        if self.here == 1 and not self.every:
             return super().do_POST()
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.close_connection = True  # no answer: the connection closes
 
 
-@pytest.mark.parametrize("drops", [1, 2])
-def test_a_request_dropped_before_its_answer_is_sent_once_more(drops, tiny_policy):
-    """Dropped once: sent again on a new connection, answered; dropped twice: one error, saying the
-    server broke off, after two tries (never a third)."""
-    handler = type("Dropping", (_Dropping,), {"drops": drops, "seen": 0})
+@pytest.mark.parametrize("every", [False, True])
+def test_a_request_on_a_kept_alive_connection_the_server_closed_is_sent_again(every, tiny_policy):
+    """One request at a time, each connection closed at its second request: the request goes
+    again on a new connection, and the batch completes (3 requests: 5 sent on 3 connections). A
+    new connection closed without an answer is one error at once, saying the server broke off."""
+    handler = type("Dropping", (_Dropping,), {"every": every, "seen": 0, "connections": 0})
     server = _Backlogged(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         engine = _server_engine(tiny_policy, f"http://127.0.0.1:{server.server_port}", timeout=30)
-        engine.syncs = 0
-        ids = torch.tensor([[1, 2, 3]])
-        if drops == 1:
-            assert engine.generate(ids, torch.ones_like(ids)).response_ids.tolist() == [[3, 4]]
-        else:
+        engine.max_in_flight, engine.syncs = 1, 0
+        ids = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+        if every:
             with pytest.raises(GenerationServerError, match=r"\(/v1/completions\): broke off its answer"):
                 engine.generate(ids, torch.ones_like(ids))
+        else:
+            assert engine.generate(ids, torch.ones_like(ids)).response_ids.tolist() == [[3, 4]] * 3
         engine.close()
     finally:
         server.shutdown()
         server.server_close()
-    assert handler.seen == 2 and engine.requests_sent == [1]
+    assert (handler.seen, handler.connections) == ((1, 1) if every else (5, 3))

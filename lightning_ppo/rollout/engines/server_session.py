@@ -26,9 +26,10 @@ from lightning_ppo.rollout.engines.server_client import (
     unreachable,
 )
 
-# vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): the session lets
-# go of it first, so that no request goes out on a connection the server is closing.
-KEEP_ALIVE_S = 4.0
+# vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), counted from its
+# answer, which a loaded trainer reads later: the session lets go of one well before, so that few
+# requests go out on a connection the server is closing (those that do are sent again: _exchange).
+KEEP_ALIVE_S = 2.0
 # An answer cut short, or not HTTP: the standard library's IncompleteRead, RemoteDisconnected or
 # BadStatusLine (aiohttp says a malformed answer with a ClientResponseError; no status is raised).
 BROKEN = (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
@@ -69,22 +70,31 @@ class ServerSession:
     async def _exchange(
         self, url: str, data: bytes, headers: dict[str, str], limits: aiohttp.ClientTimeout
     ) -> tuple[int, bytes]:
-        """One call's status and body. Sent again, once, where the connection closed before any
-        answer began: a kept-alive connection the server was closing as the request went out (its
-        keep-alive timer runs from its own last answer, so a loaded server can close one that is
-        young here). The server did not read that request, or samples it again alike (its seed)."""
-
-        def send() -> Any:
-            return self._session().post(url, data=data, headers=headers, timeout=limits, proxy=self.proxy)
-
-        try:
-            response = await send()
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
-            if isinstance(err, aiohttp.ClientConnectorError):  # no connection at all: nothing to retry
-                raise
-            response = await send()
-        async with response:
-            return response.status, await response.read()
+        """One call's status and body. Sent again where it went out on a kept-alive connection that
+        closed before any answer began: the server's keep-alive timer runs from its own last
+        answer, so a loaded server closes connections that are younger here (the server did not
+        read that request; it would sample it again alike, from its seed). Each such try drops one
+        kept-alive connection, so there are at most as many as the pool holds; a new connection
+        that closes without an answer is an error at once."""
+        tries = 0
+        while True:
+            reused: list[bool] = []  # noted by the session's trace (_noting_reuse)
+            try:
+                response = await self._session().post(
+                    url,
+                    data=data,
+                    headers=headers,
+                    timeout=limits,
+                    proxy=self.proxy,
+                    trace_request_ctx=reused,
+                )
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                tries += 1
+                if not reused or tries > self.limit:
+                    raise
+                continue
+            async with response:
+                return response.status, await response.read()
 
     async def close(self) -> None:
         """Closes every connection (those of requests still out too)."""
@@ -96,7 +106,9 @@ class ServerSession:
         if self.session is None:
             connector = aiohttp.TCPConnector(limit=self.limit, keepalive_timeout=KEEP_ALIVE_S)
             unbounded = aiohttp.ClientTimeout(total=None)  # each call says its own limits
-            self.session = aiohttp.ClientSession(connector=connector, timeout=unbounded)
+            self.session = aiohttp.ClientSession(
+                connector=connector, timeout=unbounded, trace_configs=[_noting_reuse()]
+            )
         return self.session
 
 
@@ -116,3 +128,14 @@ def _proxy(url: str) -> str | None:
     if parts.hostname is None or urllib.request.proxy_bypass(parts.hostname):
         return None
     return urllib.request.getproxies().get(parts.scheme)
+
+
+def _noting_reuse() -> aiohttp.TraceConfig:
+    """Notes in a request's ``trace_request_ctx`` (a list) that it went out on a kept-alive connection."""
+
+    async def reused(session: Any, context: Any, params: Any) -> None:
+        context.trace_request_ctx.append(True)
+
+    config = aiohttp.TraceConfig()
+    config.on_connection_reuseconn.append(reused)
+    return config
