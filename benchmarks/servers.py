@@ -18,9 +18,10 @@ the checksums (``verify_sync``: the server's checksums and the trainer's compari
 **One rollout of 512 prompts x 64 new tokens** on one server: at most 64 requests in flight per
 rank (as before issue 40) against ``MAX_IN_FLIGHT`` (256), alternated in the same run;
 and 64 prompts x 8 samples sent as 512 requests against 64 grouped requests of ``n`` 8.
-``--before DIR`` runs each round of it twice, alternated: from the checkout at ``DIR`` (``git
-worktree add DIR COMMIT``: the engine as it was at COMMIT) and from this one, against the same
-server::
+``--before DIR`` runs each round of it twice, alternated, against the same server: with the
+``lightning_ppo`` of the checkout at ``DIR`` (``git worktree add DIR COMMIT``: the engine as it
+was at COMMIT) and with this one's, the benchmark's code this one's both times. Each way's trainer
+CPU seconds are its process's (every thread's), less noisy than the wall time on a shared machine::
 
     git worktree add /tmp/before HEAD~1
     .venv-vllm/bin/python -m benchmarks.servers --only rollouts --rounds 3 --before /tmp/before
@@ -109,7 +110,8 @@ WAYS = ["64 in flight", "256 in flight", "64 x 8, a request per row", "64 x 8, g
 
 
 def child_rollouts(policy: str, url: str, rounds: int) -> dict[str, list[float]]:
-    """Seconds of one 512-prompt x 64-token rollout under each way of sending it, alternated."""
+    """Seconds of one 512-prompt x 64-token rollout under each way of sending it, alternated, and
+    the process's CPU seconds in it (``seconds``, ``cpu``: lists by way)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -132,6 +134,7 @@ def child_rollouts(policy: str, url: str, rounds: int) -> dict[str, list[float]]
     sent = [(64, distinct, False), (cap, distinct, False), (cap, grouped, True), (cap, grouped, False)]
     ways = dict(zip(WAYS, sent, strict=True))
     times: dict[str, list[float]] = {name: [] for name in ways}
+    cpu: dict[str, list[float]] = {name: [] for name in ways}
     real_groups = server_module.prompt_groups
     for _ in range(rounds):
         for name, (in_flight, prompts, per_row) in ways.items():
@@ -139,29 +142,32 @@ def child_rollouts(policy: str, url: str, rounds: int) -> dict[str, list[float]]
             server_module.prompt_groups = (
                 (lambda rows: [(i, 1) for i in range(len(rows))]) if per_row else real_groups
             )
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             engine.generate(prompts, mask)
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
     server_module.prompt_groups = real_groups
-    return times
+    return {"seconds": times, "cpu": cpu}
 
 
 def rollout_table(policy: Path, work: Path, rounds: int, before: Path | None = None) -> None:
-    checkouts = {"before: ": before, "": ROOT} if before else {"": ROOT}
+    checkouts = {"before: ": _package_of(before, work), "": ROOT} if before else {"": ROOT}
     times: dict[str, list[float]] = {}
     server = _start_server(policy, work / "server-rollouts.log")
     try:
         for _ in range(rounds):
             for label, root in checkouts.items():
                 took = _child(["rollouts", str(policy), "vllm_server", server.url, "1"], root)
-                for way, seconds in zip(WAYS, took.values(), strict=True):
-                    times.setdefault(label + way, []).extend(seconds)
+                for kind, by_way in took.items():
+                    for way, values in by_way.items():
+                        times.setdefault(f"{label}{way} {kind}", []).extend(values)
     finally:
         server.stop()
     print(f"\nOne rollout, 512 x 64 new tokens, one server, {rounds} rounds alternated")
     if before:
         _before_and_now(times)
         return
+    times = {name[: -len(" seconds")]: took for name, took in times.items() if name.endswith(" seconds")}
     print("| requests | s / rollout (median) | min | max |")
     print("| --- | --- | --- | --- |")
     base = statistics.median(next(iter(times.values())))
@@ -170,14 +176,28 @@ def rollout_table(policy: Path, work: Path, rounds: int, before: Path | None = N
         print(f"| {name} | {median:.2f} ({median / base:.2f}x) | {min(took):.2f} | {max(took):.2f} |")
 
 
+def _package_of(checkout: Path, work: Path) -> Path:
+    """A folder whose ``lightning_ppo`` is ``checkout``'s and whose ``benchmarks`` is this one's."""
+    mixed = work / "before"
+    mixed.mkdir(exist_ok=True)
+    for name, source in (("lightning_ppo", checkout), ("benchmarks", ROOT)):
+        if not (mixed / name).exists():
+            (mixed / name).symlink_to(source.resolve() / name)
+    return mixed
+
+
 def _before_and_now(times: dict[str, list[float]]) -> None:
-    print("| requests | before: s / rollout (median, min-max) | now | now / before |")
-    print("| --- | --- | --- | --- |")
+    print(
+        "| requests | before: s / rollout (median, min-max) | now | now / before | "
+        "trainer CPU s, before | now |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
     for way in WAYS:
-        was, now = times["before: " + way], times[way]
+        was, now = times[f"before: {way} seconds"], times[f"{way} seconds"]
         ratio = statistics.median(now) / statistics.median(was)
         cells = [f"{statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f})" for t in (was, now)]
-        print(f"| {way} | {cells[0]} | {cells[1]} | {ratio:.2f}x |")
+        cpu = [statistics.median(times[f"{side}{way} cpu"]) for side in ("before: ", "")]
+        print(f"| {way} | {cells[0]} | {cells[1]} | {ratio:.2f}x | {cpu[0]:.2f} | {cpu[1]:.2f} |")
 
 
 def _write_with_checksums(write, weights, folder, dtype, with_checksums=True):
