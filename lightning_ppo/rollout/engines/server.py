@@ -88,6 +88,7 @@ class VLLMServerEngine:
         self.max_in_flight = MAX_IN_FLIGHT
         self.batch_requests = 1
         self.exact_requests = 0  # samples requested again under allowed_token_ids (_exact_again)
+        self.bias_refused: set[int] = set()  # servers that refuse logit_bias (_post)
         self._connections: Connections | None = None  # made at the first batch (_connected)
 
     # --- weights -------------------------------------------------------------------------------
@@ -295,14 +296,7 @@ class VLLMServerEngine:
         """``n`` samples of ``prompt`` from ``session``'s server: each one's tokens and log-probs
         (``exact``: suppressed tokens sent as ``allowed_token_ids`` whatever their number)."""
         server = session.client
-        index = self.servers.index(server)
-        self.requests_sent[index] += 1  # on the engine's loop, one request at a time: no lock
-        request = self._request(self.served_names[index], prompt, seed, n, exact)
-        # The socket may wait behind the whole batch (vLLM answers a request when it is done); a batch
-        # that makes no progress is stopped after server_timeout (server_batch).
-        answer = await session.post(
-            "/v1/completions", request, timeout=self.config.server_timeout * self.batch_requests
-        )
+        answer = await self._post(session, self.servers.index(server), prompt, seed, n, exact)
         try:
             choices = sorted(answer["choices"], key=lambda choice: choice["index"])
             samples = [
@@ -317,6 +311,30 @@ class VLLMServerEngine:
                 "/v1/completions", f"gave {len(samples)} samples (of {n}) or tokens without their log-probs"
             )
         return samples if exact else await self._exact_again(session, prompt, seed, samples)
+
+    async def _post(
+        self, session: ServerSession, index: int, prompt: list[int], seed: int, n: int, exact: bool
+    ) -> Any:
+        """The server's answer to the completion request. A server that refuses ``logit_bias`` (vLLM
+        with speculative decoding: "not yet supported with speculative decoding", an HTTP 400) is
+        asked again with ``allowed_token_ids``, which it applies, and is sent those from then on:
+        before the smaller encoding (:mod:`.server_suppress`) every request was sent them."""
+        request = self._request(
+            self.served_names[index], prompt, seed, n, exact or index in self.bias_refused
+        )
+        # The socket may wait behind the whole batch (vLLM answers a request when it is done); a batch
+        # that makes no progress is stopped after server_timeout (server_batch).
+        timeout = self.config.server_timeout * self.batch_requests
+        self.requests_sent[index] += 1  # on the engine's loop, one request at a time: no lock
+        try:
+            return await session.post("/v1/completions", request, timeout=timeout)
+        except GenerationServerError as err:
+            if "logit_bias" not in request or not _refuses_bias(err):
+                raise
+        self.bias_refused.add(index)
+        self.requests_sent[index] += 1
+        request = self._request(self.served_names[index], prompt, seed, n, exact=True)
+        return await session.post("/v1/completions", request, timeout=timeout)
 
     async def _exact_again(
         self,
@@ -382,6 +400,11 @@ class VLLMServerEngine:
             "skip_special_tokens": False,
             **self._suppression().fields(exact),
         }
+
+
+def _refuses_bias(err: GenerationServerError) -> bool:
+    """A request refused (HTTP 400) for its ``logit_bias``."""
+    return err.what.startswith("HTTP 400") and "logit_bias" in err.what
 
 
 def _sync_failure(err: Exception) -> str:

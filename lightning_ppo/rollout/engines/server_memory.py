@@ -79,7 +79,13 @@ class MemorySync:
 
     def _join(self) -> Any:
         world = 1 + sum(self.workers)
-        listener = listening_socket(self.address)  # before the workers are told its port
+        try:
+            listener = listening_socket(self.address)  # before the workers are told its port
+        except OSError as err:  # not an address of this machine, or a name that does not resolve
+            raise GenerationServerError(
+                f"generation.sync_address {self.address}: rank 0 cannot listen there ({err}); give an "
+                "address of this machine that the servers reach it at"
+            ) from None
         port = listener.getsockname()[1]
         self.secret = secrets.token_hex(16)
         calls, first = [], 1
