@@ -25,6 +25,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -128,18 +129,39 @@ def with_old_paths(safe_globals: list[Any]) -> list[Any]:
     return [*safe_globals, *old_path_aliases(safe_globals)]
 
 
+# The aliases old_paths_allowed added to torch's (process-wide) allow-list, each with how many
+# readers inside it need it, and the allowing that removes it once the last one leaves.
+_HELD: dict[tuple[Any, str], list[Any]] = {}
+_HELD_LOCK = threading.Lock()
+
+
 @contextmanager
 def old_paths_allowed() -> Iterator[None]:
     """Within it, ``torch.load(weights_only=True)`` allows every global allowed now (by
     ``torch.serialization.add_safe_globals`` or ``safe_globals``) under its names before the move
     too: how the package's readers open a checkpoint (preflight, log continuity, export, resume),
     so that a user who allowed a class by its new path reads an old file, and nothing else is
-    allowed. Aliases already allowed are left out, so leaving does not remove the user's own."""
-    allowed = torch.serialization.get_safe_globals()
-    present = set(allowed)
-    extra = [alias for alias in old_path_aliases(allowed) if alias not in present]
-    with torch.serialization.safe_globals(extra):
+    allowed. Aliases already allowed are left out, so leaving does not remove the user's own. The
+    list is the process's, not the thread's: an alias stays while any reader needs it (one that
+    left while another thread's was still reading took the alias from under it)."""
+    with _HELD_LOCK:
+        allowed = torch.serialization.get_safe_globals()
+        present = set(allowed)
+        ours = [alias for alias in old_path_aliases(allowed) if alias not in present or alias in _HELD]
+        for alias in ours:
+            if alias not in _HELD:
+                allowing = torch.serialization.safe_globals([alias])
+                allowing.__enter__()
+                _HELD[alias] = [0, allowing]
+            _HELD[alias][0] += 1
+    try:
         yield
+    finally:
+        with _HELD_LOCK:
+            for alias in ours:
+                _HELD[alias][0] -= 1
+                if not _HELD[alias][0]:
+                    _HELD.pop(alias)[1].__exit__(None, None, None)
 
 
 class _Alias(importlib.abc.Loader):
