@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_ppo.runs import fork_safe_loop
 from lightning_ppo.runs.errors import UsageError
 
 POLL_S = 0.05  # how often a waiting caller looks at the loop
@@ -55,7 +56,7 @@ def background_loop() -> asyncio.AbstractEventLoop:
     global _CURRENT
     with _LOCK:
         if _CURRENT is None or not _CURRENT.serves():
-            loop = asyncio.new_event_loop()
+            loop = fork_safe_loop.new_event_loop()  # a forked child cannot unhook its sockets
             thread = threading.Thread(target=loop.run_forever, name="lightning-ppo-async", daemon=True)
             thread.start()
             _CURRENT = _Loop(loop, thread, os.getpid())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import selectors
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,6 +21,7 @@ from typing import Any
 from lightning_ppo.rollout.engines.server_batch import Batch
 from lightning_ppo.rollout.engines.server_client import ServerClient
 from lightning_ppo.rollout.engines.server_session import ServerSession
+from lightning_ppo.runs import fork_safe_loop
 
 CLOSE_S = 10.0  # the most closing waits for the loop to cancel what runs and close its sockets
 
@@ -33,7 +33,7 @@ class Connections:
     def __init__(self, clients: Sequence[ServerClient], limit: int) -> None:
         self.limit = limit
         self.sessions = [ServerSession(client, limit) for client in clients]
-        self.loop = asyncio.SelectorEventLoop(_ThisProcessSelector())
+        self.loop = fork_safe_loop.new_event_loop()  # a forked child cannot unhook its sockets
         self.thread = threading.Thread(target=self.loop.run_forever, name="lightning-ppo-http", daemon=True)
         self.thread.start()
         self.pid = os.getpid()
@@ -51,34 +51,6 @@ class Connections:
     def close(self) -> None:
         """Cancels any batch still out, closes every connection, ends the loop's thread."""
         self._close()
-
-
-class _ThisProcessSelector(selectors.DefaultSelector):
-    """The loop's selector, which changes the kernel's list of watched sockets only in the process
-    that made it. A forked child shares that list with the parent (one epoll object across the
-    fork, keyed by the same sockets): a child that let go of the parent's sessions (closed the
-    engine, or made its own connections) removed the parent's pooled sockets from it as their
-    transports closed, and the parent's next batch never heard its answers (stalled after
-    ``server_timeout``). In a child the parent's loop never runs: its bookkeeping does not matter."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pid = os.getpid()
-
-    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
-        if self.pid != os.getpid():
-            raise RuntimeError("the server engine's event loop runs only in the process that made it")
-        return super().register(fileobj, events, data)
-
-    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
-        if self.pid != os.getpid():
-            return self.get_key(fileobj)  # the parent's watch on this socket, left as it is
-        return super().unregister(fileobj)
-
-    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
-        if self.pid != os.getpid():
-            return self.get_key(fileobj)
-        return super().modify(fileobj, events, data)
 
 
 def _shut(loop: asyncio.AbstractEventLoop, thread: threading.Thread, sessions: list, pid: int) -> None:
