@@ -141,18 +141,26 @@ def test_a_server_that_is_down_is_one_error_naming_it():
         ServerClient(f"http://127.0.0.1:{port}", timeout=5).get("/health")
 
 
-class _Refusing(http.server.BaseHTTPRequestHandler):
-    """Answers every POST as vLLM answers a failed call."""
+class _Quiet(http.server.BaseHTTPRequestHandler):
+    """A fake server's handler: :meth:`reply` sends one answer; nothing is logged."""
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        body = b'{"error": {"message": "Worker failed with error \'no method lppo_load\'", "code": 500}}'
-        self.send_response(500)
-        self.send_header("Content-Length", str(len(body)))
+    def reply(self, body: bytes, status: int = 200, length: int | None = None) -> None:
+        """``body`` with ``status``; ``length``: a Content-Length other than the body's (one cut short)."""
+        self.send_response(status)
+        self.send_header("Content-Length", str(length or len(body)))
         self.end_headers()
         self.wfile.write(body)
 
     def log_message(self, *args) -> None:
         pass
+
+
+class _Refusing(_Quiet):
+    """Answers every POST as vLLM answers a failed call."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = b'{"error": {"message": "Worker failed with error \'no method lppo_load\'", "code": 500}}'
+        self.reply(body, status=500)
 
 
 def test_an_error_status_carries_the_servers_message():
@@ -262,7 +270,7 @@ def test_a_tensor_parallel_servers_workers_add_up_to_the_whole_tensors():
 SYNCED = "run/1"  # the weights version of _server_engine's last sync
 
 
-class _Stuck(http.server.BaseHTTPRequestHandler):
+class _Stuck(_Quiet):
     """A server whose workers answer the weights-version call (``version``) and whose completions
     never come until ``release`` is set, at the test's end (a hung engine); records the
     Authorization header of each call. Each ``stuck`` server has a subclass of its own (its own
@@ -276,15 +284,9 @@ class _Stuck(http.server.BaseHTTPRequestHandler):
         self.authorizations.append(self.headers.get("Authorization"))
         if self.path == "/collective_rpc":
             body = json.dumps({"results": [self.version]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.reply(body)
             return
         self.release.wait(600)  # set as the test ends: only a test that hangs reaches the bound
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 class _Backlogged(http.server.ThreadingHTTPServer):
@@ -555,7 +557,7 @@ def test_any_failure_of_rank_zeros_sync_is_one_line_for_every_rank(tmp_path, tin
     assert len(verdicts) == 1 and verdicts[0][0].startswith("weight sync failed")  # (error, run tag)
 
 
-class _OneAtATime(http.server.BaseHTTPRequestHandler):
+class _OneAtATime(_Quiet):
     """A busy server: completes one request every ``GAP`` seconds, in turn (vLLM answers a
     non-streamed request only when it is done, so a queued one's socket is silent until then)."""
 
@@ -573,13 +575,7 @@ class _OneAtATime(http.server.BaseHTTPRequestHandler):
             choice = {"index": 0, "token_ids": [3, 4], "logprobs": {"token_logprobs": [-0.5, -0.25]}}
             answer = {"choices": [{**choice, "index": i} for i in range(request["n"])]}
         body = json.dumps(answer).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
+        self.reply(body)
 
 
 def test_a_busy_server_that_keeps_answering_is_not_a_hung_one(tiny_policy):
@@ -659,7 +655,7 @@ def test_a_few_suppressed_tokens_go_as_a_bias_and_most_of_the_vocabulary_as_the_
     assert "logit_bias" not in none and "allowed_token_ids" not in none
 
 
-class _Biased(http.server.BaseHTTPRequestHandler):
+class _Biased(_Quiet):
     """A server whose bias is not enough: under ``logit_bias`` sample 1 of a request holds the
     suppressed id 7 (a model that puts its logit 100 above the rest); under ``allowed_token_ids``
     every sample holds 4 there instead (7 where ``ignores_allowed``). Records every completion
@@ -683,13 +679,7 @@ class _Biased(http.server.BaseHTTPRequestHandler):
 
             answer = {"choices": [choice(i) for i in range(request["n"])][::-1]}  # in any order
         body = json.dumps(answer).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
+        self.reply(body)
 
 
 @pytest.fixture
@@ -739,7 +729,7 @@ def test_a_server_that_ignores_the_allowed_ids_stops_the_batch_in_one_line(biase
     assert len(_Biased.requests) == 2  # once, not again and again
 
 
-class _KeepAlive(http.server.BaseHTTPRequestHandler):
+class _KeepAlive(_Quiet):
     """A server that keeps connections open between answers (HTTP/1.1) and answers every completion
     at once; records the client's threads (those not the fake server's own) at each request."""
 
@@ -755,13 +745,7 @@ class _KeepAlive(http.server.BaseHTTPRequestHandler):
         }
         choice = {"token_ids": [3, 4], "logprobs": {"token_logprobs": [-0.5, -0.25]}}
         body = json.dumps({"choices": [{**choice, "index": i} for i in range(request["n"])]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
+        self.reply(body)
 
 
 class _Counting(_Backlogged):
@@ -838,7 +822,7 @@ def test_a_forked_child_makes_connections_of_its_own(counting, tiny_policy, monk
     assert not parents.thread.is_alive()
 
 
-class _Holding(http.server.BaseHTTPRequestHandler):
+class _Holding(_Quiet):
     """Completions that never come, each held until its client closes the connection (the fake
     server records it) or the test ends; ``failing`` prompts are answered HTTP 500 once
     ``held_first`` requests are held (so the failure ends a batch with those out, whichever thread
@@ -857,10 +841,7 @@ class _Holding(http.server.BaseHTTPRequestHandler):
             with self.holding:  # a guard: the others are sent at once, held within milliseconds
                 self.holding.wait_for(lambda: len(self.held) >= self.held_first, timeout=60)
             body = b'{"error": {"message": "no room", "code": 500}}'
-            self.send_response(500)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.reply(body, status=500)
             return
         with self.holding:
             self.held.append(1)
@@ -871,9 +852,6 @@ class _Holding(http.server.BaseHTTPRequestHandler):
                 if not self.connection.recv(1, socket.MSG_PEEK):  # the client closed it
                     self.closed.append(1)
                     return
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 class _Joined(_Backlogged):
@@ -923,7 +901,7 @@ def test_a_batch_that_ends_early_leaves_no_request_running(ending, tiny_policy):
         server.server_close()
 
 
-class _Faulty(http.server.BaseHTTPRequestHandler):
+class _Faulty(_Quiet):
     """Answers every call with its ``fault``."""
 
     fault = "status"
@@ -936,13 +914,7 @@ class _Faulty(http.server.BaseHTTPRequestHandler):
             "not json": (b"<html>proxy error</html>", 200, None),
             "cut short": (b'{"choices": [', 200, 100),  # promises 100 bytes, sends 13
         }[self.fault]
-        self.send_response(status)
-        self.send_header("Content-Length", str(length or len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
+        self.reply(body, status=status, length=length)
 
 
 @pytest.mark.parametrize("fault", ["status", "unauthorized", "not json", "cut short", "down", "hung"])

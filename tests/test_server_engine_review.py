@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import http.server
 import json
 import os
 import threading
@@ -22,7 +21,14 @@ from lightning_ppo.rollout.engines import server_session
 from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
 from lightning_ppo.rollout.engines.server_memory import MemorySync
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
-from tests.test_server_engine import _Backlogged, _Counting, _KeepAlive, _server_engine, _suppressing_engine
+from tests.test_server_engine import (
+    _Backlogged,
+    _Counting,
+    _KeepAlive,
+    _Quiet,
+    _server_engine,
+    _suppressing_engine,
+)
 
 
 @pytest.fixture
@@ -79,7 +85,7 @@ def test_a_forked_child_that_lets_go_of_the_parents_connections_leaves_them_work
         engine.close()
 
 
-class _Speculative(http.server.BaseHTTPRequestHandler):
+class _Speculative(_Quiet):
     """A vLLM server with speculative decoding: a completion request with ``logit_bias`` is refused
     with vLLM 0.32's words, one with ``allowed_token_ids`` answered. Records every request."""
 
@@ -103,13 +109,7 @@ class _Speculative(http.server.BaseHTTPRequestHandler):
             message += "decoding."
             status, answer = 400, {"error": {"message": message, "type": "BadRequestError", "code": 400}}
         body = json.dumps(answer).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
+        self.reply(body, status=status)
 
 
 @pytest.fixture
