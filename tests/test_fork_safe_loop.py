@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import sys
 
@@ -35,3 +36,22 @@ def test_a_forked_child_closing_a_connection_leaves_the_parents_working():
             line = asyncio.run_coroutine_threadsafe(reader.readline(), loop)
             assert line.result(20) == b"still here\n"  # hung, then TimeoutError, before the fix
         writer.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_a_child_forked_while_the_loop_was_being_made_gets_its_own_loop():
+    """A fork from one thread while another holds the loop's lock (making the loop): the child's
+    first async call makes its own loop instead of waiting for a lock no thread there will free."""
+    from lightning_ppo.runs import background_loop as module
+
+    with module._LOCK:  # as the thread starting the loop holds it
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)  # bounded: a child that waits forever dies of SIGALRM
+            try:
+                loop = module.background_loop()
+                done = asyncio.run_coroutine_threadsafe(asyncio.sleep(0, result=7), loop).result(20)
+                os._exit(0 if done == 7 else 3)
+            finally:
+                os._exit(4)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0

@@ -49,6 +49,16 @@ _CURRENT: _Loop | None = None
 _LOCK = threading.Lock()
 
 
+def _fresh_lock_in_child() -> None:
+    """A child forked while another thread held ``_LOCK`` (starting the loop) inherits it held, by a
+    thread that does not exist there: its first async call would wait forever."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
+
+
 def background_loop() -> asyncio.AbstractEventLoop:
     """The loop, started on first use and again when its thread is gone (a forked child, a given-up
     or stopped loop). One loop for the whole run, so a run started from inside a running loop (a
