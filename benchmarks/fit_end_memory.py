@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds; medians reported")
     parser.add_argument("--variants", default=",".join(RUNNERS))
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--json", help="also write the table's rows to this file")
     parser.add_argument("--child-build", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--child-teardown", nargs=2, help=argparse.SUPPRESS)
     ns = parser.parse_args()
@@ -129,19 +130,33 @@ def main() -> None:
         f"{ns.batch_size} x {ns.response_length} new tokens, {ns.iterations} iterations, medians of "
         f"{ns.rounds} round(s); the driver's own peak RSS {driver_mib:.0f} MiB"
     )
-    floor = statistics.median(r["outside_mib"] for r in rows["floor"]) if "floor" in rows else None
+    table = medians(rows, ns)
     print(
         "| variant | peak RSS, from outside (MiB) | x floor | training peak, its own (MiB) "
         "| run's peak, its own (MiB) | peak GPU (MiB) |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
+    for row in table:
+        ratio = f"{row['x_floor']:.2f}" if row["x_floor"] is not None else ""
+        print(
+            f"| {row['variant']} | {row['outside_mib']:.0f} | {ratio} | {row['train_mib']:.0f} "
+            f"| {row['inside_mib']:.0f} | {row['gpu_mib']:.0f} |"
+        )
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(table, indent=1))
+
+
+def medians(rows: dict[str, list[dict[str, float]]], ns: argparse.Namespace) -> list[dict]:
+    """One row per variant: the medians of its rounds, its shape and its peak against the floor's."""
+    floor = statistics.median(r["outside_mib"] for r in rows["floor"]) if "floor" in rows else None
+    shape = {"preset": ns.preset, "precision": ns.precision}
+    shape |= {"batch_size": ns.batch_size, "response_length": ns.response_length}
+    table = []
     for variant, runs in rows.items():
         med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        ratio = f"{med['outside_mib'] / floor:.2f}" if floor else ""
-        print(
-            f"| {variant} | {med['outside_mib']:.0f} | {ratio} | {med['train_mib']:.0f} "
-            f"| {med['inside_mib']:.0f} | {med['gpu_mib']:.0f} |"
-        )
+        x_floor = med["outside_mib"] / floor if floor else None
+        table.append({"variant": variant, **shape, **med, "x_floor": x_floor})
+    return table
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     python -m benchmarks.gpu_check --out runs/gpu-check --budget 480
 
 Runs with the interpreter it is given, as it is: no venv, no downloads (a GPU machine may be
-offline). Three stages, each given a share of ``--budget`` seconds and skipped, saying so, when
+offline). Stages, each given a share of ``--budget`` seconds and skipped, saying so, when
 too little is left:
 
 1. side by side (tiny models, untimed): the GPU-only tests (``tests/test_gpu.py``: every model family
@@ -19,8 +19,11 @@ too little is left:
 4. the same on variable lengths (``bench-64x32-variable``, the benchmark's variable-length table):
    64 prompts of 8 to 64 tokens, responses cut at 1 to 32 tokens (each prompt's scheduled length,
    the same in every variant, TRL's included): TRL, lightning_ppo compiled and eager, the floor;
-5. the same at batch 256 x 256 new tokens: lightning_ppo and the floor;
-6. decoding alone (``benchmarks.decoding``, where it exists): ms per step against length.
+5. the same at batch 256 x 256 new tokens: lightning_ppo compiled (decoding and loss) and eager, and
+   the floor; each row's iteration and generation against the floor's (issue 43's targets: 0.8x, 0.5x);
+6. decoding alone (``benchmarks.decoding``, where it exists): ms per step against length;
+7. ``fit-end``: the whole process's peak host RSS, read from outside, of lightning_ppo and the floor at
+   64 x 32 (``benchmarks.fit_end_memory``; the target: at most 1.2x the floor's).
 
 ``--stages`` picks and orders them (a short lease: the rows that matter first).
 
@@ -60,6 +63,9 @@ TINY = {
 # in run order: what the targets compare first, should the time run out
 MAIN_VARIANTS = ("lightning_ppo", "floor", "trl", "lightning_ppo_compiled")
 LONG_VARIANTS = ("lightning_ppo", "floor")
+# 256 x 256's, in run order: the targets are the compiled variant's generation and iteration
+# against the floor's
+LONG_256_VARIANTS = ("lightning_ppo_compiled", "floor", "lightning_ppo")
 # The variable-length stage's, in run order: the target is the compiled variant's time against TRL's
 VARIABLE_VARIANTS = ("trl", "lightning_ppo_compiled", "lightning_ppo", "floor")
 # Each stage's share of the budget (at most: a stage that ends early leaves its time to the next).
@@ -70,6 +76,7 @@ STAGE_SHARES = {
     "bench-64x32-variable": 0.45,
     "bench-256x256": 0.3,
     "decoding": 0.15,
+    "fit-end": 0.2,
 }
 # The GSM8K recipe (configs/gsm8k_ppo.yaml): batch 64, ~200-token prompts, 1 epoch x 4 minibatches
 RECIPE = ["--configs", "qwen2.5-0.5b", "--batch-size", "64", "--prompt-length", "200"]
@@ -311,7 +318,8 @@ def bench(
         return [Line(name, ",".join(known), "bf16-mixed", "FAILED", note=failure or "no results")]
     records = [r for r in json.loads(results.read_text()) if r["group"] == group]
     lines = [bench_line(name, r) for r in records]
-    against_trl(lines, records)
+    against(lines, records, "trl")
+    against(lines, records, "floor")
     ran = {r["spec"]["variant"] for r in records}
     return lines + [not_run(name, v, failure, log) for v in known if v not in ran]
 
@@ -339,13 +347,22 @@ def bench_line(name: str, r: dict) -> Line:
     return Line(name, what, spec["precision"], status, seconds, *memory, note)
 
 
-def against_trl(lines: list[Line], records: list[dict]) -> None:
-    """Each row's seconds per iteration against TRL's in the same table, first in its note."""
-    rows = [(line, r["spec"]["variant"]) for line, r in zip(lines, records, strict=True) if line.s_per_it]
-    trl = next((line.s_per_it for line, variant in rows if variant == "trl" and line.status == "ok"), None)
-    for line, variant in rows:
-        if trl and line.status == "ok" and variant != "trl":
-            line.note = f"{line.s_per_it / trl:.2f}x TRL, {line.note}"
+def against(lines: list[Line], records: list[dict], reference: str) -> None:
+    """Each row's seconds per iteration against ``reference``'s in the same table, first in its note;
+    against the floor also its generation's seconds (the ``generate`` phase), where both timed it."""
+    rows = [(line, r) for line, r in zip(lines, records, strict=True) if line.s_per_it]
+    rows = [(line, r) for line, r in rows if line.status == "ok"]
+    ref = next(((line, r) for line, r in rows if r["spec"]["variant"] == reference), None)
+    if ref is None:
+        return
+    for line, r in rows:
+        if r["spec"]["variant"] in (reference, "trl"):
+            continue
+        name = "TRL" if reference == "trl" else reference
+        said = f"{line.s_per_it / ref[0].s_per_it:.2f}x {name}"
+        ours, theirs = generate_s(r), generate_s(ref[1])
+        said += f" (generation {ours / theirs:.2f}x)" if reference == "floor" and ours and theirs else ""
+        line.note = f"{said}, {line.note}"
 
 
 def not_run(name: str, variant: str, failure: str | None, log: Path) -> Line:
@@ -355,13 +372,18 @@ def not_run(name: str, variant: str, failure: str | None, log: Path) -> Line:
     return Line(name, variant, "", "skipped", note=(said or [f"not run: {failure or 'see ' + log.name}"])[0])
 
 
-def generated_per_s(result: dict) -> float | None:
-    """Generated tokens per second of generation: rows x new tokens over the ``generate`` phase's
-    seconds (medians of the iterations after the first), where the run timed its phases."""
+def generate_s(result: dict) -> float | None:
+    """The ``generate`` phase's seconds, the median of the iterations after the first, where the run
+    timed its phases."""
     seconds = [phase["generate"] for phase in result.get("phases", []) if "generate" in phase]
     seconds = seconds[1:] or seconds
-    width, rows = result.get("response_width"), result["spec"]["batch_size"]
-    return rows * width / statistics.median(seconds) if seconds and width else None
+    return statistics.median(seconds) if seconds else None
+
+
+def generated_per_s(result: dict) -> float | None:
+    """Generated tokens per second of generation: rows x new tokens over :func:`generate_s`."""
+    seconds, width, rows = generate_s(result), result.get("response_width"), result["spec"]["batch_size"]
+    return rows * width / seconds if seconds and width else None
 
 
 # ----------------------------------------------------------------------------- the table
@@ -455,8 +477,10 @@ def run_stage(stage: str, out: Path, allowed: float, args: argparse.Namespace) -
         trial = VARIABLE_TRIAL if args.accelerator == "cpu" else []
         extra = [*VARIABLE, *kept, *device, *trial]
         return bench(out, stage, allowed, VARIABLE_VARIANTS, extra, group="variable")
+    if stage == "fit-end":
+        return fit_end(out, allowed, args.accelerator)
     long = ["--iterations", "2", "--batch-size", "256", "--response-length", "256"]
-    return bench(out, stage, allowed, LONG_VARIANTS, [*long, *device])
+    return bench(out, stage, allowed, LONG_256_VARIANTS, [*long, *device])
 
 
 def recipe(out: Path, allowed: float, device: list[str]) -> list[Line]:
@@ -487,6 +511,29 @@ def decoding(out: Path, allowed: float, accelerator: str) -> list[Line]:
     failure = run_logged(command, log, allowed)
     status = "ok" if failure is None else "FAILED"
     return [Line("decoding", "benchmarks.decoding", "bf16-mixed", status, note=failure or f"table in {log}")]
+
+
+def fit_end(out: Path, allowed: float, accelerator: str) -> list[Line]:
+    """``benchmarks.fit_end_memory``: the whole process's peak host RSS, read from outside, of
+    lightning_ppo and the floor (the target: at most 1.2x the floor's)."""
+    shape = ["--preset", "llama-0.5b", "--precision", "bf16-mixed"]
+    shape += ["--batch-size", "64", "--response-length", "32"]
+    if accelerator == "cpu":
+        shape = ["--preset", "tiny-llama", "--batch-size", "8", "--response-length", "8", "--threads", "1"]
+    rows = out / "fit-end.json"
+    command = [sys.executable, "-m", "benchmarks.fit_end_memory", "--device", accelerator, *shape]
+    command += ["--variants", "floor,lightning_ppo", "--json", str(rows)]
+    failure = run_logged(command, out / "fit-end.log", allowed)
+    if failure or not rows.exists():
+        return [Line("fit-end", "floor,lightning_ppo", "", "FAILED", note=failure or "no results")]
+    lines = []
+    for r in json.loads(rows.read_text()):
+        note = f"{r['x_floor']:.2f}x the floor's peak RSS (whole process, from outside)"
+        note += f"; training peak {r['train_mib']:.0f} MiB"
+        what = f"{r['variant']} {r['preset']} b{r['batch_size']} x {r['response_length']}"
+        memory = r["gpu_mib"] or None, r["outside_mib"]
+        lines.append(Line("fit-end", what, r["precision"], "ok", None, *memory, note))
+    return lines
 
 
 if __name__ == "__main__":

@@ -155,3 +155,34 @@ def test_gpu_check_kills_a_timed_out_command_with_its_children(tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError(f"the command's child {pid} outlived its timeout")
+
+
+def test_gpu_check_sets_each_row_against_the_floor_and_trl():
+    from benchmarks.gpu_check import Line, against
+
+    def record(variant: str, generate: list[float]) -> dict:
+        return {"spec": {"variant": variant}, "phases": [{"generate": s} for s in generate]}
+
+    records = [record("lightning_ppo_compiled", [9.0, 2.0]), record("floor", [9.0, 5.0]), record("trl", [])]
+    seconds = zip(records, [3, 4, 6], strict=True)
+    lines = [Line("s", r["spec"]["variant"], "", "ok", s, note="n") for r, s in seconds]
+    against(lines, records, "trl")
+    against(lines, records, "floor")
+    # the first (warm-up) iteration's generation left out: 2 s against the floor's 5 s
+    assert lines[0].note == "0.75x floor (generation 0.40x), 0.50x TRL, n"
+    assert lines[1].note == "0.67x TRL, n"
+    assert lines[2].note == "n"  # TRL's own row is set against nothing
+
+
+def test_gpu_check_fit_end_stage_runs_its_cpu_trial(tmp_path):
+    # the stage's command and rows on the CPU (its runs real processes, read from outside), not its figures
+    from benchmarks import gpu_check
+
+    argv = ["--accelerator", "cpu", "--stages", "fit-end", "--out", str(tmp_path), "--budget", "600"]
+    assert gpu_check.main(argv) == 0
+    rows = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert [row["what"] for row in rows] == ["floor tiny-llama b8 x 8", "lightning_ppo tiny-llama b8 x 8"]
+    for row in rows:
+        assert row["status"] == "ok" and row["rss_mib"] > 100
+        assert re.match(r"\d\.\d\dx the floor's peak RSS", row["note"])
+    assert rows[0]["note"].startswith("1.00x")
