@@ -190,6 +190,22 @@ def test_prompt_widths_share_a_graph_and_a_smaller_batch_is_padded(tiny):
     assert {key[1] for key in state.caches} == {4} and sorted(key[2] for key in state.caches) == [28, 28 + 16]
 
 
+def test_a_generation_inside_the_window_decodes_compiled_though_its_rounded_cache_is_not(tiny):
+    """Mistral's window here is 64: prompts 40 wide round to 64 and 12 new tokens make a cache of 76,
+    which the window would slide (decoded eagerly before), though 40 + 12 tokens fit in it: the cache
+    is the window's 64. Prompts 60 wide (72 tokens) do slide it and still decode eagerly."""
+    model = _load(tiny["mistral"])
+    assert model.config.sliding_window == 64
+    config = _config(model, do_sample=False, compiled=True)
+    ids, mask = _prompts(width=40)
+    with torch.no_grad():
+        compiled = compiled_decoding.decode(model, ids, mask, config)
+        sliding = compiled_decoding.decode(model, *_prompts(width=60), config)
+    assert compiled is not None and sliding is None  # None: decode it eagerly
+    assert torch.equal(compiled, _decode(model, ids, mask, config, compiled=False)[0])
+    assert [key[2] for key in state_of(model).caches if state_of(model).caches[key]] == [64]
+
+
 def test_buckets():
     assert [prompt_bucket(w) for w in (1, 16, 17, 100, 256, 257)] == [16, 16, 32, 128, 256, 512]
     assert [batch_bucket(rows) for rows in (1, 2, 3, 4, 5, 8, 9, 12)] == [1, 2, 4, 4, 8, 8, 16, 16]

@@ -14,7 +14,8 @@ built outside the graph at the cache's full length. What it leaves to the caller
   samples never depends on the batches decoded before it, as after a resume or in a snapshot,
   since the extra rows draw from the generator too), and the cache length is
   ``max_new_tokens`` plus the prompt width rounded up to a power of two (at least
-  :data:`MIN_PROMPT_BUCKET`). A run of fixed-width prompts compiles once; prompts of 8-256 tokens
+  :data:`MIN_PROMPT_BUCKET`), or a sliding window's length where the generation fits in it
+  (:func:`cache_length`). A run of fixed-width prompts compiles once; prompts of 8-256 tokens
   at most five times per batch size.
 - **One cache per shape, kept.** Each (batch, length, dtype) gets one static cache, reset and reused
   by every later call instead of allocated per call (CUDA graphs replay on fixed addresses). They
@@ -156,6 +157,19 @@ def without_windows(cache: transformers.Cache, length: int) -> bool:
     for i in windows:
         cache.layers[i] = WindowLayer(max_cache_len=length)
     return True
+
+
+def cache_length(config: transformers.PretrainedConfig, width: int, new_tokens: int) -> int:
+    """The cache a generation of ``new_tokens`` after prompts ``width`` wide decodes in: the prompt
+    bucket plus ``new_tokens``, or the model's shortest attention window where the generation fits
+    in it and the rounding alone would not (else the window would slide and the call decode eagerly:
+    a Gemma 3 window of 1024, prompts of 600 tokens rounded to 1024, 256 new tokens). At most one
+    more length per ``new_tokens``."""
+    length = prompt_bucket(width) + new_tokens
+    lazy = OneDtypeStaticCache(config=config, max_cache_len=length)  # its layers allocate on first use
+    windows = [layer.max_cache_len for layer in lazy.layers if getattr(layer, "is_sliding", False)]
+    window = min(windows, default=length)
+    return window if width + new_tokens <= window < length else length
 
 
 def batch_bucket(rows: int) -> int:
@@ -304,7 +318,7 @@ def decode(
     # leaving inference mode turns gradients on.
     with state.lock, torch.inference_mode(False), torch.no_grad():
         batch = batch_bucket(rows)
-        length = prompt_bucket(width) + generation_config.max_new_tokens
+        length = cache_length(model.config, width, generation_config.max_new_tokens)
         dtypes = (next(model.parameters()).dtype, autocast_dtype(device))
         key = (type(_base(model)), batch, length, device, *dtypes)  # [3:5]: where the weights are
         cache = state.cache(model, key, length)
