@@ -77,7 +77,8 @@ class GenerationConfig:
             (``lightning_ppo/rollout/compiled_decoding.py``). The batch is padded to the next power of
             two of its rows and the cache sized to ``max_new_tokens`` plus the prompt width rounded up
             to a power of two, so a run compiles once per such shape (once for fixed-width prompts);
-            each shape's cache stays allocated through the update. The prefill, the sampling and an
+            each shape's cache stays allocated through the update. A generation longer than a
+            sliding-window model's window decodes eagerly. The prefill, the sampling and an
             ``episode.keep_cache`` cache run eagerly. Needs ``cache_implementation: static``; refused
             under FSDP2. Greedy tokens are eager's; sampled ones follow another random stream
             whenever the batch is padded.
