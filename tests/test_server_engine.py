@@ -997,3 +997,63 @@ def test_a_request_on_a_kept_alive_connection_the_server_closed_is_sent_again(ev
         server.shutdown()
         server.server_close()
     assert (handler.seen, handler.connections) == ((1, 1) if every else (5, 3))
+
+
+class _Restarting(_Quiet):
+    """A server that restarts as the second completion arrives: it drops that request unanswered
+    (as a dying server drops what is on its connections) and comes back holding its startup
+    checkpoint (weights version "", whose samples are [5, 6] where the synced weights' are [3, 4]).
+    Keeps connections open between answers, so the dropped request went out on a kept-alive one
+    and the client sends it again, to the restarted server."""
+
+    protocol_version = "HTTP/1.1"
+    version = SYNCED
+    completions = 0
+    by_startup = 0  # completions answered with the startup checkpoint
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path == "/collective_rpc":
+            self.reply(json.dumps({"results": [self.version]}).encode())
+            return
+        type(self).completions += 1
+        if self.completions == 2:
+            type(self).version = ""
+            self.close_connection = True
+            return
+        tokens = [3, 4] if self.version == SYNCED else [5, 6]
+        type(self).by_startup += self.version != SYNCED
+        choice = {"token_ids": tokens, "logprobs": {"token_logprobs": [-0.5, -0.5]}}
+        self.reply(json.dumps({"choices": [{**choice, "index": i} for i in range(request["n"])]}).encode())
+
+
+def test_a_server_restarted_while_its_batch_is_out_stops_the_run_after_the_batch(tiny_policy, monkeypatch):
+    """Three requests one at a time: the first answered by the synced weights, the second dropped by
+    the server's restart and sent again on a new connection (4 sent for 3), answered with the
+    startup checkpoint, as is the third. The batch is refused in one line naming the server, not
+    returned as the synced version's: the next sync would load the restarted server again, and no
+    later check would see that one rollout was sampled by two versions."""
+    from lightning_ppo.rollout.engines import server_session
+
+    # The first connection must still be pooled at the second request (a loaded machine may be
+    # slower than the 2 s the client keeps an idle one): the resend is what this test is about.
+    monkeypatch.setattr(server_session, "KEEP_ALIVE_S", 600.0)
+    handler = type("Restarting", (_Restarting,), {"version": SYNCED, "completions": 0, "by_startup": 0})
+    server = _Backlogged(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        engine = _server_engine(tiny_policy, url, timeout=30)
+        engine.max_in_flight = 1
+        ids = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+        with pytest.raises(GenerationServerError) as caught:
+            engine.generate(ids, torch.ones_like(ids))
+        engine.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (handler.completions, handler.by_startup) == (4, 2)
+    assert str(caught.value).startswith(
+        f"generation server {url} (weights version): holds weights version none (its startup "
+        "checkpoint), not this run's last sync (run/1): restarted while this batch was out"
+    ), str(caught.value)

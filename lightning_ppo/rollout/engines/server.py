@@ -12,8 +12,9 @@ and tokenizer, with the sampling settings this package needs. Every call is boun
 ``generation.server_timeout`` (:mod:`.server_client`), and a batch's requests together by the same
 bound without an answer (:mod:`.server_batch`); they go over pooled connections on the engine's own
 event loop (:mod:`.server_connections`), closed at the end of each fit. Before each batch a synced
-server is asked which weights it holds: one restarted since the last sync (serving its startup
-checkpoint) stops the run in one line. Servers are started with ``lightning-ppo serve``.
+server is asked which weights it holds, and after it each server that answered: one restarted since
+the last sync (serving its startup checkpoint) stops the run in one line. Servers are started with
+``lightning-ppo serve``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -229,7 +230,8 @@ class VLLMServerEngine:
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor) -> Rollout:
         if not self.served_names:
             self.served_names = [self._served_name(server) for server in self.servers]
-        self._check_versions()
+        version = self._version(self.syncs) if self.syncs else None  # None: this engine never synced
+        self._check_versions(version, range(len(self.servers)), since="restarted since")
         prompts = [row[mask].tolist() for row, mask in zip(prompt_ids, prompt_mask.bool(), strict=True)]
         # One request per group of identical prompts, n samples seeded seed + i (as the colocated
         # engine seeds its rows): a group shares one server's prefix cache.
@@ -237,7 +239,8 @@ class VLLMServerEngine:
         seeds = group_seeds(groups)
         first = self.placement.rank * len(groups)  # spreads every rank's requests over the servers
         connections = self._connected()
-        sessions = [connections.sessions[(first + i) % len(self.servers)] for i in range(len(groups))]
+        targets = [(first + i) % len(self.servers) for i in range(len(groups))]
+        sessions = [connections.sessions[target] for target in targets]
         calls = [
             partial(self._complete, session, prompts[start], seed, count)
             for session, (start, count), seed in zip(sessions, groups, seeds, strict=True)
@@ -252,6 +255,15 @@ class VLLMServerEngine:
                 f"no completion of {len(stalled.waiting)} request(s) within {server.timeout:g} s "
                 "(generation.server_timeout)",
             ) from None
+        # A server restarted while the batch was out answered (a request sent again on a new
+        # connection, or sent later) with its startup checkpoint, and the next sync would load it
+        # again unseen. A version changes only by a sync (a new one) or a restart (none): one that
+        # holds the batch's now held it throughout.
+        self._check_versions(
+            version,
+            sorted(set(targets)),
+            since="restarted while this batch was out (none of it is trained on)",
+        )
         tokens = [row for answer in answers for row, _ in answer]
         logprobs = [row for answer in answers for _, row in answer]
         pad = self.hf_generation.pad_token_id
@@ -275,19 +287,19 @@ class VLLMServerEngine:
     def _version(self, syncs: int) -> str:
         return f"{self.tag}/{syncs}"
 
-    def _check_versions(self) -> None:
-        """Each server holds the weights of this engine's last sync (a server restarted since serves
-        its startup checkpoint, and would answer as if nothing happened)."""
-        if self.syncs == 0:  # this engine never synced: nothing of its own to look for
+    def _check_versions(self, version: str | None, indices: Iterable[int], since: str) -> None:
+        """Each server of ``indices`` holds ``version``, the weights of this engine's last sync (a
+        server restarted ``since`` serves its startup checkpoint, and answers as if nothing happened)."""
+        if version is None:  # this engine never synced: nothing of its own to look for
             return
-        for server in self.servers:
+        for server in (self.servers[index] for index in indices):
             held = server.rpc("lppo_version")
-            if held != self._version(self.syncs):
+            if held != version:
                 raise server.error(
                     "weights version",
                     f"holds weights version {held or 'none (its startup checkpoint)'}, not this run's last "
-                    f"sync ({self._version(self.syncs)}): restarted since, or synced by another run? Resume "
-                    "the run (--ckpt_path last) to sync it again",
+                    f"sync ({version}): {since}, or synced by another run? Resume the run (--ckpt_path "
+                    "last) to sync it again",
                 )
 
     async def _complete(
