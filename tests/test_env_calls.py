@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import re
 import sys
@@ -260,6 +261,32 @@ def test_an_async_call_that_blocks_the_loop_is_named_and_a_new_loop_serves_later
     finally:
         release.set()
     assert [o.value for o in _finishes_within(20, run_bounded, [answers], 5, 4)] == ["still here"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="counts the process's descriptors in /proc")
+def test_a_given_up_loop_is_closed_once_what_blocked_it_returns():
+    """Each given-up loop held an epoll object and a self-pipe (3 descriptors) until exit: the count
+    grew by 3 per give-up. Once the blocking call returns, the old loop's thread closes it."""
+    from lightning_ppo.runs import background_loop as module
+
+    assert [o.value for o in _finishes_within(20, run_bounded, [answers], 5, 4)] == ["still here"]
+    for thread in threading.enumerate():  # loops given up by earlier tests, closing meanwhile
+        if thread.name == "lightning-ppo-async" and thread is not module._CURRENT.thread:
+            thread.join(30)
+    start = len(os.listdir("/proc/self/fd"))  # with one loop serving, as at the end of each round
+    for _ in range(3):
+        loop, thread = background_loop(), module._CURRENT.thread
+        release = threading.Event()
+        try:
+            with pytest.raises(LoopBlocked):
+                _finishes_within(30, run_bounded, [partial(BlocksTheLoop(release).step, 1)], 0.2, 4)
+        finally:
+            release.set()
+        thread.join(30)  # bounded: the thread ends once the freed loop stops and is closed
+        assert not thread.is_alive() and loop.is_closed()  # still open, and counted, before the fix
+        assert [o.value for o in _finishes_within(20, run_bounded, [answers], 5, 4)] == ["still here"]
+        assert len(os.listdir("/proc/self/fd")) == start
+    assert [t.name for t in threading.enumerate()].count("lightning-ppo-async") == 1
 
 
 # ----------------------------------------------------------------- episodes

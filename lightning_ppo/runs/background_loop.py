@@ -10,8 +10,8 @@ caller waiting on it would then wait forever:
 - a callback holds it: an ``async def`` that makes a blocking call (``time.sleep``, ``requests``)
   stops every other coroutine, and no timeout can fire while it blocks. :func:`wait_on_loop` sends
   the loop a no-op while it waits; one left unanswered past ``blocked_after`` seconds means the loop
-  is blocked: the loop is given up (a new one serves later calls) and :class:`LoopBlocked` names
-  the task that held it.
+  is blocked: the loop is given up (a new one serves later calls; its own thread closes the old one
+  once the call that held it returns) and :class:`LoopBlocked` names the task that held it.
 """
 
 from __future__ import annotations
@@ -67,20 +67,49 @@ def background_loop() -> asyncio.AbstractEventLoop:
     with _LOCK:
         if _CURRENT is None or not _CURRENT.serves():
             loop = fork_safe_loop.new_event_loop()  # a forked child cannot unhook its sockets
-            thread = threading.Thread(target=loop.run_forever, name="lightning-ppo-async", daemon=True)
+            thread = threading.Thread(target=_serve, args=(loop,), name="lightning-ppo-async", daemon=True)
             thread.start()
             _CURRENT = _Loop(loop, thread, os.getpid())
         return _CURRENT.loop
 
 
-def give_up(loop: asyncio.AbstractEventLoop) -> None:
-    """Serve later calls from a new loop; ``loop`` stops once whatever holds it lets go."""
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """The loop's thread: it runs the loop until stopped (given up and free again, stopped, or ended
+    by an exception), then closes it, which gives back its epoll object and self-pipe. Only this
+    thread can: ``close()`` refuses a running loop, and a loop held by a coroutine that never returns
+    is running for good; closing its descriptors under it from outside would hand their numbers to
+    whatever opens next while the loop still polls them. Such a loop and its thread stay until exit."""
+    try:
+        loop.run_forever()
+    finally:
+        _forget(loop)  # no later call is handed a loop on its way out
+        try:  # as asyncio.run: async generators left open get their aclose on a loop still open
+            closing = loop.create_task(loop.shutdown_asyncgens())
+            loop.run_until_complete(asyncio.wait({closing}, timeout=_DRAIN_S))
+        finally:
+            loop.close()
+
+
+def _forget(loop: asyncio.AbstractEventLoop) -> None:
     global _CURRENT
     with _LOCK:
         if _CURRENT is not None and _CURRENT.loop is loop:
             _CURRENT = None
-    if not loop.is_closed():  # once free, it finishes the cancelled calls (no pending tasks left), then stops
-        loop.call_soon_threadsafe(loop.call_later, _DRAIN_S, loop.stop)
+
+
+def give_up(loop: asyncio.AbstractEventLoop) -> None:
+    """Serve later calls from a new loop; ``loop`` stops, and its thread closes it, once whatever
+    holds it lets go."""
+    _forget(loop)
+    # Once free, it finishes the cancelled calls (no pending tasks left), then stops.
+    _call_soon(loop, loop.call_later, _DRAIN_S, loop.stop)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # closed meanwhile by its own thread: there is nothing left to tell it
+        pass
 
 
 def wait_on_loop(
@@ -98,16 +127,16 @@ def wait_on_loop(
         except concurrent.futures.TimeoutError:
             pass
         except BaseException:  # a Ctrl-C while waiting: the calls are cancelled, not left to run on
-            future.cancel()
+            _cancel(future, loop)
             raise
-        if thread is not None and not thread.is_alive():
-            future.cancel()
+        if loop.is_closed() or (thread is not None and not thread.is_alive()):
+            _cancel(future, loop)
             raise RuntimeError("lightning_ppo's background event loop stopped; the call cannot finish")
         if beat is None or beat.is_set():
             beat, sent = threading.Event(), time.monotonic()
-            loop.call_soon_threadsafe(beat.set)
+            _call_soon(loop, beat.set)  # a loop closed meanwhile is seen at the next look
         elif blocked_after is not None and time.monotonic() - sent > blocked_after:
-            future.cancel()
+            _cancel(future, loop)
             holder = _holder(loop)
             give_up(loop)
             raise LoopBlocked(
@@ -116,6 +145,13 @@ def wait_on_loop(
                 "async def stops every async call; await the async form (asyncio.sleep, an async "
                 "client) or make it a plain def, which runs on a thread of its own"
             )
+
+
+def _cancel(future: concurrent.futures.Future, loop: asyncio.AbstractEventLoop) -> None:
+    # The cancel is handed to the loop's thread; a closed loop's tasks are gone with it, and handing
+    # it there would only log a RuntimeError from the future's callback.
+    if not loop.is_closed():
+        future.cancel()
 
 
 def _thread_of(loop: asyncio.AbstractEventLoop) -> threading.Thread | None:
