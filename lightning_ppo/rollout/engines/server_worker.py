@@ -60,7 +60,8 @@ class WeightSyncExtension:
     """Methods vLLM adds to every worker of a ``lightning-ppo serve`` server."""
 
     # The trainer's sync count of the weights loaded last ("": the startup checkpoint's): a server
-    # restarted between a sync and a batch is seen before it samples (server.VLLMServerEngine).
+    # restarted between a sync and a batch is seen before it samples, one restarted while the batch
+    # was out after its answers, before any is trained on (server.VLLMServerEngine).
     lppo_weights_version = ""
 
     def lppo_describe(self) -> dict[str, Any]:
