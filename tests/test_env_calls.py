@@ -4,6 +4,7 @@ what they answer is checked as a reward function's answer is (runs/bounded_calls
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import os
 import random
@@ -287,6 +288,26 @@ def test_a_given_up_loop_is_closed_once_what_blocked_it_returns():
         assert [o.value for o in _finishes_within(20, run_bounded, [answers], 5, 4)] == ["still here"]
         assert len(os.listdir("/proc/self/fd")) == start
     assert [t.name for t in threading.enumerate()].count("lightning-ppo-async") == 1
+
+
+class LandsLate(concurrent.futures.Future):
+    """A call's answer that lands just after its waiter's poll timed out."""
+
+    def result(self, timeout=None):
+        if not self.done():
+            self.set_result("answer")
+            raise concurrent.futures.TimeoutError
+        return super().result(timeout)
+
+
+def test_an_answer_that_landed_before_its_loop_closed_is_returned():
+    """A review: the waiter looked at the loop after its poll timed out, saw it closed and raised
+    'stopped' though the answer had come in meanwhile."""
+    from lightning_ppo.runs.background_loop import wait_on_loop
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    assert wait_on_loop(LandsLate(), loop, None) == "answer"  # RuntimeError before
 
 
 # ----------------------------------------------------------------- episodes

@@ -129,7 +129,10 @@ def wait_on_loop(
         except BaseException:  # a Ctrl-C while waiting: the calls are cancelled, not left to run on
             _cancel(future, loop)
             raise
-        if loop.is_closed() or (thread is not None and not thread.is_alive()):
+        stopped = loop.is_closed() or (thread is not None and not thread.is_alive())
+        if stopped and future.done():  # its answer came in just before the loop stopped
+            return future.result()
+        if stopped:
             _cancel(future, loop)
             raise RuntimeError("lightning_ppo's background event loop stopped; the call cannot finish")
         if beat is None or beat.is_set():
