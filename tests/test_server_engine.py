@@ -170,9 +170,10 @@ def test_an_error_status_carries_the_servers_message():
     try:
         client = ServerClient(f"http://127.0.0.1:{server.server_port}", timeout=5)
         with pytest.raises(
-            GenerationServerError, match=r"HTTP 500: Worker failed with error 'no method lppo_load'"
+            GenerationServerError,
+            match=r"\(/collective_rpc lppo_load\): HTTP 500: Worker failed with error 'no method lppo_load'",
         ):
-            client.rpc("lppo_load", "/tmp/x")
+            client.rpc("lppo_load", "/tmp/x")  # the method named: a version check after a batch, a load...
     finally:
         server.shutdown()
         server.server_close()

@@ -50,13 +50,16 @@ class ServerClient:
             urllib.request.Request(self.url + route, headers=auth_headers()), route, self.timeout
         )
 
-    def post(self, route: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+    def post(
+        self, route: str, body: dict[str, Any] | None = None, timeout: float | None = None, what: str = ""
+    ) -> Any:
         """``timeout``: the socket's limit for this call, where it is longer than ``self.timeout`` (a
-        call queued behind others; a batch of them is bounded by :mod:`.server_batch`)."""
+        call queued behind others; a batch of them is bounded by :mod:`.server_batch`). ``what``
+        follows the route in an error (the worker method of a ``/collective_rpc``)."""
         data = json.dumps(body or {}).encode()
         headers = {"Content-Type": "application/json", **auth_headers()}
         request = urllib.request.Request(self.url + route, data=data, headers=headers, method="POST")
-        return self._call(request, route, timeout or self.timeout)
+        return self._call(request, f"{route} {what}".strip(), timeout or self.timeout)
 
     def rpc(self, method: str, *args: str) -> Any:
         """A call of the worker extension's ``method`` (:mod:`.server_worker`): the first worker's
@@ -65,7 +68,8 @@ class ServerClient:
 
     def rpc_all(self, method: str, *args: str) -> list[Any]:
         """Every worker's answer to ``method``, in the server's worker order (one per TP rank)."""
-        answer = self.post("/collective_rpc", {"method": method, "args": list(args), "timeout": self.timeout})
+        body = {"method": method, "args": list(args), "timeout": self.timeout}
+        answer = self.post("/collective_rpc", body, what=method)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not results:
             raise self.error(f"/collective_rpc {method}", f"no result in {str(answer)[:200]!r}")
