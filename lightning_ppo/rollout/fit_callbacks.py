@@ -1,5 +1,7 @@
 """The callbacks every ``fit`` of the module runs with (its ``configure_callbacks``).
 
+- :class:`~lightning_ppo.distributed.stop_children.StopChildrenOnFailure`: when rank 0 fails under
+  Lightning's own launcher, the ranks it started are killed (Lightning does it only on Ctrl-C).
 - :class:`~lightning_ppo.rollout.ahead.EndSamplingOnFailure`: a failed fit leaves no pipeline
   for the next one.
 - :class:`CloseEngine`: the generation engine's connections to its servers (``vllm_server``:
@@ -13,6 +15,7 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
+from lightning_ppo.distributed.stop_children import StopChildrenOnFailure
 from lightning_ppo.rollout.ahead import EndSamplingOnFailure
 
 
@@ -35,4 +38,5 @@ def _close(pl_module: Any) -> None:
 
 
 def fit_callbacks() -> list[Callback]:
-    return [EndSamplingOnFailure(), CloseEngine()]
+    # The children are stopped first: a later callback's own error would skip it.
+    return [StopChildrenOnFailure(), EndSamplingOnFailure(), CloseEngine()]

@@ -1,0 +1,44 @@
+"""When rank 0 fails, the ranks it started go with it.
+
+Under Lightning's own launcher (``trainer.devices: 2`` on one machine, DDP or FSDP2), rank 0 is the
+process that started the other ranks. A child that fails is seen by Lightning's process observer,
+which kills every rank; but when rank 0 itself raises, Lightning kills its children only for
+Ctrl-C (``_call_and_handle_interrupt``). For any other error rank 0 exits and leaves them behind:
+under NCCL a pending all-reduce does not notice the dead peer and waits out the process group's
+timeout (30 minutes by default) holding its GPU, and a child busy outside a collective (a slow
+reward, a hung environment) outlives rank 0 on any backend. :class:`StopChildrenOnFailure` kills
+them as Lightning does on Ctrl-C. Under torchrun or SLURM the ranks are started outside (the
+launcher's ``procs`` is empty): nothing to do there, their launcher ends the run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lightning.pytorch import Callback
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
+
+log = logging.getLogger(__name__)
+
+
+class StopChildrenOnFailure(Callback):
+    """Kills the ranks this process started when its fit raises (only the rank that launched the
+    others, rank 0 on its node, has any)."""
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
+        # Ctrl-C: Lightning kills the children itself, and lightning_ppo.runs.ctrl_c says it in one line.
+        if isinstance(exception, KeyboardInterrupt) or not isinstance(launcher, _SubprocessScriptLauncher):
+            return
+        alive = [proc for proc in launcher.procs if proc.poll() is None]
+        if not alive:
+            return  # started by torchrun or SLURM (no procs), or already gone
+        # SIGKILL (SIGTERM on Windows), as Lightning on Ctrl-C: a SIGTERM would not reach a child
+        # blocked inside a C call (a collective, a socket read). Killed before anything is said, so
+        # that nothing can skip it.
+        launcher.kill(_get_sigkill_signal())
+        # A warning, so that it is printed: it says why the other ranks end without an error of their own.
+        rank, others = trainer.global_rank, len(alive)
+        log.warning(f"lightning_ppo: rank {rank} failed: stopped the {others} other rank(s) it started")

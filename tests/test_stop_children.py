@@ -1,0 +1,105 @@
+"""Rank 0 failing under Lightning's own launcher takes the ranks it started with it
+(lightning_ppo.distributed.stop_children): 2 CPU ranks, the real CLI, rank 1 started by Lightning."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import quickstart_fit_args, start_cli, two_cpu_ranks
+
+pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Rank 0 raises at its 2nd call, once rank 1 is busy in its own 2nd call: a sleep outside any
+# collective (a slow reward service), which no dead peer interrupts.
+REWARD = """
+import os
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from lightning_ppo.tasks.digits import DigitsReward
+
+
+class FailsOnRankZero(DigitsReward):
+    def __init__(self, pid_file: str) -> None:
+        super().__init__()
+        self.pid_file, self.calls = Path(pid_file), 0
+
+    def __call__(self, prompts, completions, batch):
+        self.calls += 1
+        if self.calls == 2 and dist.get_rank() == 0:
+            deadline = time.monotonic() + 120
+            while not self.pid_file.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            raise RuntimeError("the reward service answered 500 on rank 0")
+        if self.calls == 2:
+            self.pid_file.write_text(str(os.getpid()))
+            time.sleep(300)
+        return super().__call__(prompts, completions, batch)
+"""
+
+
+def test_rank_zero_failing_stops_the_rank_it_started(tiny_digits, tmp_path):
+    (tmp_path / "rank_zero_fails.py").write_text(REWARD)
+    pid_file = tmp_path / "rank1.pid"
+    reward = {"class_path": "rank_zero_fails.FailsOnRankZero", "init_args": {"pid_file": str(pid_file)}}
+    args = quickstart_fit_args(tiny_digits, tmp_path, [], *two_cpu_ranks("ddp", iterations=3))
+    args += ["--model.init_args.reward_fn", json.dumps(reward)]
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    log = tmp_path / "output.txt"
+    child = None
+    try:
+        # Output to a file, not a pipe: rank 1 inherits it, and a pipe would stay open while it lives.
+        with log.open("w") as out:
+            main = start_cli(args, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+            returncode = _wait(main, 300)
+        output = log.read_text()
+        assert returncode != 0, output[-3000:]
+        assert "the reward service answered 500 on rank 0" in output, output[-3000:]
+        child = int(pid_file.read_text())
+        # 60 s: far from both behaviours (gone within a second; before, it slept its 300 s out).
+        deadline = time.monotonic() + 60
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(child), f"rank 1 (pid {child}) outlived rank 0\n{output[-3000:]}"
+        assert "rank 0 failed: stopped the 1 other rank(s) it started" in output
+    finally:
+        if child is None and pid_file.exists():
+            child = int(pid_file.read_text())
+        if child is not None and _alive(child) and b"lightning_ppo" in _cmdline(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _wait(process: subprocess.Popen, timeout: float) -> int:
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=60)
+        raise
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (killed, not yet reaped by whoever adopted it) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
