@@ -35,10 +35,15 @@ class StopChildrenOnFailure(Callback):
         alive = [proc for proc in launcher.procs if proc.poll() is None]
         if not alive:
             return  # started by torchrun or SLURM (no procs), or already gone
+        # Lightning's process observer watches this very list and, seeing a child killed, kills this
+        # process too within its 5 s period: mid-teardown, before its error is printed or a W&B run
+        # is finished. Emptied first, the observer ends quietly at its next look.
+        launcher.procs.clear()
         # SIGKILL (SIGTERM on Windows), as Lightning on Ctrl-C: a SIGTERM would not reach a child
         # blocked inside a C call (a collective, a socket read). Killed before anything is said, so
         # that nothing can skip it.
-        launcher.kill(_get_sigkill_signal())
+        for proc in alive:
+            proc.send_signal(_get_sigkill_signal())
         # A warning, so that it is printed: it says why the other ranks end without an error of their own.
         rank, others = trainer.global_rank, len(alive)
         log.warning(f"lightning_ppo: rank {rank} failed: stopped the {others} other rank(s) it started")
