@@ -27,11 +27,47 @@ class StopChildrenOnFailure(Callback):
     """Kills the ranks this process started when its fit raises (only the rank that launched the
     others, rank 0 on its node, has any)."""
 
+    def __init__(self) -> None:
+        self.deferred: list[Callback] = []  # the callbacks whose on_exception stops the children
+
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
         # Ctrl-C: Lightning kills the children itself, and lightning_ppo.runs.ctrl_c says it in one line.
         if isinstance(exception, KeyboardInterrupt) or not isinstance(launcher, _SubprocessScriptLauncher):
             return
+        callbacks = list(trainer.callbacks)
+        later = callbacks[callbacks.index(self) + 1 :] if self in callbacks else []
+        if any(getattr(callback, "save_on_exception", False) for callback in later):
+            # Lightning's ModelCheckpoint(save_on_exception=True) saves after this (checkpoint
+            # callbacks run last) in a collective every rank takes part in (a stop they all take:
+            # RunStopped, SIGTERM): its children killed first, rank 0's save failed on the dead
+            # peers. Stopped after the last callback, or as soon as one of them raises.
+            self.deferred = later
+            for callback in later:
+                callback.on_exception = self._then_stop(callback, callback is later[-1])
+            return
+        self.stop(trainer)
+
+    def _then_stop(self, callback: Callback, last: bool) -> Any:
+        hook = callback.on_exception
+
+        def on_exception(trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            try:
+                hook(trainer, pl_module, exception)
+            except BaseException:
+                self.stop(trainer)
+                raise
+            if last:
+                self.stop(trainer)
+
+        return on_exception
+
+    def stop(self, trainer: Any) -> None:
+        """Kill the children still running (the launcher's ``procs``)."""
+        for callback in self.deferred:  # the hooks of the class again, for a later exception
+            callback.__dict__.pop("on_exception", None)
+        self.deferred = []
+        launcher = trainer.strategy.launcher
         alive = [proc for proc in launcher.procs if proc.poll() is None]
         if not alive:
             return  # started by torchrun or SLURM (no procs), or already gone
