@@ -76,7 +76,7 @@ def test_rank_zero_failing_stops_the_rank_it_started(tiny_digits, tmp_path):
         while _alive(child) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _alive(child), f"rank 1 (pid {child}) outlived rank 0\n{output[-3000:]}"
-        assert "rank 0 failed: stopped the 1 other rank(s) it started" in output
+        assert "rank 0 ended with RuntimeError: stopped the 1 other rank(s) it started" in output
     finally:
         if child is None and pid_file.exists():
             child = int(pid_file.read_text())

@@ -29,12 +29,14 @@ class StopChildrenOnFailure(Callback):
 
     def __init__(self) -> None:
         self.deferred: list[Callback] = []  # the callbacks whose on_exception stops the children
+        self.ended_with = ""  # the exception's class, for the line that says why the ranks stopped
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
         # Ctrl-C: Lightning kills the children itself, and lightning_ppo.runs.ctrl_c says it in one line.
         if isinstance(exception, KeyboardInterrupt) or not isinstance(launcher, _SubprocessScriptLauncher):
             return
+        self.ended_with = type(exception).__name__
         callbacks = list(trainer.callbacks)
         later = callbacks[callbacks.index(self) + 1 :] if self in callbacks else []
         if any(getattr(callback, "save_on_exception", False) for callback in later):
@@ -82,4 +84,5 @@ class StopChildrenOnFailure(Callback):
             proc.send_signal(_get_sigkill_signal())
         # A warning, so that it is printed: it says why the other ranks end without an error of their own.
         rank, others = trainer.global_rank, len(alive)
-        log.warning(f"lightning_ppo: rank {rank} failed: stopped the {others} other rank(s) it started")
+        why = f"rank {rank} ended with {self.ended_with}"
+        log.warning(f"lightning_ppo: {why}: stopped the {others} other rank(s) it started")
