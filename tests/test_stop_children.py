@@ -61,11 +61,7 @@ def test_rank_zero_failing_stops_the_rank_it_started(tiny_digits, tmp_path):
     log = tmp_path / "output.txt"
     child = None
     try:
-        # Output to a file, not a pipe: rank 1 inherits it, and a pipe would stay open while it lives.
-        with log.open("w") as out:
-            main = start_cli(args, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-            returncode = _wait(main, 300)
-        output = log.read_text()
+        returncode, output = _run(args, env, log)
         # 1, the error's: not -9, rank 0 killed by Lightning's process observer during its slow exit
         # for the child it had itself killed (a review of the first version of this fix)
         assert returncode == 1, output[-3000:]
@@ -84,65 +80,47 @@ def test_rank_zero_failing_stops_the_rank_it_started(tiny_digits, tmp_path):
             os.kill(child, signal.SIGKILL)
 
 
-# Every rank's reward turns NaN together from its 3rd call: the run stops on purpose on every rank
-# at the same iteration (RunStopped, ppo.max_consecutive_skips), and each rank goes on into
-# on_exception by itself.
-NAN_REWARD = """
-import math
-
-from lightning_ppo.tasks.digits import DigitsReward
-
-
-class NaNFromTheThirdCall(DigitsReward):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __call__(self, prompts, completions, batch):
-        self.calls += 1
-        scores = super().__call__(prompts, completions, batch)
-        return [math.nan] * len(scores) if self.calls >= 3 else scores
-"""
-
-
 def test_a_stop_every_rank_takes_keeps_the_ranks_for_a_checkpoint_saved_on_it(tiny_digits, tmp_path):
     """Lightning's ``ModelCheckpoint(save_on_exception=True)`` saves in its on_exception, after this
     package's callbacks (Lightning orders checkpoint callbacks last), and the save is a collective
     every rank takes part in. Rank 1 killed first, rank 0's save failed on the dead peer
     (gloo: 'Connection reset by peer', in place of the stop's own line) and nothing was saved."""
-    (tmp_path / "nan_reward.py").write_text(NAN_REWARD)
     saved = tmp_path / "on_exception"
     saver = {"dirpath": str(saved), "save_on_exception": True, "every_n_train_steps": 1000}
     callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": saver}]
     args = quickstart_fit_args(tiny_digits, tmp_path, callbacks, *two_cpu_ranks("ddp", iterations=4))
-    args += ["--model.init_args.reward_fn", json.dumps({"class_path": "nan_reward.NaNFromTheThirdCall"})]
+    # every rank's reward NaN together from its 3rd call: a stop on purpose that every rank takes at
+    # the same iteration (RunStopped), each going on into on_exception by itself
+    nan = {"class_path": "tests.helpers.NaNFromIteration", "init_args": {"start": 2}}
+    args += ["--model.init_args.reward_fn", json.dumps(nan)]
     args += ["--model.init_args.ppo.on_bad_reward", "drop"]
     args += ["--model.init_args.ppo.max_consecutive_skips", "1"]
     args += ["--trainer.enable_checkpointing", "true"]
     env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "OMP_NUM_THREADS": "1"}
     log = tmp_path / "output.txt"
-    main = None
     try:
-        with log.open("w") as out:
-            main = start_cli(args, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-            returncode = _wait(main, 300)
-        output = log.read_text()
+        returncode, output = _run(args, env, log)
         # 2: the stop's own one line (a UsageError); 1 before, gloo's error on the dead peer
         assert returncode == 2, output[-3000:]
-        assert "lightning-ppo: error: the reward 'NaNFromTheThirdCall' returned only NaN" in output
+        assert "lightning-ppo: error: the reward 'NaNFromIteration' returned only NaN" in output
         assert "Connection reset by peer" not in output, output[-3000:]
         assert [path.suffix for path in saved.iterdir()] == [".ckpt"], output[-3000:]
     finally:
-        _kill_our_ranks(main, tmp_path)
+        _kill_our_ranks(tmp_path)
 
 
-def _wait(process: subprocess.Popen, timeout: float) -> int:
-    try:
-        return process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=60)
-        raise
+def _run(args: list[str], env: dict[str, str], log: Path) -> tuple[int, str]:
+    """``lightning_ppo.cli ARGS`` to its end (bounded): its return code and its output. Output to a
+    file, not a pipe: rank 1 inherits it, and a pipe would stay open while rank 1 lives."""
+    with log.open("w") as out:
+        main = start_cli(args, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            returncode = main.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            main.kill()
+            main.wait(timeout=60)
+            raise
+    return returncode, log.read_text()
 
 
 def _alive(pid: int) -> bool:
@@ -161,13 +139,10 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _kill_our_ranks(main: subprocess.Popen | None, root: Path) -> None:
-    """Whatever is left of a run that did not end as the test wanted: rank 0 (started by the test)
-    and the rank it started, found by its command line (Lightning re-runs rank 0's, which names
-    ``root``)."""
-    if main is not None and main.poll() is None:
-        main.kill()
-        main.wait(timeout=60)
+def _kill_our_ranks(root: Path) -> None:
+    """Whatever is left of a run that did not end as the test wanted (rank 0 is ended by
+    :func:`_run`): the rank it started, found by its command line (Lightning re-runs rank 0's, which
+    names ``root``)."""
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and _alive(int(proc.name)):
             cmdline = _cmdline(int(proc.name))
