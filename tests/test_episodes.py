@@ -419,6 +419,36 @@ def test_a_kept_cache_gives_the_episodes_the_re_read_gives(sampling, tiny_digits
         assert torch.equal(getattr(kept, name), getattr(reread, name)), name
 
 
+class SometimesSilent(Environment):
+    """Not done, and some turns answer with nothing: no observation, or an empty one."""
+
+    def reset(self, prompt, row, rng) -> None:
+        self.rng = rng
+
+    def step(self, turn: Turn) -> StepResult:
+        observation = self.rng.choice([None, "", "7=", "12="])
+        return StepResult(observation=observation, reward=0.1)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_a_kept_cache_continues_a_turn_without_an_observation_from_the_reply(sampling, tiny_digits):
+    """An episode whose step adds nothing goes on from its reply's last token, as the re-read path
+    does: never from the padding after it, whose id would be sampled and trained as an action."""
+    rollouts = []
+    for keep_cache in (False, True):
+        module = _module(
+            tiny_digits, SometimesSilent(), EpisodeConfig(max_turns=4, max_tokens=40, keep_cache=keep_cache)
+        )
+        if sampling == "greedy":
+            module.engine.generation_config = module.hf_eval_generation
+        torch.manual_seed(5)
+        rollouts.append(module.generate(_batch(module)))
+    reread, kept = rollouts
+    assert (module.episode_runner.last_stats.turns == 4).any()  # some went on after adding nothing
+    for name in ("response_ids", "response_mask", "context_mask", "turn_rewards", "ended"):
+        assert torch.equal(getattr(kept, name), getattr(reread, name)), name
+
+
 class FailsResetOn(Environment):
     """Raises in ``reset`` for one prompt; every other copy writes the replies it was given, with its
     prompt, to a log shared by the copies."""

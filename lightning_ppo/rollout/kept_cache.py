@@ -9,8 +9,9 @@ observation; the reply is in the cache already) and ``generate`` reads just thos
 The rows keep the layout of the first turn: a reply that stopped early leaves padding after its
 stop token, and observations of different lengths are left padded within their segment. Those
 gaps are masked out of attention and skipped by the positions (HF computes them from the mask),
-so every real token sees what it saw in the re-read path, at the same position. Episodes that end
-drop their rows (``DynamicCache.batch_select_indices``).
+so every real token sees what it saw in the re-read path, at the same position. A row whose turn
+adds no token moves its last real token to the end (:func:`_move_last_token`): ``generate`` samples
+from the last column. Episodes that end drop their rows (``DynamicCache.batch_select_indices``).
 
 That holds for models whose every layer attends to the whole context. A sliding window (Mistral,
 Qwen2 with ``use_sliding_window``, Gemma 2/3, Cohere2) or chunked attention (Llama 4) counts cache
@@ -82,17 +83,17 @@ class KeptCache:
             raise RuntimeError("KeptCache.next before first")
         if rows != list(range(len(self.sequences))):
             self.cache.batch_select_indices(torch.tensor(rows, device=self.sequences.device))
-        width = max(max((len(s) for s in segments), default=0), 1)
+        sequences, mask = self.sequences[rows], self.mask[rows]  # copies (indexed by a list)
+        segments = [s or _move_last_token(sequences[row], mask[row]) for row, s in enumerate(segments)]
+        width = max(len(s) for s in segments)
         new = torch.full((len(rows), width), self.config.pad_token_id, dtype=torch.long)
         new_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for row, segment in enumerate(segments):
-            if segment:
-                new[row, width - len(segment) :] = torch.tensor(segment, dtype=torch.long)
-                new_mask[row, width - len(segment) :] = 1
-        device = self.sequences.device
-        ids = torch.cat([self.sequences[rows], new.to(device)], dim=1)
-        mask = torch.cat([self.mask[rows], new_mask.to(device)], dim=1)
-        return self._generate(ids, mask)
+            new[row, width - len(segment) :] = torch.tensor(segment, dtype=torch.long)
+            new_mask[row, width - len(segment) :] = 1
+        device = sequences.device
+        ids = torch.cat([sequences, new.to(device)], dim=1)
+        return self._generate(ids, torch.cat([mask, new_mask.to(device)], dim=1))
 
     def _generate(self, ids: Tensor, mask: Tensor) -> Rollout:
         """``generate`` on the kept cache (grown in place); what the next turn continues: the
@@ -101,3 +102,17 @@ class KeptCache:
         self.sequences = torch.cat([ids, rollout.response_ids], dim=1)
         self.mask = torch.cat([mask, rollout.response_mask.long()], dim=1)
         return rollout
+
+
+def _move_last_token(sequence: Tensor, mask: Tensor) -> list[int]:
+    """The segment of a row that adds nothing this turn (no observation, or one of no tokens): its
+    last real token again, its first column masked out (``mask`` is changed in place).
+
+    ``generate`` samples from the batch's last column; left as padding, the reply would be sampled
+    from a masked pad's position (pad ids sampled and trained as actions). The moved copy sits at
+    the position the original had (positions count the mask) and sees the same tokens, so it
+    computes what the original did, and the row goes on exactly as the re-read path's.
+    """
+    last = int(mask.nonzero()[-1])
+    mask[last] = 0
+    return [int(sequence[last])]
