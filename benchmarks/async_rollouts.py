@@ -149,7 +149,7 @@ def main() -> None:
     engines = args.engines.split(",")
     server = None
     if "vllm_server" in engines:
-        from lightning_ppo.rollout.engines.local_server import LocalServer
+        from lightning_ppo.rollout.engines.server.local_server import LocalServer
 
         env = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
         server = LocalServer(policy, work / "server.log", dtype="float32", env=env, cpus={1}).wait_ready()

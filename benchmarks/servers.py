@@ -79,7 +79,7 @@ def child_syncs(policy: str, engine: str, url: str | None, repeats: int) -> dict
 
     import torch
 
-    from lightning_ppo.rollout.engines import server as server_module
+    from lightning_ppo.rollout.engines.server import engine as server_module
 
     results = {}
     variants = [("file", False), ("memory", False), ("memory", True)] if url else [("memory", False)]
@@ -118,7 +118,7 @@ def child_rollouts(policy: str, url: str, rounds: int) -> dict[str, list[float]]
     from lightning_ppo import GenerationConfig
     from lightning_ppo.models.loading import load_causal_lm
     from lightning_ppo.rollout.engines import Placement
-    from lightning_ppo.rollout.engines import server as server_module
+    from lightning_ppo.rollout.engines.server import engine as server_module
     from lightning_ppo.rollout.sampling import hf_generation_config
 
     tokenizer = AutoTokenizer.from_pretrained(policy)
@@ -205,7 +205,7 @@ def _write_with_checksums(write, weights, folder, dtype, with_checksums=True):
 
 
 def _start_server(policy: Path, log: Path):
-    from lightning_ppo.rollout.engines.local_server import LocalServer
+    from lightning_ppo.rollout.engines.server.local_server import LocalServer
 
     # The server's one thread on core 1, fp32 as the trainer.
     return LocalServer(policy, log, dtype="float32", env={"VLLM_CPU_OMP_THREADS_BIND": "1"}).wait_ready()

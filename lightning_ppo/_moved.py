@@ -72,6 +72,19 @@ MOVED = {
     "plot": "watch.plot",
     "samples": "watch.samples",
     "wandb_offline": "watch.wandb_offline",
+    # the server engine's parts, in a folder of their own since 0.2
+    "rollout.engines.server_batch": "rollout.engines.server.batch",
+    "rollout.engines.server_client": "rollout.engines.server.client",
+    "rollout.engines.server_connections": "rollout.engines.server.connections",
+    "rollout.engines.server_guard": "rollout.engines.server.key_guard",
+    "rollout.engines.server_memory": "rollout.engines.server.memory_sync",
+    "rollout.engines.server_requests": "rollout.engines.server.concurrent_calls",
+    "rollout.engines.server_session": "rollout.engines.server.session",
+    "rollout.engines.server_suppress": "rollout.engines.server.suppress",
+    "rollout.engines.server_sync": "rollout.engines.server.weight_sync",
+    "rollout.engines.server_worker": "rollout.engines.server.worker_extension",
+    "rollout.engines.weight_group": "rollout.engines.server.weight_group",
+    "rollout.engines.local_server": "rollout.engines.server.local_server",
 }
 PACKAGE = "lightning_ppo"
 
@@ -89,21 +102,27 @@ MOVED_CLASSES = {
 }
 
 
+def _longest(name: str, prefixes: Iterable[str]) -> str | None:
+    """The longest of ``prefixes`` that is ``name`` or a dotted parent of it."""
+    matches = [prefix for prefix in prefixes if name == prefix or name.startswith(prefix + ".")]
+    return max(matches, key=len, default=None)
+
+
 def new_name(fullname: str) -> str | None:
     """``lightning_ppo.engines.vllm`` -> ``lightning_ppo.rollout.engines.vllm``; None if not moved."""
-    head, _, rest = fullname.removeprefix(PACKAGE + ".").partition(".")
-    if not fullname.startswith(PACKAGE + ".") or head not in MOVED:
+    if not fullname.startswith(PACKAGE + "."):
         return None
-    return f"{PACKAGE}.{MOVED[head]}" + (f".{rest}" if rest else "")
+    name = fullname.removeprefix(PACKAGE + ".")
+    old = _longest(name, MOVED)
+    return None if old is None else f"{PACKAGE}.{MOVED[old]}{name.removeprefix(old)}"
 
 
 def old_name(module: str) -> str | None:
-    """``lightning_ppo.rollout.engines.vllm`` -> ``lightning_ppo.engines.vllm``; None if not moved."""
-    for old, new in MOVED.items():
-        home = f"{PACKAGE}.{new}"
-        if module == home or module.startswith(home + "."):
-            return f"{PACKAGE}.{old}" + module.removeprefix(home)
-    return None
+    """``lightning_ppo.rollout.engines.vllm`` -> ``lightning_ppo.engines.vllm``; None if not moved.
+    The deepest move names it (``rollout.engines.server.client`` was ``rollout.engines.server_client``)."""
+    homes = {f"{PACKAGE}.{new}": old for old, new in MOVED.items()}
+    home = _longest(module, homes)
+    return None if home is None else f"{PACKAGE}.{homes[home]}" + module.removeprefix(home)
 
 
 def old_path_aliases(safe_globals: Iterable[Any]) -> list[tuple[Any, str]]:

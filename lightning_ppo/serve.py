@@ -5,12 +5,12 @@ It is vLLM's own OpenAI-compatible server (``python -m vllm.entrypoints.openai.a
 
 - ``VLLM_SERVER_DEV_MODE=1``: the ``/collective_rpc`` and weight-version routes the sync uses;
 - ``--worker-extension-cls``: the worker methods that load the trainer's weights and report their
-  checksums (:mod:`lightning_ppo.rollout.engines.server_worker`);
+  checksums (:mod:`lightning_ppo.rollout.engines.server.worker_extension`);
 - ``--generation-config vllm``: no sampling defaults from the checkpoint's ``generation_config.json``
   (every setting comes from the trainer's ``generation`` section);
 - ``--logprobs-mode processed_logprobs``: log-probs of the distribution sampled from;
 - ``--middleware``: with ``VLLM_API_KEY`` set, the key on every route, dev mode's included (vLLM's
-  own check guards ``/v1`` only: :mod:`lightning_ppo.rollout.engines.server_guard`).
+  own check guards ``/v1`` only: :mod:`lightning_ppo.rollout.engines.server.key_guard`).
 
 Dev mode lets whoever reaches the port replace the weights (``/collective_rpc``). So the server
 listens on 127.0.0.1 unless told otherwise, and on any other address only with ``VLLM_API_KEY`` set
@@ -35,9 +35,9 @@ from pathlib import Path
 from lightning_ppo.runs.errors import VLLM_INSTALL_HINT, MissingPathError, UsageError
 
 log = logging.getLogger(__name__)
-EXTENSION = "lightning_ppo.rollout.engines.server_worker.WeightSyncExtension"
-GUARD = "lightning_ppo.rollout.engines.server_guard.GuardEveryRoute"
-API_KEY_VARIABLE = "VLLM_API_KEY"  # as rollout.engines.server_client reads it (not imported: light)
+EXTENSION = "lightning_ppo.rollout.engines.server.worker_extension.WeightSyncExtension"
+GUARD = "lightning_ppo.rollout.engines.server.key_guard.GuardEveryRoute"
+API_KEY_VARIABLE = "VLLM_API_KEY"  # as rollout.engines.server.client reads it (not imported: light)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 REQUIRED_FLAGS = {
     "--generation-config": "vllm",

@@ -90,7 +90,8 @@ def test_every_folder_says_what_lives_there():
 
 def test_no_module_left_at_an_old_path():
     for old in _moved.MOVED:
-        assert not (PACKAGE / f"{old}.py").exists(), f"lightning_ppo/{old}.py is both moved and present"
+        path = PACKAGE / f"{old.replace('.', '/')}.py"
+        assert not path.exists(), f"{path} is both moved and present"
 
 
 @pytest.mark.parametrize("old", sorted(_moved.MOVED))

@@ -27,9 +27,9 @@ from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.models.loading import load_causal_lm
 from lightning_ppo.rollout.engines import Placement
 from lightning_ppo.rollout.engines.server import VLLMServerEngine
-from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
-from lightning_ppo.rollout.engines.server_guard import GuardEveryRoute
-from lightning_ppo.rollout.engines.server_sync import (
+from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
+from lightning_ppo.rollout.engines.server.key_guard import GuardEveryRoute
+from lightning_ppo.rollout.engines.server.weight_sync import (
     checksum,
     combine_workers,
     mismatch,
@@ -421,7 +421,7 @@ def test_the_weights_file_is_readable_by_others_and_a_killed_runs_files_are_swep
     """0644 under umask 022 (safetensors writes 0600: a server running as another user could not
     read it); a dead process's files (a run killed between write and unlink) are swept, a live one's
     kept; a write that fails leaves no partial file."""
-    from lightning_ppo.rollout.engines import server_sync
+    from lightning_ppo.rollout.engines.server import weight_sync as server_sync
     from lightning_ppo.runs.file_modes import open_mode
 
     folder = tmp_path / "sync"
@@ -455,8 +455,8 @@ def test_weights_sent_in_memory_arrive_whole_in_buckets_on_every_receiver():
     """The weights group (trainer rank 0 and two receivers, here threads): every tensor arrives
     equal, in the sender's order, split over several buckets; a receiver that never joins makes
     the sender's join fail within the group's timeout instead of waiting."""
-    from lightning_ppo.rollout.engines.local_server import free_port
-    from lightning_ppo.rollout.engines.weight_group import open_group, receive, send
+    from lightning_ppo.rollout.engines.server.local_server import free_port
+    from lightning_ppo.rollout.engines.server.weight_group import open_group, receive, send
 
     torch.manual_seed(0)
     weights = [(f"layer.{i}.weight", torch.randn(64, 16 + i)) for i in range(12)]
@@ -500,7 +500,7 @@ def _listening_addresses(port: int) -> set[str]:
 def test_the_weights_store_listens_on_the_sync_address_alone():
     """Rank 0's store for the weights group listens on the address it is given (here loopback), not
     on every interface of the machine, which is what torch's TCPStore does given only a port."""
-    from lightning_ppo.rollout.engines.weight_group import listening_socket, open_group, receive, send
+    from lightning_ppo.rollout.engines.server.weight_group import listening_socket, open_group, receive, send
 
     listener = listening_socket("127.0.0.1")
     port = listener.getsockname()[1]
@@ -598,7 +598,7 @@ def test_a_busy_server_that_keeps_answering_is_not_a_hung_one(tiny_policy):
 
 
 def test_the_api_key_is_read_without_its_line_end_and_never_echoed(monkeypatch):
-    from lightning_ppo.rollout.engines.server_client import auth_headers
+    from lightning_ppo.rollout.engines.server.client import auth_headers
 
     monkeypatch.setenv("VLLM_API_KEY", "s3cret\r\n")  # a secret made from a file
     assert auth_headers() == {"Authorization": "Bearer s3cret"}
@@ -809,7 +809,7 @@ def test_a_batch_of_300_requests_runs_on_one_loop_over_pooled_connections(counti
 def test_a_forked_child_makes_connections_of_its_own(counting, tiny_policy, monkeypatch):
     """A loop's thread does not survive a fork: in a child (another process id) the parent's
     connections are not used, nor touched when the child closes them."""
-    from lightning_ppo.rollout.engines import server_connections
+    from lightning_ppo.rollout.engines.server import connections as server_connections
 
     engine = _server_engine(tiny_policy, f"http://127.0.0.1:{counting.server_address[1]}", timeout=30)
     parents = engine._connected()
@@ -922,7 +922,7 @@ class _Faulty(_Quiet):
 def test_a_batch_says_what_went_wrong_as_a_single_call_does(fault, silent_port):
     """Each failure worded as ServerClient words it (one line naming the URL and route once); an
     answer cut short differs only in the HTTP library's own words for it."""
-    from lightning_ppo.rollout.engines.server_connections import Connections
+    from lightning_ppo.rollout.engines.server.connections import Connections
 
     server = None
     if fault == "down":
@@ -1034,7 +1034,7 @@ def test_a_server_restarted_while_its_batch_is_out_stops_the_run_after_the_batch
     startup checkpoint, as is the third. The batch is refused in one line naming the server, not
     returned as the synced version's: the next sync would load the restarted server again, and no
     later check would see that one rollout was sampled by two versions."""
-    from lightning_ppo.rollout.engines import server_session
+    from lightning_ppo.rollout.engines.server import session as server_session
 
     # The first connection must still be pooled at the second request (a loaded machine may be
     # slower than the 2 s the client keeps an idle one): the resend is what this test is about.

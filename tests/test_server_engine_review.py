@@ -17,9 +17,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lightning_ppo.rollout.engines import server_session
-from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
-from lightning_ppo.rollout.engines.server_memory import MemorySync
+from lightning_ppo.rollout.engines.server import session as server_session
+from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
+from lightning_ppo.rollout.engines.server.memory_sync import MemorySync
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
 from tests.test_server_engine import (
     _Backlogged,

@@ -29,9 +29,9 @@ from lightning_ppo.models.loading import load_causal_lm, response_logits  # noqa
 from lightning_ppo.ppo import functional as F  # noqa: E402
 from lightning_ppo.rollout.ahead import pipeline_for  # noqa: E402
 from lightning_ppo.rollout.engines import Placement  # noqa: E402
-from lightning_ppo.rollout.engines.local_server import LocalServer  # noqa: E402
 from lightning_ppo.rollout.engines.server import VLLMServerEngine  # noqa: E402
-from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient  # noqa: E402
+from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient  # noqa: E402
+from lightning_ppo.rollout.engines.server.local_server import LocalServer  # noqa: E402
 from lightning_ppo.rollout.sampling import generate, hf_generation_config  # noqa: E402
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
 from tests.helpers import lora_that_matters, quickstart_csv_args  # noqa: E402
@@ -227,9 +227,9 @@ def test_a_sync_that_moves_nothing_is_caught(servers, policy, tmp_path, monkeypa
     """The server is handed the weights it already holds while the trainer's moved (a load that
     moved nothing), in memory or through a file: the checksums of what it holds name the first
     parameter that differs."""
-    from lightning_ppo.rollout.engines import server as server_module
-    from lightning_ppo.rollout.engines import server_memory
-    from lightning_ppo.rollout.engines.server_sync import WrittenWeights, write_weights
+    from lightning_ppo.rollout.engines.server import engine as server_module
+    from lightning_ppo.rollout.engines.server import memory_sync as server_memory
+    from lightning_ppo.rollout.engines.server.weight_sync import WrittenWeights, write_weights
     from lightning_ppo.rollout.engines.weights import hf_weights
 
     engine, model = _engine(policy, [servers[1].url], verify_sync=True, sync_transport=transport)

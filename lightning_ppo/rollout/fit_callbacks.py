@@ -5,7 +5,7 @@
 - :class:`~lightning_ppo.rollout.ahead.EndSamplingOnFailure`: a failed fit leaves no pipeline
   for the next one.
 - :class:`CloseEngine`: the generation engine's connections to its servers (``vllm_server``:
-  an event loop and pooled sessions, :mod:`.engines.server_connections`) are closed as the fit
+  an event loop and pooled sessions, :mod:`.engines.server.connections`) are closed as the fit
   ends, however it ends; the engine opens them again at its next batch (a second ``fit``).
 """
 

@@ -3,7 +3,7 @@
 ``hf`` (the default) is Hugging Face ``generate`` on the trained policy itself. ``vllm`` is an
 in-process vLLM engine colocated with training, whose weights are pushed from the policy once per
 iteration. ``vllm_server`` samples on running vLLM servers (``server``), synced and checked every
-iteration (``server_sync``, ``server_worker``). All return the same
+iteration (the ``server/`` folder: :mod:`.server`). All return the same
 :class:`~lightning_ppo.ppo.rollout_data.Rollout`, so nothing downstream
 knows which one sampled.
 """

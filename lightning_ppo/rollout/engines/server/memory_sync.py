@@ -21,10 +21,10 @@ from urllib.parse import urlparse
 import torch
 from torch import Tensor
 
-from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
-from lightning_ppo.rollout.engines.server_requests import Requests
-from lightning_ppo.rollout.engines.server_sync import Checksum, checksum
-from lightning_ppo.rollout.engines.weight_group import listening_socket, open_group, send
+from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
+from lightning_ppo.rollout.engines.server.concurrent_calls import Requests
+from lightning_ppo.rollout.engines.server.weight_group import listening_socket, open_group, send
+from lightning_ppo.rollout.engines.server.weight_sync import Checksum, checksum
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -5,7 +5,7 @@ A server that is down, dies mid-run, hangs, or answers with an error status give
 syncs that waited forever on a hung server without a word (trl#6796, trl#6797) are the reason.
 These calls (checks, syncs, worker calls: a few per iteration) use the standard library; a
 batch's completions go over pooled connections on the engine's event loop
-(:mod:`.server_session`), with the same messages (the ``what`` functions below).
+(:mod:`.session`), with the same messages (the ``what`` functions below).
 
 Where the environment variable ``VLLM_API_KEY`` is set (the key ``lightning-ppo serve`` starts the
 server with), every call carries it as a bearer token. It is read from the environment only, never
@@ -54,7 +54,7 @@ class ServerClient:
         self, route: str, body: dict[str, Any] | None = None, timeout: float | None = None, what: str = ""
     ) -> Any:
         """``timeout``: the socket's limit for this call, where it is longer than ``self.timeout`` (a
-        call queued behind others; a batch of them is bounded by :mod:`.server_batch`). ``what``
+        call queued behind others; a batch of them is bounded by :mod:`.batch`). ``what``
         follows the route in an error (the worker method of a ``/collective_rpc``)."""
         data = json.dumps(body or {}).encode()
         headers = {"Content-Type": "application/json", **auth_headers()}
@@ -62,7 +62,7 @@ class ServerClient:
         return self._call(request, f"{route} {what}".strip(), timeout or self.timeout)
 
     def rpc(self, method: str, *args: str) -> Any:
-        """A call of the worker extension's ``method`` (:mod:`.server_worker`): the first worker's
+        """A call of the worker extension's ``method`` (:mod:`.worker_extension`): the first worker's
         answer (the only one without tensor parallelism; for methods whose answers agree)."""
         return self.rpc_all(method, *args)[0]
 

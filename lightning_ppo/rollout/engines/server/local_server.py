@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from lightning_ppo.rollout.engines.server_client import auth_headers
+from lightning_ppo.rollout.engines.server.client import auth_headers
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
 """The server engine's own event loop, on a daemon thread, and one pooled session per server.
 
-A batch's completions (:mod:`.server_batch`) run on this loop, not on the process's shared one
+A batch's completions (:mod:`.batch`) run on this loop, not on the process's shared one
 (:mod:`lightning_ppo.runs.background_loop`): that one runs the user's async environments, tools
 and rewards, where one blocking call would stall every request, and the batch's bound with them.
 The engine makes its connections at its first batch, and again after :meth:`Connections.close`
@@ -18,9 +18,9 @@ import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from lightning_ppo.rollout.engines.server_batch import Batch
-from lightning_ppo.rollout.engines.server_client import ServerClient
-from lightning_ppo.rollout.engines.server_session import ServerSession
+from lightning_ppo.rollout.engines.server.batch import Batch
+from lightning_ppo.rollout.engines.server.client import ServerClient
+from lightning_ppo.rollout.engines.server.session import ServerSession
 from lightning_ppo.runs import fork_safe_loop
 
 CLOSE_S = 10.0  # the most closing waits for the loop to cancel what runs and close its sockets
@@ -45,7 +45,7 @@ class Connections:
         return self.limit == limit and self.pid == os.getpid() and self._close.alive
 
     def send(self, calls: Sequence[Callable[[], Awaitable[Any]]], stall_timeout: float) -> list[Any]:
-        """Every call's result, in order (:class:`~.server_batch.Batch`)."""
+        """Every call's result, in order (:class:`~.batch.Batch`)."""
         return Batch(calls, self.limit, self.loop).wait(stall_timeout)
 
     def close(self) -> None:

@@ -5,13 +5,13 @@ spread over all of them, one request per prompt with the seed drawn from torch's
 run samples as the colocated ``vllm`` engine does, and resumes exactly). The sampled tokens and the
 engine's processed log-probs come back as the same :class:`~lightning_ppo.ppo.rollout_data.Rollout`.
 
-Before every rollout rank 0 syncs the policy's weights into every server (:mod:`.server_sync`);
+Before every rollout rank 0 syncs the policy's weights into every server (:mod:`.weight_sync`);
 the first sync, and every one under ``generation.verify_sync``, is checked against the trainer's
 weights. Before the first, each server is checked to serve the policy's architecture, vocabulary
 and tokenizer, with the sampling settings this package needs. Every call is bounded by
-``generation.server_timeout`` (:mod:`.server_client`), and a batch's requests together by the same
-bound without an answer (:mod:`.server_batch`); they go over pooled connections on the engine's own
-event loop (:mod:`.server_connections`), closed at the end of each fit. Before each batch a synced
+``generation.server_timeout`` (:mod:`.client`), and a batch's requests together by the same
+bound without an answer (:mod:`.batch`); they go over pooled connections on the engine's own
+event loop (:mod:`.connections`), closed at the end of each fit. Before each batch a synced
 server is asked which weights it holds, and after it each server that answered: one restarted since
 the last sync (serving its startup checkpoint) stops the run in one line. Servers are started with
 ``lightning-ppo serve``.
@@ -35,19 +35,22 @@ from lightning_ppo.config import GenerationConfig
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rollout.engines import Placement
 from lightning_ppo.rollout.engines.completions import completions_to_rollout, group_seeds, prompt_groups
-from lightning_ppo.rollout.engines.server_client import GenerationServerError, ServerClient
-from lightning_ppo.rollout.engines.server_connections import Connections
-from lightning_ppo.rollout.engines.server_memory import MemorySync, sync_address
-from lightning_ppo.rollout.engines.server_requests import Stalled
-from lightning_ppo.rollout.engines.server_session import ServerSession
-from lightning_ppo.rollout.engines.server_suppress import Suppression, suppression
-from lightning_ppo.rollout.engines.server_sync import (
+from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
+from lightning_ppo.rollout.engines.server.concurrent_calls import Stalled
+from lightning_ppo.rollout.engines.server.connections import Connections
+from lightning_ppo.rollout.engines.server.memory_sync import MemorySync, sync_address
+from lightning_ppo.rollout.engines.server.session import ServerSession
+from lightning_ppo.rollout.engines.server.suppress import Suppression, suppression
+from lightning_ppo.rollout.engines.server.weight_sync import (
     combine_workers,
     mismatch,
     sweep_leftovers,
     write_weights,
 )
 from lightning_ppo.rollout.engines.weights import hf_weights
+
+# What `lightning-ppo serve` passes vLLM as --worker-extension-cls (lightning_ppo.serve.EXTENSION).
+EXTENSION = f"{__package__}.worker_extension.WeightSyncExtension"
 
 # Letters, digits, punctuation, spaces and a few words: where two tokenizers usually part ways.
 _TOKENIZER_PROBE = "The quick brown fox, 0123456789 = 42; x+y*z? (a|b) [done] naïve\n\tend."
@@ -168,8 +171,7 @@ class VLLMServerEngine:
             raise server.error(
                 "/collective_rpc lppo_describe",
                 f"{err.what}. Start the server with `lightning-ppo serve`, which adds the worker extension "
-                "(--worker-extension-cls lightning_ppo.rollout.engines.server_worker.WeightSyncExtension) "
-                "and VLLM_SERVER_DEV_MODE=1",
+                f"(--worker-extension-cls {EXTENSION}) and VLLM_SERVER_DEV_MODE=1",
             ) from None
         described = {**workers[0], "workers": len(workers)}
         config = policy.config
@@ -330,7 +332,7 @@ class VLLMServerEngine:
         """The server's answer to the completion request. A server that refuses ``logit_bias`` (vLLM
         with speculative decoding: "not yet supported with speculative decoding", an HTTP 400) is
         asked again with ``allowed_token_ids``, which it applies, and is sent those from then on:
-        before the smaller encoding (:mod:`.server_suppress`) every request was sent them."""
+        before the smaller encoding (:mod:`.suppress`) every request was sent them."""
         request = self._request(
             self.served_names[index], prompt, seed, n, exact or index in self.bias_refused
         )
@@ -357,7 +359,7 @@ class VLLMServerEngine:
     ) -> list[tuple[list[int], list[float]]]:
         """``samples`` with each one that holds a suppressed id requested again, exactly.
 
-        A request that sent ``logit_bias`` (:mod:`.server_suppress`) leaves a suppressed token
+        A request that sent ``logit_bias`` (:mod:`.suppress`) leaves a suppressed token
         e^-100 of its odds, so it is drawn where the model puts its logit about 100 above the rest;
         the trainer's log-probs give it -inf, and the promise is that it is never sampled. Such a
         sample goes again alone under ``allowed_token_ids``, with the seed vLLM gave it in its group
@@ -390,7 +392,7 @@ class VLLMServerEngine:
     ) -> dict[str, Any]:
         """One completion request under exactly ``hf_generation``'s settings (nothing from the server's
         defaults: it runs with ``--generation-config vllm``); the suppressed tokens in the smaller
-        encoding, or ``allowed_token_ids`` where ``exact`` (:mod:`.server_suppress`)."""
+        encoding, or ``allowed_token_ids`` where ``exact`` (:mod:`.suppress`)."""
         gen = self.hf_generation
         sampled = bool(gen.do_sample)
         stop = self._stop_id()

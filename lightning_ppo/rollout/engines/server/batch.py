@@ -18,7 +18,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from lightning_ppo.rollout.engines.server_requests import Stalled
+from lightning_ppo.rollout.engines.server.concurrent_calls import Stalled
 
 # How long a cancelled batch may take to close its requests' connections on the loop (the
 # engine's own, which runs nothing else: milliseconds); a bound, not a wait.

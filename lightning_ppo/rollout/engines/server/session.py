@@ -1,9 +1,9 @@
-"""One generation server's pooled connections, for a batch's completions (:mod:`.server_batch`).
+"""One generation server's pooled connections, for a batch's completions (:mod:`.batch`).
 
 Every request of a batch to one server goes through one aiohttp session on the engine's event
-loop (:mod:`.server_connections`): keep-alive connections, at most the in-flight cap of them,
+loop (:mod:`.connections`): keep-alive connections, at most the in-flight cap of them,
 where each request had a socket and an OS thread of its own. What goes wrong is said word for
-word as :class:`~.server_client.ServerClient` says it, naming the server's URL and route once.
+word as :class:`~.client.ServerClient` says it, naming the server's URL and route once.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from lightning_ppo.rollout.engines.server_client import (
+from lightning_ppo.rollout.engines.server.client import (
     ServerClient,
     auth_headers,
     broke_off,

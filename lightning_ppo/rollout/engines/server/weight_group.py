@@ -2,7 +2,7 @@
 (rank 0) and every worker of every server, and the weights broadcast over it in buckets.
 
 Used by both sides: the trainer (:mod:`.server`) and the worker extension inside each server
-(:mod:`.server_worker`), so this module imports only torch. The group is made from torch's own
+(:mod:`.worker_extension`), so this module imports only torch. The group is made from torch's own
 parts (a ``TCPStore`` the trainer serves, a ``ProcessGroupGloo`` on it), not
 ``torch.distributed.init_process_group``: it lives beside the trainer's own process group (DDP,
 FSDP2) and the server's, and touches neither.

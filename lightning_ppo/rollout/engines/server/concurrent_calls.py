@@ -1,10 +1,10 @@
 """A few calls to the generation servers at once, on threads, while the caller does other work.
 
-The in-memory weight sync (:mod:`.server_memory`) asks every server's workers to join its group or
+The in-memory weight sync (:mod:`.memory_sync`) asks every server's workers to join its group or
 receive a sync (one call per server, each returning once the broadcast it takes part in is over)
 while rank 0 broadcasts. Each call waits on its own daemon thread (at most ``max_in_flight`` at
 once); they fail as soon as one fails, or once none has answered for ``stall_timeout`` seconds
-(:class:`Stalled`, which a batch of completions raises too: :mod:`.server_batch`). A call still
+(:class:`Stalled`, which a batch of completions raises too: :mod:`.batch`). A call still
 waiting then is abandoned (a daemon thread: it never holds the process's exit; its socket gives up
 on its own within its timeout).
 """

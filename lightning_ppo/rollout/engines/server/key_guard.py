@@ -17,7 +17,7 @@ import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from lightning_ppo.rollout.engines.server_client import api_key
+from lightning_ppo.rollout.engines.server.client import api_key
 
 OPEN_ROUTES = ("/health", "/ping")  # what a load balancer or LocalServer.wait_ready polls, key-less
 Asgi = Callable[

@@ -3,7 +3,7 @@
 The trainer writes the weights (Hugging Face names, the server's dtype) to one safetensors file,
 atomically (a server never reads a half-written file), readable by the servers whatever user they
 run as (safetensors writes 0600: ``runs/file_modes``), and every server loads it in place
-(:class:`.server_worker.WeightSyncExtension`) and answers with per-parameter checksums of what its
+(:class:`.worker_extension.WeightSyncExtension`) and answers with per-parameter checksums of what its
 kernels now hold. :func:`mismatch` compares them with the trainer's own: a sync that moved nothing
 or moved the wrong tensors names the first parameter that differs. A "did the output change" test
 would pass a sync that moved nothing (vllm#57022); a checksum of the weights held does not.

@@ -9,7 +9,7 @@ vLLM 0.32 has no weight-transfer backend that moves bytes on CPU (its NCCL engin
 the weights travel as one safetensors file the trainer writes and every worker loads in place with
 vLLM's own reload. The same path works on GPUs wherever the trainer and the server share a disk.
 What a worker holds afterwards is reported back as per-parameter checksums, so a load that moved
-nothing, or moved the wrong tensors, is seen by the trainer (:mod:`.server_sync`).
+nothing, or moved the wrong tensors, is seen by the trainer (:mod:`.weight_sync`).
 
 This module imports only torch and safetensors at the top: it is imported inside the server.
 """
@@ -27,7 +27,7 @@ def checksums(model: torch.nn.Module) -> dict[str, list[float]]:
 
     Both sums are unchanged by the ways an engine rearranges a checkpoint's tensor (transposed,
     fused with its neighbours into one parameter, padded with zero rows), so the trainer can
-    compute the same numbers from its own tensors; see :func:`.server_sync.expected_checksums`.
+    compute the same numbers from its own tensors; see :func:`.weight_sync.expected_checksums`.
     """
     sums = {}
     for name, param in model.named_parameters():
@@ -100,7 +100,7 @@ class WeightSyncExtension:
         rank within the server; returns once the group is whole (every worker and the trainer).
         The group's ``secret`` names it: :meth:`lppo_group` answers it, so the trainer sees a worker
         that holds another group or none (a restarted server) and joins it again."""
-        from lightning_ppo.rollout.engines.weight_group import open_group
+        from lightning_ppo.rollout.engines.server.weight_group import open_group
 
         self.lppo_group_secret = ""
         rank = int(first) + int(getattr(self, "rank", 0))
@@ -115,7 +115,7 @@ class WeightSyncExtension:
     def lppo_receive(self, with_checksums: str = "1", version: str = "") -> dict[str, list[float]] | None:
         """Load the weights the trainer broadcasts over its group, as they arrive, as ``version``;
         the checksums after, as :meth:`lppo_load`."""
-        from lightning_ppo.rollout.engines.weight_group import receive
+        from lightning_ppo.rollout.engines.server.weight_group import receive
 
         if not self.lppo_group():
             raise RuntimeError("this server holds no weights group of a trainer (restarted since it joined?)")
