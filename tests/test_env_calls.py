@@ -19,10 +19,11 @@ import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.config import EpisodeConfig
-from lightning_ppo.rollout.answers import BadEnvironmentReward, EnvironmentTimeout
+from lightning_ppo.rollout.answers import BadEnvironmentReward, EnvironmentFailure, EnvironmentTimeout
 from lightning_ppo.rollout.episodes import Environment, StepResult, Turn
 from lightning_ppo.runs.background_loop import LoopBlocked, background_loop
-from lightning_ppo.runs.bounded_calls import CallExited, run_bounded
+from lightning_ppo.runs.bounded_calls import CallExited, call_name, run_bounded
+from lightning_ppo.runs.call_threads import LATE_CALLS
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 
@@ -185,11 +186,46 @@ def test_a_cancelled_error_from_the_users_code_is_that_calls_error():
     assert isinstance(cancelled.error, asyncio.CancelledError) and fine.value == "still here"
 
 
+def first_match() -> str:
+    return next(name for name in ("a", "b") if name == "c")  # no match: StopIteration
+
+
+def ends_iteration() -> None:
+    raise StopAsyncIteration
+
+
+def exits_generator() -> None:
+    raise GeneratorExit
+
+
+def cancelled_by_hand() -> None:
+    raise asyncio.CancelledError("the user's own")
+
+
+@pytest.mark.parametrize(
+    ("call", "raised"),
+    [
+        (first_match, StopIteration),
+        (ends_iteration, StopAsyncIteration),
+        (exits_generator, GeneratorExit),
+        (cancelled_by_hand, asyncio.CancelledError),
+    ],
+    ids=["StopIteration", "StopAsyncIteration", "GeneratorExit", "CancelledError"],
+)
+def test_whatever_a_plain_call_raises_is_its_error_at_once_also_without_a_time_limit(call, raised):
+    """asyncio's futures refuse StopIteration (``next()`` over no match, a common bug): the call must
+    still settle as that error, not hang (no time limit) or pass for a timeout."""
+    failed, fine = _finishes_within(20, run_bounded, [call, answers], None, 4)
+    assert type(failed.error) is raised and not failed.timed_out and fine.value == "still here"
+    assert LATE_CALLS.count(call_name(call)) == 0
+
+
 def test_threads_of_timed_out_calls_are_bounded_and_a_stuck_function_stops_the_run():
     """Two calls hang past their limit (max_concurrency 2): the next call of the function starts no
-    third thread and stops the run in one line (waiting out a limit for every later call would hide
-    a stuck environment as timeouts); once the threads end, calls start again."""
-    from lightning_ppo.runs.bounded_calls import _LEFTOVERS, CallsStuck, call_name
+    third thread, waits until they are stuck (four limits) and stops the run in one line (waiting
+    out a limit for every later call would hide a stuck environment as timeouts); once the threads
+    end, calls start again."""
+    from lightning_ppo.runs.bounded_calls import CallsStuck
 
     release, started, lock = threading.Event(), [0], threading.Lock()
 
@@ -207,10 +243,29 @@ def test_threads_of_timed_out_calls_are_bounded_and_a_stuck_function_stops_the_r
     finally:
         release.set()
     deadline = time.monotonic() + 30
-    while _LEFTOVERS.count(call_name(hangs)) and time.monotonic() < deadline:  # their threads end
+    while LATE_CALLS.count(call_name(hangs)) and time.monotonic() < deadline:  # their threads end
         time.sleep(0.01)
     outcomes = run_bounded([hangs], timeout=10, max_concurrency=2)
     assert outcomes[0].value is None and not outcomes[0].timed_out and started[0] == 3
+
+
+def test_a_late_call_is_not_a_stuck_one_and_one_at_a_time_stays_one_at_a_time():
+    """``max_concurrency: 1`` and a call three times its limit: that call is a timeout, the next ones
+    wait for its thread (never two at once) and then answer; the run does not stop."""
+    running, most, lock = [0], [0], threading.Lock()
+
+    def takes(seconds: float) -> float:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(seconds)
+        with lock:
+            running[0] -= 1
+        return seconds
+
+    calls = [partial(takes, 0.6), partial(takes, 0.01), partial(takes, 0.01)]
+    late, *others = _finishes_within(20, run_bounded, calls, 0.2, 1)
+    assert late.timed_out and [o.value for o in others] == [0.01, 0.01] and most[0] == 1
 
 
 def test_an_async_call_that_ignores_its_cancellation_is_not_waited_for():
@@ -393,6 +448,49 @@ def test_a_step_past_the_timeout_is_named_or_its_episode_dropped_and_counted(tin
     assert stats.timeouts.all() and stats.failed.all() and not rollout.response_mask.any()
     metrics = stats.metrics()
     assert metrics["episode/timeouts"].item() == metrics["episode/env_errors"].item() == 8
+
+
+class FindsNothing(Environment):
+    def step(self, turn: Turn) -> StepResult:
+        return next(StepResult() for _ in () if turn.index)  # no match: StopIteration
+
+
+def test_a_step_raising_stop_iteration_is_its_error_at_once_not_a_timeout(tiny_digits):
+    module = _module(tiny_digits, FindsNothing(), step_timeout=None)
+    with pytest.raises(
+        EnvironmentFailure,
+        match=r"^model.environment: FindsNothing.step raised StopIteration:  \(turn 0, prompt '\d+='\)$",
+    ):
+        _finishes_within(60, _episodes, module)
+    dropping = _module(tiny_digits, FindsNothing(), step_timeout=None, on_error="drop")
+    rollout = _finishes_within(60, _episodes, dropping)
+    stats = dropping.episode_runner.last_stats
+    assert stats.failed.all() and not stats.timeouts.any() and not rollout.response_mask.any()
+
+
+class LateOnce(Environment):
+    """One episode's second step takes three times ``episode.step_timeout``; every other step answers."""
+
+    def __init__(self, late_prompt: str) -> None:
+        self.late_prompt = late_prompt
+
+    def reset(self, prompt, row, rng) -> None:
+        self.prompt = prompt
+
+    def step(self, turn: Turn) -> StepResult:
+        if turn.index == 1 and self.prompt == self.late_prompt:
+            time.sleep(0.6)
+        return StepResult(observation="7=")
+
+
+def test_one_late_step_one_at_a_time_drops_its_episode_and_the_run_goes_on(tiny_digits):
+    probe = _module(tiny_digits, Sleepy())
+    late = _batch(probe).prompts[3]
+    module = _module(tiny_digits, LateOnce(late), step_timeout=0.2, on_error="drop", max_concurrency=1)
+    _finishes_within(60, _episodes, module)
+    stats = module.episode_runner.last_stats
+    assert stats.timeouts.tolist() == [row == 3 for row in range(8)] and stats.failed.sum() == 1
+    assert stats.turns.tolist() == [2 if row == 3 else 3 for row in range(8)]
 
 
 class Rewards(Environment):

@@ -41,7 +41,8 @@ TOOL_FORMATS = ("auto", "hermes", "text")
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _TEXT = re.compile(r"call ([a-z_][a-z0-9_]*)\s*:\s*([^;]*)")
 # Each tool call is a run_bounded of its own; its timed-out calls still running on their threads are
-# bounded per tool over the whole run: past this many, a new call waits (within its limit) for one.
+# bounded per tool over the whole run: past this many, a new call waits for one to end (until they
+# are stuck: lightning_ppo.runs.call_threads).
 _TOOL_LEFTOVERS = 64
 
 

@@ -14,17 +14,18 @@ The outcomes come back in the order of the calls, whatever order they finished i
 caller does with them is deterministic. What a time limit does not do:
 
 - A plain call that times out cannot be stopped: its thread is left running (a daemon: it never
-  keeps the process alive). Those threads are bounded: once ``leftovers`` (default
-  ``max_concurrency``) timed-out calls of the same function still run, the function is stuck, and
-  the next call of it stops the run with one line saying so (:class:`CallsStuck`), rather than
-  start another thread or wait out a limit for every later call.
+  keeps the process alive), late. Those threads are bounded (``lightning_ppo.runs.call_threads``):
+  while ``leftovers`` (default ``max_concurrency``) late calls of the same function still run, a new
+  call of it waits for one to end; once they have run four times their limit they are stuck, and
+  the run stops with one line saying so (:class:`CallsStuck`), rather than wait for good or time
+  out every later call in silence.
 - An ``async def`` that ignores its cancellation is not waited for past its limit: it is reported
   timed out and left to end on the loop.
 - An ``async def`` that blocks (``time.sleep``) holds the one loop, so no time limit can fire:
   such a call is named in one line once it has held the loop past its limit (``LoopBlocked``), and
   a new loop serves the calls after it.
 
-Whatever a call raises is its outcome, also ``CancelledError``; ``SystemExit`` and
+Whatever a call raises is its outcome, also ``CancelledError`` and ``StopIteration``; ``SystemExit`` and
 ``KeyboardInterrupt`` (``sys.exit()`` in the user's code) never reach the loop's thread: they stop
 the run with one line naming the call (:class:`CallExited`).
 """
@@ -33,13 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import threading
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from lightning_ppo.runs.background_loop import LoopBlocked, background_loop, wait_on_loop
+from lightning_ppo.runs.call_threads import LATE_CALLS, CallsStuck, Outcome
 from lightning_ppo.runs.errors import UsageError
 
 __all__ = ["CallExited", "CallsStuck", "Outcome", "await_bounded", "background_loop", "run_bounded"]
@@ -49,21 +48,8 @@ __all__ = ["CallExited", "CallsStuck", "Outcome", "await_bounded", "background_l
 BLOCKED_GRACE_S = 1.0
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What one call gave: its ``value``, the ``error`` it raised, or ``timed_out``."""
-
-    value: Any = None
-    error: BaseException | None = None
-    timed_out: bool = False
-
-
 class CallExited(UsageError):
     """The user's code raised ``SystemExit`` or ``KeyboardInterrupt`` inside a call."""
-
-
-class CallsStuck(UsageError):
-    """As many calls of one function as may be left running after their time limit still run."""
 
 
 def run_bounded(
@@ -74,8 +60,9 @@ def run_bounded(
 ) -> list[Outcome]:
     """Run every call (no arguments; bind them with ``functools.partial``), at most
     ``max_concurrency`` at once, each within ``timeout`` seconds (``None``: no limit), and return
-    their outcomes in order. ``leftovers``: how many timed-out calls of one function may still run on
-    their threads before a new one waits (default ``max_concurrency``)."""
+    their outcomes in order. ``leftovers``: how many late calls of one function (past their limit,
+    still running on their threads) there may be before a new one waits (default
+    ``max_concurrency``)."""
     if not calls:
         return []
     names = [call_name(call) for call in calls]
@@ -148,7 +135,16 @@ async def _bounded(
     async with slots:
         if _is_async(call):
             return await _within(call, name, timeout)
-        outcome = await _within(lambda: _LEFTOVERS.run(call, name, leftovers), name, timeout)
+        try:  # not part of the call's limit, as the wait for a slot is not
+            await LATE_CALLS.place(name, leftovers)
+        except CallsStuck as stuck:
+            return Outcome(error=stuck)
+        job = LATE_CALLS.start(call)
+        outcome = await _within(lambda: job.future, name, timeout)
+        if outcome.timed_out and timeout is not None:
+            job.leave(name, timeout)  # before the next call looks for a place
+        if isinstance(outcome.value, Outcome):
+            outcome = outcome.value  # the call's own, from its thread: what it returned or raised
         if outcome.error is not None or outcome.timed_out or not inspect.isawaitable(outcome.value):
             return outcome
         return await _within(_returns(outcome.value), name, timeout)  # a plain call returned an awaitable
@@ -189,86 +185,3 @@ def _is_async(call: Callable[[], Any]) -> bool:
     while hasattr(call, "func"):
         call = call.func  # type: ignore[attr-defined]
     return inspect.iscoroutinefunction(call)
-
-
-class _Leftovers:
-    """Threads of plain calls that timed out and still run, counted per function: nothing can stop
-    them, so a function with ``leftovers`` of them waits for one to end before it starts another."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running: Counter[str] = Counter()
-
-    def count(self, name: str) -> int:
-        with self._lock:
-            return self._running[name]
-
-    async def run(self, call: Callable[[], Any], name: str, leftovers: int) -> Any:
-        """``call()`` on a daemon thread of its own, unless ``leftovers`` of them still run past
-        their limit: the function is stuck, and waiting out a limit per later call would only
-        hide it (every episode failing as a timeout)."""
-        if self.count(name) >= leftovers:
-            raise CallsStuck(
-                f"{self.count(name)} calls of {name} are still running after their time limit (hung, "
-                "their threads cannot be stopped): it is stuck; the run stops here"
-            )
-        job = _Job(call, asyncio.get_running_loop(), self)
-        try:
-            return await job.future
-        except asyncio.CancelledError:  # timed out: the thread runs on, counted until it ends
-            job.leave(name)
-            raise
-
-    def add(self, name: str) -> None:
-        with self._lock:
-            self._running[name] += 1
-
-    def remove(self, name: str) -> None:
-        with self._lock:
-            self._running[name] -= 1
-
-
-_LEFTOVERS = _Leftovers()
-
-
-class _Job:
-    """One plain call on its thread; its result or exception lands on :attr:`future`."""
-
-    def __init__(
-        self, call: Callable[[], Any], loop: asyncio.AbstractEventLoop, leftovers: _Leftovers
-    ) -> None:
-        self.loop, self.leftovers = loop, leftovers
-        self.future: asyncio.Future = loop.create_future()
-        self._lock = threading.Lock()
-        self._finished, self._left_as = False, ""
-        threading.Thread(target=self._work, args=(call,), name="lightning-ppo-call", daemon=True).start()
-
-    def leave(self, name: str) -> None:
-        """Nobody waits for it any more; count it as left over while its thread still runs."""
-        with self._lock:
-            if not self._finished:
-                self._left_as = name
-                self.leftovers.add(name)
-
-    def _work(self, call: Callable[[], Any]) -> None:
-        value, error = None, None
-        try:
-            value = call()
-        except BaseException as err:  # noqa: BLE001  (handed to the caller, as the call's outcome)
-            error = err
-        with self._lock:
-            self._finished = True
-            if self._left_as:
-                self.leftovers.remove(self._left_as)
-        try:
-            self.loop.call_soon_threadsafe(self._settle, value, error)
-        except RuntimeError:  # the loop was closed meanwhile: nobody waits for this any more
-            pass
-
-    def _settle(self, value: Any, error: BaseException | None) -> None:
-        if self.future.done():  # timed out and cancelled meanwhile
-            return
-        if error is not None:
-            self.future.set_exception(error)
-        else:
-            self.future.set_result(value)
