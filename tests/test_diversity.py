@@ -3,14 +3,19 @@ answers converging on one phrase while the score rises, and steps too small to m
 
 from __future__ import annotations
 
+import os
+import random
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
+from benchmarks.diversity import before
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward, digits_score
-from lightning_ppo.watch.diversity import Diversity, normalise
+from lightning_ppo.watch.diversity import Diversity, _shared_part, normalise
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
 from tests.helpers import fit_warnings
 
@@ -324,3 +329,66 @@ def test_a_reward_that_pays_a_phrase_inside_varied_answers_is_said_to_make_them_
     assert "converging" in module.guardrails.fired, module.last_samples.completions
     message = next(m for m in caught if m.startswith("answers are converging: "))
     assert "77777" in message  # the phrase the reward pays, quoted
+
+
+def _batch_of_near_copies(rng: random.Random) -> list[tuple[str, str]]:
+    """A few prompts' answers of random words, most holding one phrase (once or repeated), some after
+    a run of one character: ties, repeats and overlaps the search must take as it did."""
+    words = "the cat sat on a mat and that is all there is to it so final answer 12 7 x".split()
+    phrase = " ".join(rng.choice(words) for _ in range(rng.randrange(2, 8)))
+    rows = []
+    for i in range(rng.randrange(2, 12)):
+        for _ in range(rng.randrange(1, 3)):
+            text = " ".join(rng.choice(words) for _ in range(rng.randrange(0, 12)))
+            if rng.random() < 0.6:
+                cut = rng.randrange(len(text) + 1)
+                text = text[:cut] + phrase * rng.randrange(1, 4) + text[cut:]
+            if rng.random() < 0.2:
+                text = rng.choice("ab7 ") * rng.randrange(0, 60) + text
+            rows.append((f"p{i}", text))
+    return rows
+
+
+def test_the_shared_part_is_the_one_the_search_before_found():
+    """The search before (re-finding every occurrence at each character: over 30 s on a collapsed
+    batch, benchmarks/diversity.py) and today's find the same part, share and cover."""
+    fixed = [
+        COLLAPSED,
+        HEALTHY,
+        FORMATTED,
+        ["a" * 300] * 16,
+        [("So it is 4. " * 40)[:n] for n in range(300, 316)],
+    ]
+    batches = [list(zip(CHAT_PROMPTS, answers, strict=True)) for answers in fixed]
+    batches += [_batch_of_near_copies(random.Random(seed)) for seed in range(400)]
+    for rows in batches:
+        assert _shared_part(rows) == before(rows), rows
+
+
+def test_a_collapsed_batch_of_long_answers_shares_its_repeated_text():
+    """64 answers of 4,000 repeated characters: the longest part read (400 characters), in all."""
+    prompts = [f"question {i}" for i in range(64)]
+    d = Diversity.of(prompts, ["a" * 4000] * 64)
+    assert (d.shared, d.shared_share, d.shared_cover) == ("a" * 400, 1.0, pytest.approx(0.1))
+    sentence = Diversity.of(prompts, [(f"Answer {i}. " + "So it is 4. " * 400)[:4000] for i in range(64)])
+    assert len(sentence.shared) == 400 and sentence.shared_share == 1.0
+
+
+def test_the_shared_part_does_not_depend_on_the_process():
+    """A tie (X and Y each follow 'abcde' in two prompts' answers) goes to the first found, in every
+    process: before, it went by the string hashes' order (PYTHONHASHSEED 0 'abcdeX', 2 'abcdeY')."""
+    code = (
+        "from lightning_ppo.watch.diversity import _shared_part;"
+        "print(_shared_part([('a', 'abcdeX abcdeY'), ('b', 'abcdeX'), ('c', 'abcdeY')])[0])"
+    )
+    found = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for seed in ("0", "2")
+    }
+    assert found == {"abcdeX"}

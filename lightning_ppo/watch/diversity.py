@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from itertools import combinations
+from itertools import chain, combinations
 from typing import Any
 
 import torch
@@ -46,6 +46,9 @@ MIN_SHARED_CHARS = 5
 SHARED_PROMPTS = 0.5
 SHARED_SEEDS = 4
 MAX_SHARED_CHARS = 400
+# Occurrences of the part read in each answer, the first ones: an answer that repeats one text
+# thousands of times (a collapsed policy) holds nothing more to grow from than its first few.
+MAX_OCCURRENCES = 16
 
 
 def normalise(text: str) -> str:
@@ -136,9 +139,9 @@ def _shared_part(rows: list[tuple[str, str]]) -> tuple[str, float, float]:
     """The longest text found in the answers of at least :data:`SHARED_PROMPTS` of the rows' distinct
     prompts (two at least), the share of prompts whose answers hold it, and the mean share of those
     answers' characters it makes up; ``("", 0.0, 0.0)`` where no :data:`MIN_SHARED_CHARS` characters
-    are shared so widely. Seeds are the most widely shared runs of MIN_SHARED_CHARS characters, each
-    grown to the right and then to the left by the character most often next to it, while it stays
-    as widely shared; the longest wins."""
+    are shared so widely. Seeds are the most widely shared runs of MIN_SHARED_CHARS characters (ties:
+    the one seen first), each grown to the right and then to the left by the character most often
+    next to it, while it stays as widely shared; the longest wins."""
     by_prompt: dict[str, list[str]] = {}
     for prompt, text in rows:
         by_prompt.setdefault(prompt, []).append(text)
@@ -147,9 +150,9 @@ def _shared_part(rows: list[tuple[str, str]]) -> tuple[str, float, float]:
     if len(answers) < need:
         return "", 0.0, 0.0
     k = MIN_SHARED_CHARS
-    seeds: Counter[str] = Counter()
-    for texts in answers:
-        seeds.update({t[i : i + k] for t in texts for i in range(len(t) - k + 1)})
+    # each prompt's runs once, in the order first seen (dict, not set: ties do not depend on hashing)
+    runs = (dict.fromkeys(t[i : i + k] for t in texts for i in range(len(t) - k + 1)) for texts in answers)
+    seeds = Counter(chain.from_iterable(runs))
     best = ""
     for seed, count in seeds.most_common(SHARED_SEEDS):
         if count < need or seed in best:
@@ -165,27 +168,67 @@ def _shared_part(rows: list[tuple[str, str]]) -> tuple[str, float, float]:
 
 
 def _grow(part: str, answers: list[list[str]], need: int, right: bool) -> str:
-    """``part`` extended a character at a time on one side while the answers of ``need`` prompts
-    still hold it (up to :data:`MAX_SHARED_CHARS`)."""
-    while len(part) < MAX_SHARED_CHARS:
-        nexts: Counter[str] = Counter()
-        for texts in answers:
-            found = set()
-            for t in texts:
-                start = t.find(part)
-                while start >= 0:
-                    at = start + len(part) if right else start - 1
-                    if 0 <= at < len(t):
-                        found.add(t[at])
-                    start = t.find(part, start + 1)
-            nexts.update(found)
-        if not nexts:
-            return part
-        char, count = nexts.most_common(1)[0]
+    """``part`` extended a character at a time on one side, by the character most prompts' answers
+    have next to it, while the answers of ``need`` prompts still hold it (up to
+    :data:`MAX_SHARED_CHARS`)."""
+    room = MAX_SHARED_CHARS - len(part)
+    if room <= 0:
+        return part
+    grown = _extend([_contexts(part, texts, room, right) for texts in answers], need)
+    return part + grown if right else grown[::-1] + part
+
+
+def _contexts(part: str, texts: list[str], room: int, right: bool) -> list[str]:
+    """What follows (``right``) or precedes (read backwards) the first :data:`MAX_OCCURRENCES` of
+    ``part`` in each of one prompt's answers, ``room`` characters at most: all that growing it can
+    read. Each only once, in the order found: a collapsed answer repeating one text gives one."""
+    found: dict[str, None] = {}
+    for t in texts:
+        start = t.find(part)
+        for _ in range(MAX_OCCURRENCES):
+            if start < 0:
+                break
+            end = start + len(part)
+            found[t[end : end + room] if right else t[max(0, start - room) : start][::-1]] = None
+            start = t.find(part, start + 1)
+    return list(found)
+
+
+def _extend(contexts: list[list[str]], need: int) -> str:
+    """The text grown from each prompt's ``contexts``: one character at a time, the one the most
+    prompts' contexts continue with (ties: the first found), while ``need`` prompts continue it.
+    Where every context continues alike the whole common stretch is taken at once: a collapsed
+    batch costs a few steps, not one per character."""
+    grown = ""
+    while True:
+        at = len(grown)
+        contexts = [kept for cs in contexts if (kept := [c for c in cs if len(c) > at])]
+        if len(contexts) < need:
+            return grown
+        every = [c for cs in contexts for c in cs]
+        common = _common_start(min(every), max(every))
+        if len(common) > at:  # every context goes on alike: every prompt still holds it
+            grown = common
+            continue
+        counts = Counter(chain.from_iterable(dict.fromkeys(c[at] for c in cs) for cs in contexts))
+        char, count = counts.most_common(1)[0]
         if count < need:
-            return part
-        part = part + char if right else char + part
-    return part
+            return grown
+        grown += char
+        contexts = [[c for c in cs if c[at] == char] for cs in contexts]
+
+
+def _common_start(a: str, b: str) -> str:
+    """The longest common start of ``a`` and ``b``, by halving (slice comparisons, not a loop per
+    character)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return a[:low]
 
 
 def _prompt_by_prompt(rows: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
