@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 from collections import defaultdict
 from dataclasses import replace
 from functools import partial
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_ppo.rewards import ACCURACY_COLUMN, ScoreInputs, TrainerState, check_scores
-from lightning_ppo.runs.bounded_calls import await_bounded
+from lightning_ppo.runs.bounded_calls import await_bounded, call_exited
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.warn import warn
 
@@ -69,8 +70,8 @@ class Scorer:
             log_extra=partial(self._log_extra, n),
         )
         components = reward_components(module)
-        outputs = call_all([compute for _, compute in components], prompts, completions, batch)
         names = [name for name, _ in components]
+        outputs = call_all([compute for _, compute in components], prompts, completions, batch, names)
         outputs = await_all(outputs, module.ppo.reward_timeout, names, n, module.ppo.on_bad_reward == "drop")
         total = torch.zeros(n, device=module.device)
         scored = torch.zeros(n, dtype=torch.bool, device=module.device)
@@ -204,18 +205,35 @@ def split_none(output: Any) -> tuple[Any, Tensor | None]:
     return [0.0 if value is None else value for value in output], applies
 
 
-def call_all(rewards: list[Any], prompts: list[str], completions: list[str], batch: ScoreInputs) -> list[Any]:
+def call_all(
+    rewards: list[Any], prompts: list[str], completions: list[str], batch: ScoreInputs, names: list[str]
+) -> list[Any]:
     """Each reward's output, in order; an async reward's is still to be awaited (:func:`await_all`)."""
     outputs: list[Any] = []
     try:
-        for reward in rewards:
-            outputs.append(reward(prompts, completions, batch))
+        for reward, name in zip(rewards, names, strict=True):
+            outputs.append(_called(reward, name, prompts, completions, batch))
     except BaseException:
         for output in outputs:  # never to be awaited: close them rather than warn about them
             if inspect.iscoroutine(output):
                 output.close()
         raise
     return outputs
+
+
+def _called(reward: Any, name: str, prompts: list[str], completions: list[str], batch: ScoreInputs) -> Any:
+    """``reward(...)``; its ``sys.exit()`` stops the run in one line, as an async reward's does, rather
+    than end ``fit`` as if it had finished. A ``KeyboardInterrupt`` on the main thread is the run's
+    Ctrl-C (one cannot be told from the other there: SIGINT lands wherever the main thread is); on
+    another (sampling ahead) it can only be the code's own, and stops the run as an exit does."""
+    try:
+        return reward(prompts, completions, batch)
+    except SystemExit as err:
+        raise call_exited(f"reward {name!r}", err) from err
+    except KeyboardInterrupt as err:
+        if threading.current_thread() is threading.main_thread():
+            raise
+        raise call_exited(f"reward {name!r}", err) from err
 
 
 def await_all(
@@ -230,7 +248,9 @@ def await_all(
     ``ppo.on_bad_reward: drop``, NaN for every completion (dropped and counted as NaN scores are)."""
     waiting = [i for i, output in enumerate(outputs) if inspect.isawaitable(output)]
     done = list(outputs)
-    for i, outcome in zip(waiting, await_bounded([outputs[i] for i in waiting], timeout), strict=True):
+    shown = [f"reward {names[i]!r}" if names is not None else f"reward {i}" for i in waiting]
+    outcomes = await_bounded([outputs[i] for i in waiting], timeout, shown)
+    for i, outcome in zip(waiting, outcomes, strict=True):
         if outcome.error is not None:
             raise outcome.error  # the reward's own exception, as a plain reward's would propagate
         if outcome.timed_out:

@@ -70,6 +70,21 @@ def two_argument_reward(prompts, completions):
     return [0.0] * len(completions)
 
 
+def exits_with_0(prompts, completions, batch):
+    """A plain reward that ends the process as a script would (``sys.exit(0)``)."""
+    sys.exit(0)
+
+
+async def exits_with_0_async(prompts, completions, batch):
+    """The same, ``async def``."""
+    sys.exit(0)
+
+
+def raises_keyboard_interrupt(prompts, completions, batch):
+    """A plain reward raising what a Ctrl-C raises."""
+    raise KeyboardInterrupt
+
+
 class TRLLengthReward:
     """A TRL-style callable class that names the dataset column it needs."""
 

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import signal
+from functools import partial
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2ForSequenceClassification
 
+from lightning_ppo import PPOLightningModule
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rewards import RewardModel
+from tests.helpers import cli_usage_error, quickstart_fit_args
 
 EOS = 1  # also the pad id below: HF's own pooling would look for the first pad and pick the wrong token
 
@@ -308,3 +314,54 @@ def test_a_reward_returning_a_tensor_with_a_graph_is_detached_where_it_enters(ti
     quiet_trainer(tmp_path, iterations=1).fit(module, datamodule=prompt_data())
     assert module.trainer.global_step == 4
     assert scorer.head.weight.grad is None  # the update never reached the reward's parameters
+
+
+@pytest.mark.parametrize("reward", ["exits_with_0", "exits_with_0_async"], ids=["def", "async def"])
+def test_a_reward_that_exits_stops_the_run_in_one_line_with_status_2(reward, tiny_digits, tmp_path, capsys):
+    """``sys.exit(0)`` inside a plain reward ended ``fit`` in silence with status 0, as if the run had
+    finished; both kinds of reward now say so in the same line."""
+    args = quickstart_fit_args(
+        tiny_digits, tmp_path, [], "--model.init_args.reward_fn", f"tests.helpers.{reward}"
+    )
+    assert cli_usage_error(capsys, args) == (
+        f"reward '{reward}' raised SystemExit(0): code that training calls must raise an exception, "
+        "not exit; the run stops here"
+    )
+
+
+def test_a_keyboard_interrupt_from_a_plain_reward_is_a_ctrl_c(tiny_digits, tmp_path, capsys):
+    """On the main thread a KeyboardInterrupt cannot be told from a Ctrl-C, which lands wherever the
+    main thread is (often in a slow reward): it stays the run's Ctrl-C, one line and status 130."""
+    from lightning_ppo.cli import main
+
+    args = quickstart_fit_args(
+        tiny_digits, tmp_path, [], "--model.init_args.reward_fn", "tests.helpers.raises_keyboard_interrupt"
+    )
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl-Cs while shutting down
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "lightning-ppo: interrupted (Ctrl-C) during training; the checkpoints it had written are kept"
+    )
+
+
+def test_a_keyboard_interrupt_from_a_reward_off_the_main_thread_is_the_codes_own(tiny_digits):
+    """No Ctrl-C lands off the main thread: there a reward's KeyboardInterrupt stops the run as an exit
+    does (one line), where on the main thread it stays the Ctrl-C it may be."""
+    from lightning_ppo.rewards import ScoreInputs
+    from lightning_ppo.runs.bounded_calls import CallExited
+    from tests.helpers import raises_keyboard_interrupt
+
+    module = PPOLightningModule(policy=str(tiny_digits), reward_fn=raises_keyboard_interrupt)
+    score = partial(module.score, ["1="], ["1"], ScoreInputs({}, None, None))
+    with pytest.raises(KeyboardInterrupt):
+        score()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with pytest.raises(
+            CallExited, match=r"^reward 'raises_keyboard_interrupt' raised KeyboardInterrupt\(\)"
+        ):
+            pool.submit(score).result()

@@ -41,7 +41,15 @@ from lightning_ppo.runs.background_loop import LoopBlocked, background_loop, wai
 from lightning_ppo.runs.call_threads import LATE_CALLS, CallsStuck, Outcome
 from lightning_ppo.runs.errors import UsageError
 
-__all__ = ["CallExited", "CallsStuck", "Outcome", "await_bounded", "background_loop", "run_bounded"]
+__all__ = [
+    "CallExited",
+    "CallsStuck",
+    "Outcome",
+    "await_bounded",
+    "background_loop",
+    "call_exited",
+    "run_bounded",
+]
 
 # A blocked loop is judged so this long after the call's own time limit (scheduling noise on a
 # loaded machine must not read as a block).
@@ -80,12 +88,16 @@ def run_bounded(
     return _raise_exits(_on_loop(run_all, timeout), names)
 
 
-def await_bounded(awaitables: Sequence[Awaitable[Any]], timeout: float | None) -> list[Outcome]:
+def await_bounded(
+    awaitables: Sequence[Awaitable[Any]], timeout: float | None, names: Sequence[str] | None = None
+) -> list[Outcome]:
     """Await every awaitable together on the background loop, each within ``timeout`` seconds; their
-    outcomes in order (an async reward's batch, already called)."""
+    outcomes in order (an async reward's batch, already called). ``names``: what one lines call them
+    (default: each awaitable's qualified name)."""
     if not awaitables:
         return []
-    names = [getattr(awaitable, "__qualname__", type(awaitable).__name__) for awaitable in awaitables]
+    if names is None:
+        names = [getattr(awaitable, "__qualname__", type(awaitable).__name__) for awaitable in awaitables]
 
     async def run_all() -> list[Outcome]:
         waits = [_within(_returns(a), name, timeout) for a, name in zip(awaitables, names, strict=True)]
@@ -121,12 +133,17 @@ def _raise_exits(outcomes: list[Outcome], names: list[str]) -> list[Outcome]:
         if isinstance(outcome.error, (CallExited, CallsStuck, LoopBlocked)):
             raise outcome.error
         if isinstance(outcome.error, (SystemExit, KeyboardInterrupt)):
-            kind = type(outcome.error).__name__
-            raise CallExited(
-                f"{name} raised {kind}({outcome.error}): code that training calls must raise an "
-                "exception, not exit; the run stops here"
-            ) from outcome.error
+            raise call_exited(name, outcome.error) from outcome.error
     return outcomes
+
+
+def call_exited(name: str, error: BaseException) -> CallExited:
+    """The one line for the user's code exiting (``sys.exit()``, a ``KeyboardInterrupt`` raised where
+    no Ctrl-C lands), which must not end the run as if it had finished."""
+    return CallExited(
+        f"{name} raised {type(error).__name__}({error}): code that training calls must raise an "
+        "exception, not exit; the run stops here"
+    )
 
 
 async def _bounded(
