@@ -426,7 +426,7 @@ def test_the_weights_file_is_readable_by_others_and_a_killed_runs_files_are_swep
 
     folder = tmp_path / "sync"
     written = write_weights(iter([("a", torch.randn(2))]), folder, torch.float32)
-    assert written.path.stat().st_mode & 0o777 == open_mode()
+    assert written.path.stat().st_mode & 0o777 == open_mode(folder)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
     here = socket.gethostname()
     leftovers = [

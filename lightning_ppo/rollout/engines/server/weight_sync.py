@@ -68,7 +68,7 @@ def write_weights(
     partial, path = folder / f".{name}.partial", folder / f"{name}.safetensors"
     try:
         save_file(tensors, str(partial))
-        os.chmod(partial, open_mode())
+        os.chmod(partial, open_mode(folder))
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)
