@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -200,3 +201,29 @@ def test_text_tools_get_a_preamble_when_asked(chat_tokenizer):
     assert data.format_prompt("2*3=") == tools.preamble() + "2*3="
     data.tool_preamble = False
     assert data.format_prompt("2*3=") == "2*3="
+
+
+def _named(name: str):
+    def tool(argument: str) -> str:
+        return f"{name}({argument})"
+
+    tool.__name__ = name
+    return tool
+
+
+def test_text_calls_reach_tools_named_with_capitals_digits_underscores_and_dashes():
+    """The preamble advertises each tool by its ``__name__``; ``call getWeather: Paris;`` was no call
+    at all (names were lower case only), and the episode just ended."""
+    names = ["getWeather", "lookup_v2", "get-weather", "Größe", "_private"]
+    env = ToolEnvironment([_named(name) for name in names], tool_format="text")
+    for name in names:
+        assert env.parse(f"so: call {name}: Paris; then") == ToolCall(name, "Paris")
+        assert env.step(_turn(f"call {name}:Paris;")) == StepResult(observation=f" result: {name}(Paris);")
+    assert (env.calls, env.errors) == (len(names), 0)
+
+
+@pytest.mark.parametrize("name", ["get weather", "a:b", "a;b"])
+def test_a_tool_name_the_text_format_cannot_call_is_one_line_at_setup(name):
+    said = rf"^model.tools: {re.escape(repr(name))} cannot be called in the text format \(`call NAME: "
+    with pytest.raises(UsageError, match=said):
+        ToolEnvironment([_named(name)], tool_format="text")

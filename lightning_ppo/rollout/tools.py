@@ -39,7 +39,10 @@ from lightning_ppo.runs.errors import UsageError
 
 TOOL_FORMATS = ("auto", "hermes", "text")
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_TEXT = re.compile(r"call ([a-z_][a-z0-9_]*)\s*:\s*([^;]*)")
+# A text-format name is what the preamble advertises, a tool's __name__: any run of characters
+# but spaces, ':' and ';' (capitals, digits, '_', '-', non-ASCII letters); the setup refuses others.
+_TEXT_NAME = r"[^\s:;]+"
+_TEXT = re.compile(rf"call ({_TEXT_NAME})\s*:\s*([^;]*)")
 # Each tool call is a run_bounded of its own; its timed-out calls still running on their threads are
 # bounded per tool over the whole run: past this many, a new call waits for one to end (until they
 # are stuck: lightning_ppo.runs.call_threads).
@@ -88,6 +91,8 @@ class ToolEnvironment(Environment):
         self.tools = {tool.__name__: tool for tool in tools}
         has_template = getattr(tokenizer, "chat_template", None) is not None
         self.format = ("hermes" if has_template else "text") if tool_format == "auto" else tool_format
+        if self.format == "text":
+            _check_text_names(self.tools)
         if self.format == "hermes" and not has_template:
             raise UsageError("model.episode.tool_format hermes needs a tokenizer with a chat template")
         self.tool_suffix = message_suffix(tokenizer, "tool", stop_token) if self.format == "hermes" else None
@@ -144,6 +149,17 @@ class ToolEnvironment(Environment):
             return f" {'error' if failed else 'result'}: {result};"
         content = json.dumps({"error": result} if failed else {"name": call.name, "content": result})
         return self.tool_suffix.format(content=content)
+
+
+def _check_text_names(tools: dict[str, Callable[..., Any]]) -> None:
+    """Every tool can be called in the text format: its name is one the format reads back."""
+    for name in tools:
+        if not re.fullmatch(_TEXT_NAME, name):
+            raise UsageError(
+                f"model.tools: {name!r} cannot be called in the text format (`call NAME: ARGUMENT;`, "
+                "a NAME without spaces, ':' or ';'): rename the function, or use episode.tool_format: "
+                "hermes"
+            )
 
 
 @dataclass(frozen=True)
