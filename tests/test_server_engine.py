@@ -429,11 +429,12 @@ def test_the_weights_file_is_readable_by_others_and_a_killed_runs_files_are_swep
     assert written.path.stat().st_mode & 0o777 == open_mode(folder)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
     here = socket.gethostname()
+    owner = server_sync._owner(int(dead.stdout))  # this boot, this PID namespace, the dead process
     leftovers = [
-        folder / f"lightning-ppo-weights-{here}-{int(dead.stdout)}-abc.safetensors",
-        folder / f".lightning-ppo-weights-{here}-{int(dead.stdout)}-def.partial",
+        folder / f"lightning-ppo-weights-{here}-{owner}-abc.safetensors",
+        folder / f".lightning-ppo-weights-{here}-{owner}-def.partial",
     ]
-    elsewhere = folder / f"lightning-ppo-weights-another-node-{int(dead.stdout)}-abc.safetensors"
+    elsewhere = folder / f"lightning-ppo-weights-another-node-{owner}-abc.safetensors"
     for path in [*leftovers, elsewhere]:
         path.write_bytes(b"x")
     assert sorted(sweep_leftovers(folder)) == sorted(leftovers)
@@ -449,6 +450,27 @@ def test_the_weights_file_is_readable_by_others_and_a_killed_runs_files_are_swep
     with pytest.raises(OSError, match="No space"):
         write_weights(iter([("a", torch.randn(2))]), folder, torch.float32)
     assert [p.name for p in folder.iterdir()] == [written.path.name]
+
+
+def test_a_live_runs_file_from_another_pid_namespace_is_never_swept(tmp_path, monkeypatch):
+    """Containers that share a hostname, a user and the sync folder each number their processes
+    from 1: a live run's file, named with a process id this namespace does not run, was swept as a
+    killed run's (its servers' next load failed on a missing file). The writer's namespace is
+    simulated here (another inode, and a process id not running in this one); a file of this
+    namespace written by that same dead process id is still swept."""
+    from lightning_ppo.rollout.engines.server import weight_sync as server_sync
+
+    folder = tmp_path / "sync"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    boot, namespace, _ = server_sync._owner(0).split(".")
+    with monkeypatch.context() as other_container:
+        other_container.setattr(server_sync.os, "getpid", lambda: int(dead.stdout))
+        other_container.setattr(server_sync, "_owner", lambda pid: f"{boot}.1234567.{pid}")
+        live = write_weights(iter([("a", torch.randn(2))]), folder, torch.float32)
+    killed = folder / live.path.name.replace(".1234567.", f".{namespace}.")
+    killed.write_bytes(b"x")
+    assert sweep_leftovers(folder) == [killed]
+    assert [p.name for p in folder.iterdir()] == [live.path.name]
 
 
 def test_weights_sent_in_memory_arrive_whole_in_buckets_on_every_receiver():

@@ -53,7 +53,8 @@ def checksum(tensor: Tensor) -> Checksum:
     return values.sum().item(), values.square().sum().item()
 
 
-_PREFIX = "lightning-ppo-weights-"  # then the writing machine's name, its process id, a random hex
+# Then the writing machine's name, its process (:func:`_owner`), a random hex.
+_PREFIX = "lightning-ppo-weights-"
 
 
 def write_weights(
@@ -64,7 +65,7 @@ def write_weights(
     write that fails leaves nothing behind. Their checksums where asked (a sync that is checked)."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().to(device="cpu", dtype=dtype).contiguous() for name, tensor in weights}
-    name = f"{_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
+    name = f"{_PREFIX}{socket.gethostname()}-{_owner(os.getpid())}-{uuid.uuid4().hex}"
     partial, path = folder / f".{name}.partial", folder / f"{name}.safetensors"
     try:
         save_file(tensors, str(partial))
@@ -79,18 +80,36 @@ def write_weights(
 
 def sweep_leftovers(folder: Path) -> list[Path]:
     """Remove the weight files a killed run left in ``folder`` (between its write and its unlink):
-    this user's, written on this machine by a process no longer running. Another live run's files,
-    another machine's (a shared folder) and another user's are left alone. The files removed."""
-    removed, here = [], socket.gethostname()
+    this user's, written on this machine since it booted, in this PID namespace, by a process no
+    longer running. A process id means something only in its namespace: containers that share a
+    hostname and a folder see each other's files, not each other's processes, so another
+    namespace's files (and another machine's, another boot's, another user's, or those of a version
+    that did not name its namespace) are left alone: none is provably stale. The files removed."""
+    removed, here, ours = [], socket.gethostname(), _owner(0).rpartition(".")[0]
     for path in folder.glob(f"*{_PREFIX}{here}-*"):
-        pid = path.name.lstrip(".").removeprefix(f"{_PREFIX}{here}-").split("-", 1)[0]
-        if not pid.isdigit() or _running(int(pid)):
+        owner = path.name.lstrip(".").removeprefix(f"{_PREFIX}{here}-").split("-", 1)[0]
+        place, _, pid = owner.rpartition(".")  # this boot and namespace, or another's
+        if place != ours or not pid.isdigit() or _running(int(pid)):
             continue
         with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
             if path.stat().st_uid == os.getuid():
                 path.unlink()
                 removed.append(path)
     return removed
+
+
+def _owner(pid: int) -> str:
+    """Process ``pid`` of this machine's boot and this PID namespace, as a file's name says it:
+    ``<boot id>.<namespace inode>.<pid>`` (0 for what the system does not tell)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:12]
+    except OSError:
+        boot = "0"
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{boot}.{namespace}.{pid}"
 
 
 def _running(pid: int) -> bool:
