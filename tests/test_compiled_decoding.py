@@ -5,15 +5,17 @@ default path untouched. Inductor compiles a graph in 5-15 s on one CPU core, so 
 under both precisions run on ``aot_eager`` (dynamo's same graphs and guards, hence the same count,
 executed by eager kernels) and inductor runs on the Llama alone, fp32 and bf16-mixed. Measured with
 inductor on all four (torch 2.13, transformers 5.24, CPU; 12 new tokens, a batch of 4 with left
-padding): greedy and sampled tokens equal to eager's, the log-probs of every step within 4.8e-7
-under fp32 and equal under bf16-mixed (``emulate_precision_casts``; without it 2e-3 and a greedy
-token changed on the Llama).
+padding): greedy and sampled tokens equal to eager's, the log-probs of every step within one float32
+rounding step under fp32, and under bf16-mixed within 0.17 of a bf16 step of the largest logit
+(``emulate_precision_casts``; without it 2e-3 and a greedy token changed on the Llama).
 
 Eager decoding on the static cache attends over its written tokens only (``trim``); a compiled step
-attends over the cache's whole length, the tail masked, as the untrimmed cache did. Under fp32 the
-two agree within 1e-7; under bf16 the attention rounds otherwise by a bf16 step (as the dynamic
-cache always did), so the bf16 log-probs are compared with the untrimmed cache's, and the tokens
-with both.
+attends over the cache's whole length, the tail masked, as the untrimmed cache did. Under bf16 the
+attention rounds otherwise (as the dynamic cache always did), and the kernels of another CPU round
+otherwise again: the AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``, an AMD EPYC without AVX-512) put
+the Mistral's compiled log-probs 1.6e-5 from the untrimmed cache's, where AVX-512 gives them equal.
+So the log-probs are compared with both caches' within what the precision allows
+(tests/tolerances.py), and the tokens exactly.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from lightning_ppo.tasks.tiny import ARCHS, TinyModelSpec, make_tiny_checkpoint
 from tests.helpers import lora_that_matters, prompt_data, quiet_trainer
+from tests.tolerances import log_prob_tolerance, magnitude
 
 
 class Echo(Environment):
@@ -44,10 +47,6 @@ class Echo(Environment):
 
     def step(self, turn: Turn) -> StepResult:
         return StepResult(observation="=12=", reward=0.5)
-
-
-# float32 rounding of fused kernels, with a margin over the 4.8e-7 measured
-TOLERANCE = 1e-5
 
 
 @pytest.fixture(autouse=True)
@@ -88,13 +87,16 @@ def _config(model, do_sample: bool, compiled: bool, new_tokens: int = 12) -> tra
 
 
 class StepLogprobs(transformers.LogitsProcessor):
-    """Records the log-probs of every decoding step (what the next token is sampled from)."""
+    """Records the log-probs of every decoding step (what the next token is sampled from) and the
+    largest logit (what the tolerance scales with)."""
 
     def __init__(self) -> None:
         self.steps: list[torch.Tensor] = []
+        self.largest_logit = 0.0
 
     def __call__(self, input_ids, scores):
         self.steps.append(scores.float().log_softmax(-1))
+        self.largest_logit = max(self.largest_logit, magnitude(scores))
         return scores
 
     def of(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -103,8 +105,11 @@ class StepLogprobs(transformers.LogitsProcessor):
         return steps.gather(2, tokens[:, : steps.shape[1], None]).squeeze(2)
 
 
-def _decode(model, ids, mask, config, compiled: bool, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(new tokens, log-probs of the tokens taken), compiled or eager (sampling's own cache)."""
+def _decode(
+    model, ids, mask, config, compiled: bool, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(new tokens, log-probs of the tokens taken, the largest logit), compiled or eager (sampling's
+    own cache)."""
     recorder = StepLogprobs()
     torch.manual_seed(seed)
     with torch.no_grad(), sampling.weights_cast_once(ids.device.type):
@@ -121,7 +126,7 @@ def _decode(model, ids, mask, config, compiled: bool, seed: int = 1) -> tuple[to
                 **cache_for(model, ids.shape[1], eager, "static"),
             )
             tokens = sequences[:, ids.shape[1] :]
-    return tokens, recorder.of(tokens)
+    return tokens, recorder.of(tokens), recorder.largest_logit
 
 
 def _autocast(precision: str):
@@ -132,18 +137,19 @@ def _matches_eager(model, precision: str, monkeypatch) -> int:
     """Greedy and sampled decoding, compiled against eager; the compilations it took."""
     ids, mask = _prompts()
     before = COMPILATIONS.count
+    logits_dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
     for do_sample in (False, True):
         config = _config(model, do_sample, compiled=True)
         with _autocast(precision):
-            compiled, compiled_logprobs = _decode(model, ids, mask, config, compiled=True)
-            eager, eager_logprobs = _decode(model, ids, mask, config, compiled=False)
+            compiled, compiled_logprobs, _ = _decode(model, ids, mask, config, compiled=True)
+            eager, eager_logprobs, largest_logit = _decode(model, ids, mask, config, compiled=False)
             monkeypatch.setattr(sampling, "TRIM_STATIC", False)
-            untrimmed, untrimmed_logprobs = _decode(model, ids, mask, config, compiled=False)
+            untrimmed, untrimmed_logprobs, _ = _decode(model, ids, mask, config, compiled=False)
             monkeypatch.setattr(sampling, "TRIM_STATIC", True)
         assert torch.equal(compiled, eager) and torch.equal(compiled, untrimmed)
-        assert (compiled_logprobs - untrimmed_logprobs).abs().max() <= TOLERANCE
-        if precision == "32":
-            assert (compiled_logprobs - eager_logprobs).abs().max() <= TOLERANCE
+        tolerance = log_prob_tolerance(logits_dtype, largest_logit, eager_logprobs)
+        for reference in (untrimmed_logprobs, eager_logprobs):
+            assert (compiled_logprobs - reference).abs().max() <= tolerance
     return COMPILATIONS.count - before
 
 
@@ -176,7 +182,7 @@ def test_prompt_widths_share_a_graph_and_a_smaller_batch_is_padded(tiny):
     before = COMPILATIONS.count
     for width, compilations in ((5, 1), (12, 1), (20, 2)):
         ids, mask = _prompts(width=width)
-        compiled, _ = _decode(model, ids, mask, config, compiled=True)
+        compiled = _decode(model, ids, mask, config, compiled=True)[0]
         assert torch.equal(compiled, _decode(model, ids, mask, config, compiled=False)[0])
         assert COMPILATIONS.count - before == compilations, width
     ids, mask = _prompts(rows=3, width=9)

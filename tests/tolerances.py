@@ -1,0 +1,44 @@
+"""How far apart two correct computations of one quantity may be: derived from the dtype they round
+to and the size of the quantity, never from what one machine measured.
+
+Two correct programs (compiled and eager decoding, a trimmed and an untrimmed cache, a padded and a
+trimmed micro-batch, the AVX-512, AVX2 or scalar kernels ``ATEN_CPU_CAPABILITY`` selects) round in
+other places and sum in other orders. Rounding ``x`` to a dtype of machine epsilon ``eps`` moves it
+by at most ``eps / 2 * |x|`` (round to nearest), so two roundings of one value are at most one
+*rounding step* apart, ``eps * |x|``. A tolerance is a stated number of such steps at the quantity's
+magnitude: a bug (a token masked away, a wrong position) moves these tiny models' log-probs by
+0.07-0.4, 7-16 times the bf16 tolerance below and 10^5 times the float32 one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def magnitude(values: float | Tensor) -> float:
+    """The largest ``|value|`` (a float is its own)."""
+    return float(values.detach().abs().max()) if isinstance(values, Tensor) else abs(values)
+
+
+def rounding_step(dtype: torch.dtype, values: float | Tensor) -> float:
+    """One rounding step of ``dtype`` at the magnitude of ``values``: ``eps * max |value|``."""
+    return torch.finfo(dtype).eps * magnitude(values)
+
+
+def log_prob_tolerance(dtype: torch.dtype, logits: float | Tensor, log_probs: Tensor) -> float:
+    """How far two correct programs' log-probs may be apart, where each program's logits were rounded
+    to ``dtype`` (bf16 under bf16 autocast: the LM head's output; float32 otherwise) and the
+    log-softmax ran in float32 (generation's scores and the loss's logits are cast up first).
+
+    ``log p_t = z_t - logsumexp(z)``, whose gradient in ``z`` is ``onehot(t) - p``: its absolute
+    values sum to ``2 (1 - p_t) <= 2``. Logits two programs round apart by at most one step each
+    (``eps * max|z|``) thus move a log-prob by at most ``2 eps max|z|``; the float32 log-softmax
+    rounds each program's result once more at the log-prob's own size, at most one float32 step
+    apart from either side: ``2 eps_fp32 max|log p|``. The premise is that what the programs round
+    apart before the logits (attention, the norms) moves them by less than their own last rounding.
+    Measured on the four tiny families of tests/test_compiled_decoding.py under AVX-512, AVX2 and
+    scalar kernels: at most 0.17 of a bf16 step of ``max|z|`` (bf16-mixed) and one float32 step
+    of ``max|log p|`` (float32).
+    """
+    return 2 * rounding_step(dtype, logits) + 2 * rounding_step(torch.float32, log_probs)
