@@ -8,6 +8,12 @@ or the whole state of a separate one; critic-free estimators have none). The run
 ``generation.suppress_tokens`` go into its ``generation_config.json`` (see :func:`sampling_config`).
 The weights are written in the dtype the run trained them in (``--dtype`` chooses another), not the
 base checkpoint's: a bf16-saved base would round an fp32 fine-tune's small updates away.
+
+A policy that runs code of its own (its ``config.json``'s ``auto_map``: a hub model loaded with
+``trust_remote_code``) is loaded only with ``--trust-remote-code``, as ``from_pretrained`` asks of
+whoever loads it; the checkpoint's record that its run trusted that code never turns it on by
+itself (a checkpoint file is data, and may come from someone else), it only names the flag. The
+folder written carries that code, so it loads with ``trust_remote_code=True`` too.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from __future__ import annotations
 import argparse
 import copy
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +45,9 @@ POLICY_PREFIX = "roles.policy."
 CRITIC_PREFIXES = ("roles.value_head.", "roles.value_model.")
 
 
-def load_trained_policy(checkpoint: dict) -> PreTrainedModel:
+def load_trained_policy(checkpoint: dict, trust_remote_code: bool = False) -> PreTrainedModel:
     """Rebuild the policy a checkpoint trained: its base from the saved path, its weights from the file,
-    in the trained weights' dtype (:func:`trained_dtype`)."""
+    in the trained weights' dtype (:func:`trained_dtype`); its own code run only if ``trust_remote_code``."""
     hparams = checkpoint["hyper_parameters"]
     trained = {
         k[len(POLICY_PREFIX) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(POLICY_PREFIX)
@@ -47,7 +55,10 @@ def load_trained_policy(checkpoint: dict) -> PreTrainedModel:
     # The user's own config (dropout, activation), not the training-time one load_causal_lm makes:
     # it is the config the exported folder will carry. Without a dtype transformers would load the
     # base in the dtype it was saved in, and load_state_dict would cast the trained weights to it.
-    model = AutoModelForCausalLM.from_pretrained(hparams["policy"], dtype=trained_dtype(trained))
+    with _remote_code_named(hparams):
+        model = AutoModelForCausalLM.from_pretrained(
+            hparams["policy"], dtype=trained_dtype(trained), trust_remote_code=trust_remote_code
+        )
     if hparams.get("lora"):
         model = apply_lora(model, LoraSettings(**hparams["lora"]))
     # Frozen base weights are not in the checkpoint (they are the files at hparams["policy"]).
@@ -57,6 +68,23 @@ def load_trained_policy(checkpoint: dict) -> PreTrainedModel:
             f"the checkpoint's policy weights do not fit {hparams['policy']!r}: {unexpected[:5]}"
         )
     return model
+
+
+@contextmanager
+def _remote_code_named(hparams: dict[str, Any]) -> Iterator[None]:
+    """transformers' refusal of a policy's own code (a ``ValueError``; never its prompt on a terminal:
+    the flag is always given) as one line naming the export's flag."""
+    try:
+        yield
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        trusted = hparams.get("trust_remote_code")  # absent from checkpoints written before it was kept
+        trusted = ", which its run trusted (trust_remote_code: true)" if trusted else ""
+        raise UsageError(
+            f"export: the policy {hparams['policy']!r} runs code of its own (an auto_map in its config "
+            f"files){trusted}: pass --trust-remote-code to run it here, if you trust it"
+        ) from err
 
 
 def trained_dtype(trained: dict[str, torch.Tensor]) -> torch.dtype | str:
@@ -131,10 +159,15 @@ class Exported:
 
 
 def export_policy(
-    checkpoint_path: str | Path, out_dir: str | Path, keep_adapter: bool = False, dtype: str | None = None
+    checkpoint_path: str | Path,
+    out_dir: str | Path,
+    keep_adapter: bool = False,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
 ) -> Exported:
     """Write the trained policy (LoRA merged unless ``keep_adapter``) in ``dtype`` (``fp32``, ``bf16``,
-    ``fp16``; None: the trained weights' own), tokenizer and the critic's weights (if the run trained one)."""
+    ``fp16``; None: the trained weights' own), tokenizer and the critic's weights (if the run trained one).
+    ``trust_remote_code``: run the policy's and its tokenizer's own code, if they have any."""
     path = Path(checkpoint_path)
     wanted = export_dtype(dtype)  # a wrong name fails before the checkpoint is read
     check_checkpoint_file(str(path), field="checkpoint")
@@ -143,13 +176,14 @@ def export_policy(
         raise UsageError(
             f"{str(path)!r} is not a lightning_ppo checkpoint (no policy in its hyper_parameters)"
         )
-    model = load_trained_policy(checkpoint)
+    model = load_trained_policy(checkpoint, trust_remote_code)
     if checkpoint["hyper_parameters"].get("lora") and not keep_adapter:
         model = model.merge_and_unload()
     if wanted is not None:  # after merging: the adapters' delta is added at full precision, rounded once
         model = model.to(wanted)
     hparams = checkpoint["hyper_parameters"]
-    tokenizer = load_tokenizer(hparams.get("policy_tokenizer") or hparams["policy"])
+    with _remote_code_named(hparams):
+        tokenizer = load_tokenizer(hparams.get("policy_tokenizer") or hparams["policy"], trust_remote_code)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_pretrained(model, out)  # its weights readable by others, as the files beside them
@@ -185,7 +219,7 @@ def sampling_config(
 
 
 def export_main(argv: list[str]) -> Exported:
-    """``lightning-ppo export CHECKPOINT --out DIR [--keep-adapter]``."""
+    """``lightning-ppo export CHECKPOINT --out DIR [--keep-adapter] [--dtype D] [--trust-remote-code]``."""
     parser = argparse.ArgumentParser(prog="lightning-ppo export", description=__doc__.splitlines()[0])
     parser.add_argument(
         "checkpoint",
@@ -194,9 +228,14 @@ def export_main(argv: list[str]) -> Exported:
     parser.add_argument("--out", required=True, help="folder to write (created if missing)")
     parser.add_argument("--keep-adapter", action="store_true", help="save LoRA as a PEFT adapter, not merged")
     parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the policy's own code (its config's auto_map), as the run did; only if you trust it",
+    )
+    parser.add_argument(
         "--dtype",
         choices=sorted(FROZEN_DTYPES),
         help="dtype of the written weights (default: the trained weights', fp32 for a run's policy)",
     )
     ns = parser.parse_args(argv)
-    return export_policy(ns.checkpoint, ns.out, ns.keep_adapter, ns.dtype)
+    return export_policy(ns.checkpoint, ns.out, ns.keep_adapter, ns.dtype, ns.trust_remote_code)

@@ -210,6 +210,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
                 "generation": asdict(generation),
                 "episode": asdict(episode) if environment is not None or tools else None,
                 "seed": seed,
+                "trust_remote_code": trust_remote_code,  # what export says when the policy needs it
             }
         )
         self.ppo, self.generation_config, self.seed = ppo, generation, seed

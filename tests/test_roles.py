@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -300,3 +302,62 @@ def test_reward_adapter_needs_lora(tiny_digits, tmp_path):
     _reward_adapter(tiny_digits, tmp_path / "ra")
     with pytest.raises(ValueError, match="model.reward_adapter needs model.lora"):
         _module(tiny_digits, reward_fn=None, reward_adapter=str(tmp_path / "ra"))
+
+
+@pytest.fixture
+def remote_code_policy(tmp_path, monkeypatch) -> Path:
+    """A tiny Llama whose ``config.json`` names its own code (``auto_map``), as hub models that need
+    ``trust_remote_code`` do: transformers loads it only with the flag. Its code is imported into a
+    modules cache of the test's own."""
+    import json
+
+    import transformers.dynamic_module_utils
+
+    from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+
+    monkeypatch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    path = make_tiny_checkpoint(tmp_path / "remote_policy", TinyModelSpec(arch="llama", n_layer=2, n_embd=64))
+    (path / "configuration_tiny_remote.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass TinyRemoteConfig(LlamaConfig):\n"
+        "    model_type = 'tiny_remote'\n"
+    )
+    (path / "modeling_tiny_remote.py").write_text(
+        "from transformers import LlamaForCausalLM\n\n"
+        "from .configuration_tiny_remote import TinyRemoteConfig\n\n\n"
+        "class TinyRemoteForCausalLM(LlamaForCausalLM):\n    config_class = TinyRemoteConfig\n"
+    )
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = "tiny_remote"
+    config["auto_map"] = {
+        "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+        "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_export_of_a_policy_that_runs_its_own_code(remote_code_policy, tmp_path, capsys):
+    """A run that trusted its policy's code kept no record of it and export could not load that
+    policy at all; now the run records it, and export runs the code when told to, as
+    ``from_pretrained(..., trust_remote_code=True)`` does, never because a checkpoint file says so."""
+    from lightning_ppo.cli import main
+
+    module = _module(remote_code_policy, value_model="shared", trust_remote_code=True)
+    trainer = _fit(module, tmp_path, iterations=1)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    assert (
+        torch.load(tmp_path / "run.ckpt", weights_only=True)["hyper_parameters"]["trust_remote_code"] is True
+    )
+    with pytest.raises(
+        UsageError,
+        match=r"^export: the policy '.*remote_policy' runs code of its own \(an auto_map in its config "
+        r"files\), which its run trusted \(trust_remote_code: true\): pass --trust-remote-code to run it",
+    ):
+        export_policy(tmp_path / "run.ckpt", tmp_path / "refused")
+    main(["export", str(tmp_path / "run.ckpt"), "--out", str(tmp_path / "exported"), "--trust-remote-code"])
+    assert capsys.readouterr().out.startswith("wrote the trained policy in float32")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", trust_remote_code=True)
+    assert type(exported).__name__ == "TinyRemoteForCausalLM"
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, module.policy(input_ids=ids).logits)
