@@ -8,6 +8,7 @@ The trainer's side:
   event loop, one pooled session per server, one bound for the whole batch.
 - :mod:`.concurrent_calls`: a few calls to every server at once, on threads.
 - :mod:`.suppress`: how a request keeps ``generation.suppress_tokens`` from being sampled.
+- :mod:`.answers`: what a completion answer must hold (ids of the vocabulary, finite log-probs).
 - :mod:`.weight_sync`: weights written to a file, and the checksums that prove a sync arrived.
 - :mod:`.memory_sync`, :mod:`.weight_group`: weights sent in memory over a gloo group.
 

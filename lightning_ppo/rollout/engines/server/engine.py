@@ -35,6 +35,7 @@ from lightning_ppo.config import GenerationConfig
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.rollout.engines import Placement
 from lightning_ppo.rollout.engines.completions import completions_to_rollout, group_seeds, prompt_groups
+from lightning_ppo.rollout.engines.server.answers import BadAnswer, samples_of
 from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
 from lightning_ppo.rollout.engines.server.concurrent_calls import Stalled
 from lightning_ppo.rollout.engines.server.connections import Connections
@@ -311,19 +312,10 @@ class VLLMServerEngine:
         (``exact``: suppressed tokens sent as ``allowed_token_ids`` whatever their number)."""
         server = session.client
         answer = await self._post(session, self.servers.index(server), prompt, seed, n, exact)
-        try:
-            choices = sorted(answer["choices"], key=lambda choice: choice["index"])
-            samples = [
-                (list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]]) for c in choices
-            ]
-        except (KeyError, IndexError, TypeError):
-            raise server.error(
-                "/v1/completions", f"answered without token ids or log-probs: {str(answer)[:200]!r}"
-            ) from None
-        if len(samples) != n or any(len(tokens) != len(logprobs) for tokens, logprobs in samples):
-            raise server.error(
-                "/v1/completions", f"gave {len(samples)} samples (of {n}) or tokens without their log-probs"
-            )
+        try:  # ids in the vocabulary, finite log-probs, no more than asked for (:mod:`.answers`)
+            samples = samples_of(answer, n, self.vocab_size, self.hf_generation.max_new_tokens)
+        except BadAnswer as err:
+            raise server.error("/v1/completions", str(err)) from None
         return samples if exact else await self._exact_again(session, prompt, seed, samples)
 
     async def _post(
