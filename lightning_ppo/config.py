@@ -250,6 +250,10 @@ class PPOConfig:
         whiten_rewards: Normalise per-token rewards (without shifting the mean) before GAE.
         missing_eos_penalty: Subtracted from the score of responses that never emit the stop token.
         max_grad_norm: Clip the global gradient norm to this value; ``None`` disables clipping.
+        critic_max_grad_norm: Clip the critic's gradient norm to this value apart from the policy's,
+            which ``max_grad_norm`` then clips alone (verl's ``critic.grad_clip``); the critic gets a
+            param group of its own (lightning_ppo.ppo.param_groups). ``None`` (default): one norm
+            over the policy and the critic together, clipped to ``max_grad_norm``. Only with a critic.
         dual_clip: Dual-clip constant c > 1: the loss of a negative-advantage token is capped at -c A.
         score_clip: Clip scores to [-score_clip, score_clip] before the update uses them.
         score_norm: Normalise scores by a running mean and std over all iterations so far. With
@@ -308,6 +312,7 @@ class PPOConfig:
     whiten_rewards: bool = False
     missing_eos_penalty: float | None = None
     max_grad_norm: float | None = 1.0
+    critic_max_grad_norm: float | None = None
     dual_clip: float | None = None
     score_clip: float | None = None
     score_norm: bool = False
@@ -437,6 +442,22 @@ class PPOConfig:
             "> 0 or null",
             self.max_grad_norm,
         )
+        critic_clip = self.critic_max_grad_norm
+        _check(critic_clip is None or critic_clip > 0, "ppo.critic_max_grad_norm", "> 0 or null", critic_clip)
+        _check(
+            critic_clip is None or self.uses_critic,
+            "ppo.critic_max_grad_norm",
+            f"null with advantage_estimator {self.advantage_estimator!r}, which trains no critic",
+            critic_clip,
+        )
+
+    @property
+    def clip_limits(self) -> tuple[float | None, ...]:
+        """The gradient clip of each clipped set: one over the policy and the critic, or the
+        policy's and the critic's (lightning_ppo.ppo.optim.clip_per_role)."""
+        if self.critic_max_grad_norm is None:
+            return (self.max_grad_norm,)
+        return (self.max_grad_norm, self.critic_max_grad_norm)
 
     @property
     def clip_bounds(self) -> tuple[float, float]:

@@ -49,7 +49,8 @@ from lightning_ppo.ppo.microbatches import (
     plan_minibatch,
     weighted,
 )
-from lightning_ppo.ppo.optim import prefer_fused, step_if_finite
+from lightning_ppo.ppo.optim import OptimizerStep, mean_grad_norms, prefer_fused, step_if_finite
+from lightning_ppo.ppo.param_groups import CriticSettings, check_role_groups, role_groups
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.ppo.row_groups import forward_groups
 from lightning_ppo.reward_setup import RewardSetup
@@ -158,6 +159,10 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         episode: Turns and token budget of multi-turn episodes (with ``environment``).
         optimizer: Optimizer over the policy and the critic (one for both). ``None``: AdamW at lr 1e-5,
             1e-4 with ``lora`` (``optim.default_optimizer``), not torch's 1e-3 that wrecks a pretrained LM.
+        critic_optimizer: The critic's own settings (lr, weight_decay, betas...), as an optimizer of
+            ``optimizer``'s class: the critic's parameters (the separate value model, or the shared value
+            head) become a second param group of the one optimizer, with these settings
+            (``lightning_ppo.ppo.param_groups``). ``None``: the critic trains as the policy does.
         lr_scheduler: Optional scheduler, stepped after every optimizer step.
         seed: Seed of the minibatch shuffling (the Trainer's ``seed_everything`` seeds sampling).
         trust_remote_code: Allow checkpoints to run their own code. Off unless you trust them.
@@ -185,6 +190,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         tools: list[Callable] | None = None,
         episode: EpisodeConfig = EpisodeConfig(),
         optimizer: OptimizerCallable | None = None,
+        critic_optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
         seed: int = 0,
         trust_remote_code: bool = False,
@@ -195,6 +201,12 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.strict_loading = False
         scored_otherwise = environment is not None or bool(tools) or self._overrides_score
         rewards = RewardSetup.check(reward_fn, reward_weights, reward_model, reward_adapter, scored_otherwise)
+        if critic_optimizer is not None and not ppo.uses_critic:
+            raise UsageError(
+                f"model.critic_optimizer must be null with ppo.advantage_estimator "
+                f"{ppo.advantage_estimator!r}, which trains no critic"
+            )
+        self.critic_settings = CriticSettings.of(critic_optimizer) if critic_optimizer is not None else None
         self.reward_fns, self.reward_calls, self.reward_weights = rewards.fns, rewards.calls, rewards.weights
         self.save_hyperparameters(
             {
@@ -205,6 +217,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
                 "value": value,
                 "reference": reference,
                 "lora": asdict(lora) if lora is not None else None,
+                "critic_optimizer": self.critic_settings and self.critic_settings.name,
                 "policy_tokenizer": tokenizer or policy,
                 "ppo": asdict(ppo),
                 "generation": asdict(generation),
@@ -589,18 +602,21 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         statistics (means over the minibatches) and whether each step was taken, all on the device."""
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         history: list[dict[str, Tensor]] = []
-        stepped: list[Tensor] = []
+        steps: list[OptimizerStep] = []
         with self.roles.updating():  # training mode: HF checkpoints blocks only in it (dropout is off)
             for micro_batches in cut_micro_batches(exp, self.plan_update(exp)):
                 history.append(self.train_minibatch(micro_batches))
-                stepped.append(self._step_if_finite(optimizer))
+                steps.append(self._step_if_finite(optimizer))
                 optimizer.zero_grad(set_to_none=True)
                 # The schedule counts attempted steps, so it does not depend on which were skipped.
                 if scheduler is not None:
                     scheduler.step()
         stats = {key: torch.stack([h[key] for h in history]).mean() for key in history[0]}
-        flags = torch.stack(stepped)
+        flags = torch.stack([step.stepped for step in steps])
         stats["train/skipped_updates"] = (~flags).sum().float()
+        norms = mean_grad_norms(torch.stack([step.grad_norms for step in steps]), flags)
+        names = ("train/grad_norm",) if len(norms) == 1 else ("policy/grad_norm", "val/grad_norm")
+        stats.update(zip(names, norms, strict=True))
         return stats, flags
 
     def plan_update(self, exp: Experience) -> list[list[MicroBatch]]:
@@ -637,13 +653,13 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             self._compiled_loss = compiled_loss.for_module(self)
         return self._compiled_loss or self.ppo_loss
 
-    def _step_if_finite(self, optimizer: Any) -> Tensor:
-        """Clip, then step unless a gradient is NaN/inf; returns whether it stepped (a device bool).
-        Gradients are already all-reduced here, so every rank takes the same decision."""
+    def _step_if_finite(self, optimizer: Any) -> OptimizerStep:
+        """Clip, then step unless a gradient is NaN/inf; whether it stepped (a device bool) and the
+        gradient norms. Gradients are already all-reduced here, so every rank takes the same decision."""
         if self._grad_scaler is not None:  # 16-mixed: the grad scaler skips non-finite steps itself,
-            optimizer.step()  # and on_before_optimizer_step has read whether it would
-            return ~self._scaler_skips.to(self.device)
-        return step_if_finite(optimizer, self.ppo.max_grad_norm)
+            optimizer.step()  # and on_before_optimizer_step has read whether it would, and clipped
+            return OptimizerStep(~self._scaler_skips.to(self.device), self._scaled_norms)
+        return step_if_finite(optimizer, self.ppo.clip_limits)
 
     def _count_skips(self, stepped: list[bool]) -> None:
         """Track skipped steps in a row across iterations; stop after ``max_consecutive_skips``. An
@@ -703,9 +719,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         # _step_if_finite has clipped already.
         if self._grad_scaler is not None:
             self._scaler_skips = optim.scaler_will_skip(self._grad_scaler, optimizer)
-        if self._grad_scaler is not None and self.ppo.max_grad_norm is not None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, self.ppo.max_grad_norm)
+            self._scaled_norms = optim.clip_per_role(optimizer, self.ppo.clip_limits)
 
     @property
     def _grad_scaler(self) -> Any:
@@ -716,7 +730,10 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     def log_stats(self, stats: dict[str, float], batch_size: int) -> None:
         # Plain floats, already averaged over the ranks where they differ (HostView: one collective
         # for all, not one per value) and the same on every rank: nothing left to sync.
-        stats["lr"] = float(self.optimizers().param_groups[0]["lr"])
+        groups = self.optimizers().param_groups
+        stats["lr"] = float(groups[0]["lr"])  # the policy's
+        if self.per_role_groups:
+            stats["lr_critic"] = float(groups[1]["lr"])
         stats["episode"] = float(self.episodes)
         stats["iteration"] = float(self.iteration)
         progress = {"objective/scores", "objective/kl"}
@@ -728,12 +745,21 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.log_dict(rest, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=False)
 
     # ----------------------------------------------------------------- optimizers, checkpoints
+    @property
+    def per_role_groups(self) -> bool:
+        """Whether the critic has a param group of its own (lightning_ppo.ppo.param_groups)."""
+        return self.critic_settings is not None or self.ppo.critic_max_grad_norm is not None
+
     def configure_optimizers(self) -> Any:
-        params = [p for p in self.parameters() if p.requires_grad]
+        params: list[Any] = [p for p in self.parameters() if p.requires_grad]
+        if self.per_role_groups:
+            params = role_groups(params, self.roles.critic_parameters(), self.critic_settings)
         try:
             optimizer = self.optimizer_factory(params)
         except ValueError as err:  # torch checks lr, betas, eps, weight_decay... in the constructor
             raise UsageError(f"model.optimizer: {err}") from err
+        if self.per_role_groups:
+            check_role_groups(optimizer, self.critic_settings)
         prefer_fused(optimizer)
         if self.scheduler_factory is None:
             return optimizer

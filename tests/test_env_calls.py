@@ -3,12 +3,14 @@ what they answer is checked as a reward function's answer is (runs/bounded_calls
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import concurrent.futures
 import math
 import os
 import random
 import re
+import signal
 import sys
 import threading
 import time
@@ -266,6 +268,63 @@ def test_a_late_call_is_not_a_stuck_one_and_one_at_a_time_stays_one_at_a_time():
     calls = [partial(takes, 0.6), partial(takes, 0.01), partial(takes, 0.01)]
     late, *others = _finishes_within(20, run_bounded, calls, 0.2, 1)
     assert late.timed_out and [o.value for o in others] == [0.01, 0.01] and most[0] == 1
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_a_forked_child_has_no_late_calls_of_its_parent():
+    """The threads of a parent's late calls do not exist in a forked child (a ``ddp_fork`` rank): there
+    no call waits for them, nor is its function taken for stuck."""
+    release = threading.Event()
+
+    def hangs_in_the_parent() -> str:
+        release.wait(60)
+        return "done"
+
+    try:
+        assert run_bounded([hangs_in_the_parent], timeout=0.1, max_concurrency=1)[0].timed_out
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)  # bounded: a child that waits forever dies of SIGALRM
+            try:
+                release.set()  # no thread of the parent's call here: it is this child's own call that answers
+                outcome = run_bounded([hangs_in_the_parent], timeout=5, max_concurrency=1)[0]
+                os._exit(
+                    0
+                    if outcome.value == "done" and LATE_CALLS.count(call_name(hangs_in_the_parent)) == 0
+                    else 3
+                )
+            finally:
+                os._exit(4)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    finally:
+        release.set()
+
+
+def test_a_call_cut_off_by_a_ctrl_c_is_late_while_its_thread_runs():
+    """A Ctrl-C (in a notebook, the run goes on in the same process) stops the wait, not the thread: it
+    holds its place until it ends, as a timed-out call's does."""
+    release = threading.Event()
+
+    def hangs_until_released() -> None:
+        release.wait(60)
+
+    name = call_name(hangs_until_released)
+    ctrl_c = threading.Timer(0.5, _thread.interrupt_main)
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_bounded([hangs_until_released], timeout=30, max_concurrency=1)
+        deadline = time.monotonic() + 10
+        while not LATE_CALLS.count(name) and time.monotonic() < deadline:  # the loop's thread counts it
+            time.sleep(0.01)
+        assert LATE_CALLS.count(name) == 1
+    finally:
+        ctrl_c.cancel()
+        release.set()
+    deadline = time.monotonic() + 10
+    while LATE_CALLS.count(name) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert LATE_CALLS.count(name) == 0
 
 
 def test_an_async_call_that_ignores_its_cancellation_is_not_waited_for():

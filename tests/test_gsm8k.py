@@ -199,6 +199,10 @@ def test_the_gsm8k_recipe_runs_offline(name, tiny_qwen, gsm8k, tmp_path, capsys)
     ppo = cli.model.ppo
     critic = {"ppo": ("gae", True), "grpo": ("grpo", False)}[name]
     assert (ppo.advantage_estimator, cli.model.roles.has_critic) == critic
+    # verl's rates and clips: actor lr 1e-6, critic lr 1e-5 in a group of its own, each clipped to 1.0
+    groups = {"ppo": [1e-6, 1e-5], "grpo": [1e-6]}[name]
+    assert [g["lr"] for g in cli.model.optimizers().optimizer.param_groups] == groups
+    assert ppo.clip_limits == {"ppo": (1.0, 1.0), "grpo": (1.0,)}[name]
     assert cli.trainer.global_step == 2 * ppo.ppo_epochs * ppo.num_minibatches
     check_rows(RecordingMathReward.calls, answers)
     rollouts, validation = RecordingMathReward.calls[:2], RecordingMathReward.calls[2:]
@@ -209,6 +213,9 @@ def test_the_gsm8k_recipe_runs_offline(name, tiny_qwen, gsm8k, tmp_path, capsys)
     logged = [float(r["eval/accuracy"]) for r in rows if r.get("eval/accuracy")]
     assert logged == [pytest.approx(sum(trained["scores"]) / int(batch))]
     assert [r for r in rows if r.get("reward/accuracy")]  # the training batches' accuracy
+    norms = {"ppo": ["policy/grad_norm", "val/grad_norm"], "grpo": ["train/grad_norm"]}[name]
+    logged_norms = [[float(r[key]) for key in norms] for r in rows if r.get(norms[0])]
+    assert len(logged_norms) == 2 and all(norm > 0 for row in logged_norms for norm in row)
 
     checkpoint = tmp_path / "checkpoints" / "last.ckpt"
     RecordingMathReward.calls.clear()
@@ -245,8 +252,8 @@ def test_accuracy_counts_right_answers_of_greedy_replies(tiny_qwen, gsm8k, tmp_p
     numbers = {}  # each reply's final answer as the reward reads it, where it has one
     for prompt, completion in zip(first["prompts"], first["completions"], strict=True):
         question = prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
-        if final_answer(completion):
-            numbers[by_question[question]] = final_answer(completion)[-1]
+        if final_answer(completion) is not None:
+            numbers[by_question[question]] = final_answer(completion)
     rewritten = test.copy()
     right = sorted(numbers)[: len(first["prompts"]) // 2]
     for index in range(len(rewritten)):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.checkpoint import PPOCheckpoint
+from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 
 EPOCHS, MINIBATCHES = 2, 2
@@ -24,17 +27,28 @@ class Recorder(pl.Callback):
         self.rows.append({k: float(trainer.callback_metrics[k]) for k in KEYS})
 
 
-def _fit(policy, root, iterations: int, ckpt_path=None, callbacks=(), limit=None, max_epochs=-1):
+# The critic in a param group of its own, at its own lr and clip (lightning_ppo.ppo.param_groups).
+CRITIC_APART = {"critic_optimizer": partial(torch.optim.AdamW, lr=3e-3), "critic_max_grad_norm": 0.5}
+
+
+def _fit(policy, root, iterations: int, ckpt_path=None, callbacks=(), limit=None, max_epochs=-1, critic=None):
     pl.seed_everything(0)
+    critic = critic or {}
     module = PPOLightningModule(
         policy=str(policy),
         reward_fn=DigitsReward(),
         # adaptive KL and running score normalisation: state beyond the weights that must survive
         ppo=PPOConfig(
-            ppo_epochs=EPOCHS, num_minibatches=MINIBATCHES, kl_coef=0.05, kl_target=0.5, score_norm=True
+            ppo_epochs=EPOCHS,
+            num_minibatches=MINIBATCHES,
+            kl_coef=0.05,
+            kl_target=0.5,
+            score_norm=True,
+            critic_max_grad_norm=critic.get("critic_max_grad_norm"),
         ),
         generation=GenerationConfig(max_new_tokens=6),
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        critic_optimizer=critic.get("critic_optimizer"),
     )
     # 24 prompts / batch 8 = 3 iterations per epoch: the runs below cross epoch boundaries
     data = DigitsDataModule(num_prompts=24, num_digits=3, batch_size=8, max_prompt_length=8)
@@ -79,6 +93,56 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(boundary, tiny_digits, tmp
         assert torch.equal(value, resumed.state_dict()[name]), name
     assert resumed.kl_ctl.value == full.kl_ctl.value
     assert resumed.score_moments.state_dict() == full.score_moments.state_dict()
+
+
+def test_resume_with_the_critic_in_a_group_of_its_own_is_bitwise(tiny_digits, tmp_path):
+    """Two param groups (each role's lr and clip): the optimizer state of both is saved and resumed."""
+    full, _, full_rows = _fit(tiny_digits, tmp_path / "full", iterations=4, critic=CRITIC_APART)
+    saver = PPOCheckpoint(every_n_iterations=1, dirpath=tmp_path / "ckpt")
+    _fit(tiny_digits, tmp_path / "half", iterations=2, callbacks=[saver], critic=CRITIC_APART)
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    saved = torch.load(ckpt, weights_only=True)["optimizer_states"][0]
+    assert [g["lr"] for g in saved["param_groups"]] == [1e-3, 3e-3]
+    resumed, _, resumed_rows = _fit(tiny_digits, tmp_path / "resumed", 4, ckpt_path=ckpt, critic=CRITIC_APART)
+    assert resumed_rows == full_rows[2:]
+    for name, value in full.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+    state, again = full.optimizers().optimizer.state_dict(), resumed.optimizers().optimizer.state_dict()
+    assert state["param_groups"] == again["param_groups"]
+    assert all(
+        torch.equal(state["state"][i][k], again["state"][i][k])
+        for i in state["state"]
+        for k in state["state"][i]
+    )
+
+
+def test_a_checkpoint_of_one_param_group_resumes_as_written_and_refuses_a_group_per_role(
+    tiny_digits, tmp_path
+):
+    """A checkpoint written before the critic could have its own group (no such settings in it) resumes
+    without them; with them, or the other way round, the optimizer state cannot fit: one line."""
+    saver = PPOCheckpoint(every_n_iterations=1, dirpath=tmp_path / "ckpt")
+    _fit(tiny_digits, tmp_path / "half", iterations=1, callbacks=[saver])
+    ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    del ckpt["hyper_parameters"]["critic_optimizer"], ckpt["hyper_parameters"]["ppo"]["critic_max_grad_norm"]
+    torch.save(ckpt, tmp_path / "before.ckpt")  # as a checkpoint of the package before these settings
+    resumed, _, rows = _fit(
+        tiny_digits, tmp_path / "resumed", iterations=2, ckpt_path=tmp_path / "before.ckpt"
+    )
+    assert resumed.iteration == 2 and len(rows) == 1
+    for critic in (CRITIC_APART, {"critic_max_grad_norm": 1.0}):
+        with pytest.raises(
+            UsageError,
+            match="^the checkpoint's optimizer has one param group for the policy and the critic together, ",
+        ):
+            _fit(tiny_digits, tmp_path / "apart", 2, ckpt_path=tmp_path / "before.ckpt", critic=critic)
+    saver = PPOCheckpoint(every_n_iterations=1, dirpath=tmp_path / "ckpt_apart")
+    _fit(tiny_digits, tmp_path / "split", iterations=1, callbacks=[saver], critic=CRITIC_APART)
+    with pytest.raises(
+        UsageError,
+        match="^the checkpoint's optimizer has one for each of them, this run's one param group for",
+    ):
+        _fit(tiny_digits, tmp_path / "joined", 2, ckpt_path=tmp_path / "ckpt_apart" / "last.ckpt")
 
 
 def test_resume_into_a_further_epoch_sees_every_batch(tiny_digits, tmp_path):

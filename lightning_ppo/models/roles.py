@@ -191,6 +191,12 @@ class Roles(nn.Module):
             for role in trained:
                 role.eval()
 
+    def critic_parameters(self) -> list[nn.Parameter]:
+        """What only the value loss trains: the separate critic's parameters, or the shared value head's
+        (the backbone under a shared head is the policy's); none without a critic."""
+        roles = (self.value_model, self.value_head)
+        return [p for role in roles if role is not None for p in role.parameters() if p.requires_grad]
+
     @property
     def has_critic(self) -> bool:
         return self.value_model is not None or self.value_head is not None

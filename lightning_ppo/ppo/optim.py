@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,20 +80,52 @@ def step_unless_nonfinite(optimizer: Optimizer, step: Callable[[], Any], finite:
         del optimizer.found_inf
 
 
-def step_if_finite(optimizer: Any, max_grad_norm: float | None) -> torch.Tensor:
-    """Clip to ``max_grad_norm``, then step unless a gradient is NaN/inf; returns whether it stepped
-    (a device bool). ``optimizer``: a torch optimizer, or Lightning's wrapper of one.
+@dataclass(frozen=True)
+class OptimizerStep:
+    """What one optimizer step did, on the device: no host read."""
+
+    stepped: torch.Tensor  # a bool: False where a NaN/inf gradient skipped it
+    grad_norms: torch.Tensor  # each clip's gradient norm before clipping (see clip_per_role)
+
+
+def step_if_finite(optimizer: Any, max_norms: tuple[float | None, ...]) -> OptimizerStep:
+    """Clip (:func:`clip_per_role`), then step unless a gradient is NaN/inf. ``optimizer``: a torch
+    optimizer, or Lightning's wrapper of one.
 
     Fused Adam skips on the device; other optimizers need the host to read the norm first.
     """
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    finite = is_finite(grad_norm(params, max_grad_norm))
+    norms = clip_per_role(optimizer, max_norms)
+    finite = is_finite(norms).all()
     inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
     if skips_on_device(inner):
         step_unless_nonfinite(inner, optimizer.step, finite)
     elif finite:
         optimizer.step()
-    return finite
+    return OptimizerStep(finite, norms)
+
+
+def clip_per_role(optimizer: Any, max_norms: tuple[float | None, ...]) -> torch.Tensor:
+    """Clip the gradients to ``max_norms`` and return the norms before clipping (a device vector).
+
+    One limit: one norm over every param group (the policy and the critic together, the default).
+    One per group: each group's own norm and limit (the policy's group, then the critic's:
+    lightning_ppo.ppo.param_groups), as verl clips its actor and critic apart. ``None``: measured only.
+    """
+    sets = [group["params"] for group in optimizer.param_groups]
+    if len(max_norms) == 1:
+        sets = [[p for params in sets for p in params]]
+    norms = [
+        grad_norm([p for p in params if p.grad is not None], limit)
+        for params, limit in zip(sets, max_norms, strict=True)
+    ]
+    return torch.stack(norms)
+
+
+def mean_grad_norms(norms: torch.Tensor, stepped: torch.Tensor) -> torch.Tensor:
+    """Each clip's mean gradient norm over the steps taken, 0 where none was: a skipped step's norm is
+    NaN/inf. ``norms``: (steps, clips); ``stepped``: (steps,) bools."""
+    taken = stepped.unsqueeze(1)
+    return torch.where(taken, norms, 0.0).sum(0) / taken.sum().clamp(min=1)
 
 
 def is_finite(x: torch.Tensor) -> torch.Tensor:

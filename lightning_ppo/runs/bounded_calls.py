@@ -157,7 +157,12 @@ async def _bounded(
         except CallsStuck as stuck:
             return Outcome(error=stuck)
         job = LATE_CALLS.start(call)
-        outcome = await _within(lambda: job.future, name, timeout)
+        try:
+            outcome = await _within(lambda: job.future, name, timeout)
+        except asyncio.CancelledError:  # the batch was cancelled (a Ctrl-C): its thread runs on
+            if timeout is not None:
+                job.leave(name, timeout)
+            raise
         if outcome.timed_out and timeout is not None:
             job.leave(name, timeout)  # before the next call looks for a place
         if isinstance(outcome.value, Outcome):

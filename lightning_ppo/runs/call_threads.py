@@ -25,6 +25,7 @@ call would read as its time limit cancelling it.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -132,5 +133,11 @@ class LateCalls:
         running loop); :meth:`_Job.leave` it once nobody waits for it."""
         return _Job(call, asyncio.get_running_loop(), self)
 
+    def forget_all(self) -> None:
+        """In a forked child: none of the parent's threads runs there (its lock may be held by one)."""
+        self._lock = threading.Lock()
+        self._late = {}
+
 
 LATE_CALLS = LateCalls()
+os.register_at_fork(after_in_child=LATE_CALLS.forget_all)

@@ -78,6 +78,7 @@ def check_resumable(
     Runs before Lightning loads weights and optimizer state (whose own errors name no setting;
     frozen roles are left out of checkpoints, so the weights load non-strictly).
     """
+    check_param_groups(checkpoint.get("hyper_parameters", {}), hparams)
     changes = setting_changes(checkpoint.get("hyper_parameters", {}), hparams)
     # A sharded checkpoint's weights are not in ``checkpoint``: the strategy loaded them already
     # (its distributed load fails on any missing or reshaped tensor).
@@ -95,3 +96,24 @@ def check_resumable(
             "resuming with settings that differ from the checkpoint's; the run goes on with the "
             "config's values: " + "; ".join(map(str, changes))
         )
+
+
+def per_role_groups(hparams: Mapping[str, Any]) -> bool:
+    """Whether a run with these settings gives the critic a param group of its own
+    (lightning_ppo.ppo.param_groups); a checkpoint written before that option had one group."""
+    ppo = hparams.get("ppo") or {}
+    return hparams.get("critic_optimizer") is not None or ppo.get("critic_max_grad_norm") is not None
+
+
+def check_param_groups(saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """Error (one line) when the checkpoint's optimizer state has other param groups than this run's
+    optimizer: torch's own error names no setting, and the state of one group cannot be split."""
+    if per_role_groups(saved) == per_role_groups(now):
+        return
+    one, apart = "one param group for the policy and the critic together", "one for each of them"
+    raise UsageError(
+        f"the checkpoint's optimizer has {apart if per_role_groups(saved) else one}, this run's "
+        f"{apart if per_role_groups(now) else one} (model.critic_optimizer or "
+        "model.ppo.critic_max_grad_norm set gives the critic its own): resume with the checkpoint's "
+        "settings of these two, or start a new run from its exported policy"
+    )
