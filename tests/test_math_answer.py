@@ -9,7 +9,9 @@ import torch
 from lightning_ppo.module import PPOLightningModule
 from lightning_ppo.rewards import RewardCall, ScoreInputs
 from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.warn import LightningPPOWarning
 from lightning_ppo.tasks.math_answer import MathAnswerReward, gsm8k_answer, math_answer_reward
+from lightning_ppo.tasks.math_checkers import checkers
 
 GSM8K_ANSWER = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -39,15 +41,63 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("truth", "completion", "right"), CASES)
+# MATH-style answers and the fallback's rules (issue 49, items 11-15; docs/gsm8k.md, "How an answer
+# is read"): each row scored otherwise before.
+MATH_STYLE = [
+    # 11: a comma groups thousands only inside a number; elsewhere it separates a pair or a list
+    ("(1, 2)", r"\boxed{2}", False),
+    ("(1, 2)", r"\boxed{(1, 2)}", True),
+    ("2, -3", r"\boxed{-1}", False),
+    ("2, -3", r"\boxed{-3, 2}", True),
+    ("#### 1,234", r"\boxed{1234}", True),
+    ("1{,}234", r"\boxed{1,234}", True),
+    # 12: a ground truth is read as LaTeX, the whole of it
+    (r"2\sqrt{3}", r"\boxed{2}", False),
+    (r"2\sqrt{3}", r"\boxed{2\sqrt{3}}", True),
+    (r"3\pi", r"\boxed{3}", False),
+    (r"3\pi", r"\boxed{3\pi}", True),
+    (r"5\sqrt{2}", r"\boxed{5}", False),
+    (r"5\sqrt{2}", r"\boxed{\sqrt{50}}", True),
+    (r"\frac{\sqrt{3}}{2}", r"\boxed{\frac{\sqrt{3}}{2}}", True),
+    (r"\frac{\sqrt{3}}{2}", r"\boxed{\frac{1}{2}}", False),
+    ("x^2+1", r"\boxed{1 + x^2}", True),
+    ("x^2+1", r"\boxed{x^2}", False),
+    (r"\text{(C)}", r"\boxed{\text{(C)}}", True),
+    (r"\text{(C)}", r"\boxed{\text{(D)}}", False),
+    # 13: the last box is the answer, not the set of all boxes
+    ("72", r"May: \boxed{24}. Total: \boxed{72}", True),
+    ("24", r"May: \boxed{24}. Total: \boxed{72}", False),
+    # 14: every side of an equation in the box must be the answer (or a name: x = 72)
+    ("72", r"\boxed{73 = 72}", False),
+    ("72", r"\boxed{72 \approx 73}", False),
+    ("72", r"\boxed{48 + 24 = 72}", True),
+    ("72", r"\boxed{x = 72}", True),
+    ("y = 2x + 1", r"\boxed{y = 1 + 2x}", True),
+    # 15: the fallback, decided (docs/gsm8k.md)
+    ("72", "<answer>72</answer>", True),  # an answer tag is read as a box is
+    ("72", "<answer>So 72 clips.</answer> 73", True),
+    ("72", "(72)", True),  # a number after any non-word character
+    ("72", "Total:72", True),
+    ("-5", "\u22125", True),  # Unicode's minus sign is a minus
+    ("72", r"\boxed{72.}", True),  # a sentence's full stop inside the box is not part of the answer
+    ("72", r"\boxed{72} \boxed{}", True),  # an empty box is no answer
+    ("1000", "1e3", True),  # scientific notation
+    ("5100", "He has 5 100-dollar bills.", False),  # a space never groups digits: 5, then 100
+    ("100", "He has 5 100-dollar bills.", True),  # ... and the last number is the answer
+    ("18", "The answer is 18 (3 x 6).", True),  # after "the answer is", the first number
+]
+
+
+@pytest.mark.parametrize(("truth", "completion", "right"), CASES + MATH_STYLE)
 def test_hand_checked_cases(truth, completion, right):
     assert math_answer_reward(["q"], [completion], answer=[truth]) == [float(right)]
 
 
 def test_gsm8k_answer_is_the_last_line_after_the_hashes():
     assert gsm8k_answer(GSM8K_ANSWER) == "72"
-    assert gsm8k_answer("#### 1,234") == "1234"
+    assert gsm8k_answer("#### 1,234") == "1,234"  # its number reads 1234 (commas in groups of three)
     assert gsm8k_answer(" 0.5 ") == "0.5"
+    assert gsm8k_answer("(1, 2)") == "(1, 2)"
 
 
 def test_the_format_term_pays_only_for_the_asked_for_format():
@@ -82,7 +132,8 @@ def test_conversational_completions_and_logging_hooks():
         log_extra=extra.__setitem__,
         log_metric=metric.__setitem__,
     )
-    assert scores == [1.0, 0.0] and extra == {"correct": [1.0, 0.0]} and metric == {"accuracy": 0.5}
+    assert scores == [1.0, 0.0] and extra == {"correct": [1.0, 0.0]}
+    assert metric == {"accuracy": 0.5, "timed_out": 0.0}
 
 
 def test_both_forms_are_called_with_trls_keywords():
@@ -132,3 +183,66 @@ def test_off_the_main_thread_the_reward_still_answers():
             math_answer_reward, ["q"] * 2, [r"\boxed{1/2}", "3"], answer=["0.5", "4"]
         ).result()
     assert scores == [1.0, 0.0]
+
+
+SLOW = (r"\boxed{9^{9^{9^{9}}}}", r"\boxed{(10^{100})!}")  # sympy cannot compare either to 72 in seconds
+
+
+def test_an_answer_too_slow_to_check_scores_zero_and_is_counted():
+    """Each answer within answer_timeout (in a worker process): a slow one scores 0.0, is counted in
+    reward/timed_out and warned about once; the others in its batch are checked as usual."""
+    reward = MathAnswerReward(answer_timeout=0.5)
+    metric: dict = {}
+    completions = [SLOW[0], r"\boxed{72}", SLOW[1], "71"]
+    with pytest.warns(LightningPPOWarning):
+        scores = reward(["q"] * 4, completions, answer=["72"] * 4, log_metric=metric.__setitem__)
+    assert scores == [0.0, 1.0, 0.0, 0.0] and metric == {"accuracy": 0.25, "timed_out": 0.5}
+
+
+def test_a_batch_is_cut_at_batch_timeout_and_the_workers_start_again():
+    """Past batch_timeout the workers are killed (a computation in C ignores their alarms), what was
+    not checked scores 0.0, and the next batch starts new workers. Answers take milliseconds each,
+    first: a slow answer later in the batch never holds them back."""
+    reward = MathAnswerReward(workers=2, answer_timeout=5.0, batch_timeout=5.0)
+    pool = checkers(2)
+    reward(["q"], ["1"], answer=["1"])
+    first = [worker.process.pid for worker in pool._workers]
+    metric: dict = {}
+    completions = [r"\boxed{72}", "72", *SLOW * 3]
+    with pytest.warns(LightningPPOWarning):
+        scores = reward(["q"] * 8, completions, answer=["72"] * 8, log_metric=metric.__setitem__)
+    assert scores == [1.0, 1.0] + [0.0] * 6 and metric["timed_out"] == 0.75
+    assert pool._workers == []  # killed at the deadline, not left computing
+    assert reward(["q"] * 2, ["7", r"\boxed{8}"], answer=["7", "9"]) == [1.0, 0.0]
+    assert not set(first) & {worker.process.pid for worker in pool._workers}
+
+
+def test_a_worker_that_died_is_replaced():
+    pool = checkers(1)
+    assert pool.check([("1", "1")], 5.0, 10.0) == [True]
+    (worker,) = pool._workers
+    worker.process.kill()
+    worker.process.wait()
+    assert pool.check([("2", "2"), ("2", "3")], 5.0, 10.0) == [True, False]
+
+
+def test_in_this_process_with_no_workers():
+    """workers=0: checked here, one after another (no bound on the batch), with the same rules."""
+    reward = MathAnswerReward(workers=0)
+    completions = [r"\boxed{2\sqrt{3}}", r"\boxed{2}", r"May: \boxed{24}. Total: \boxed{72}"]
+    assert reward(["q"] * 3, completions, answer=[r"2\sqrt{3}", r"2\sqrt{3}", "72"]) == [1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"workers": -1}, "workers must be 0 or more, got -1"),
+        ({"answer_timeout": 0}, "answer_timeout must be more than 0 seconds, got 0.0"),
+        ({"answer_timeout": float("nan")}, "answer_timeout must be more than 0 seconds, got nan"),
+        ({"answer_timeout": 20}, "batch_timeout must be at least answer_timeout (20 s), got 10.0"),
+    ],
+)
+def test_settings_that_cannot_work_are_one_line(settings, named):
+    with pytest.raises(UsageError) as err:
+        MathAnswerReward(**settings)
+    assert str(err.value) == f"MathAnswerReward {named}"

@@ -1,15 +1,18 @@
 r"""Math with verifiable answers (GSM8K, MATH): 1.0 when a completion's final answer is right, 0.0 if not.
 
-The comparison is Hugging Face's ``math-verify`` (as TRL's math rewards use it): ``\boxed{1/2}``
-equals ``0.5``, ``1,000`` equals ``1000``, ``$5.00`` equals ``5``. Nothing here parses numbers or
-LaTeX by hand.
-
 - The ground truth comes from a dataset column (``answer``). GSM8K's answers are a worked solution
   whose last line is ``#### 72``: the text after the last ``####`` is the answer; a column without
-  ``####`` is the answer as it is (``72``, ``\frac{1}{2}``). One that parses as no number or
-  expression stops the run with one line naming the row.
-- The completion's final answer is its last ``\boxed{...}``; without one, math-verify's reading of
-  the text: an answer after "the final answer is", else the last number. No answer scores 0.0.
+  ``####`` is the answer as it is (``72``, ``\frac{1}{2}``, ``(1, 2)``), read as LaTeX. One that
+  reads as no number or expression stops the run with one line naming the row.
+- The completion's final answer is its last ``\boxed{...}`` that holds something, else its last
+  ``<answer>...</answer>``, else a number or math after "the answer is", else its last number or
+  math. :mod:`lightning_ppo.tasks.math_reading` has the rules; Hugging Face's ``math-verify`` (as
+  TRL's math rewards use it) reads the LaTeX and compares: ``\boxed{1/2}`` equals ``0.5``, ``1,000``
+  equals ``1000``, ``$5.00`` equals ``5``, ``\boxed{\sqrt{12}}`` equals ``2\sqrt{3}``. No answer
+  scores 0.0, and so does ``\boxed{73 = 72}`` against 72.
+- Each batch is checked in ``workers`` processes within ``batch_timeout`` seconds, each answer
+  within ``answer_timeout`` (:mod:`lightning_ppo.tasks.math_checkers`): an answer not checked in
+  time (``\boxed{9^{9^{9^{9}}}}``) scores 0.0 and counts in ``reward/timed_out``.
 - ``format_weight`` adds an optional format term: that weight for a completion that writes its
   answer as ``format_pattern`` asks (``\boxed{...}`` by default), so a score is at most
   ``1 + format_weight``.
@@ -24,7 +27,7 @@ validation logs it as ``eval/accuracy``.
 
 from __future__ import annotations
 
-import functools
+import os
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -32,28 +35,25 @@ from typing import Any
 
 from lightning_ppo.rewards import ACCURACY_COLUMN
 from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.warn import warn
+from lightning_ppo.tasks.math_checkers import checkers
+from lightning_ppo.tasks.math_reading import final_answer, gsm8k_answer, is_correct, read, truth_answer
+
+__all__ = [
+    "BOXED",
+    "BOXED_INSTRUCTION",
+    "MathAnswerReward",
+    "final_answer",
+    "gsm8k_answer",
+    "is_correct",
+    "math_answer_reward",
+]
 
 # The instruction Qwen2.5's math models are trained with, and what the format term looks for.
 BOXED_INSTRUCTION = r"Please reason step by step, and put your final answer within \boxed{}."
 BOXED = r"\\boxed\{\s*[^\s}]"
-# math-verify stops a parse or comparison after this many seconds (by SIGALRM: main thread only).
+# math-verify stops a parse after this many seconds (by SIGALRM: main thread only).
 _TIMEOUT_S = 5
-
-
-def gsm8k_answer(value: Any) -> str:
-    """The answer in a ground-truth value: the text after the last ``####`` (GSM8K's solutions end
-    with ``#### 72``), else the whole value; surrounding blanks and thousands separators removed."""
-    text = str(value)
-    if "####" in text:
-        text = text.rsplit("####", 1)[1]
-    return text.strip().replace(",", "")
-
-
-def _verify_module() -> Any:
-    """``math_verify``, imported on first use (sympy and its grammar take a second to load)."""
-    import math_verify
-
-    return math_verify
 
 
 def _timeout() -> int | None:
@@ -61,29 +61,19 @@ def _timeout() -> int | None:
     return _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
-@functools.lru_cache(maxsize=65536)
-def _parse_truth(answer: str) -> tuple[Any, ...]:
-    """A ground truth as math-verify reads it (a plain number, an expression, LaTeX); cached:
-    every epoch and every completion of a group asks again."""
-    mv = _verify_module()
-    config = [mv.ExprExtractionConfig(), mv.LatexExtractionConfig()]
-    return tuple(mv.parse(answer, extraction_config=config, parsing_timeout=_timeout()))
-
-
-def final_answer(text: str) -> list[Any]:
-    """A completion's final answer as math-verify reads it (``[value, text]``): its last ``\\boxed{}``
-    first, else an anchored answer ("the final answer is 7") or the last number; ``[]`` for none."""
-    mv = _verify_module()
-    config = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
-    return mv.parse(text, extraction_config=config, parsing_timeout=_timeout())
-
-
-def is_correct(completion: str, truth: Sequence[Any]) -> bool:
-    """Whether ``completion``'s final answer equals the parsed ground truth ``truth``."""
-    answer = final_answer(completion)
-    if not answer:
-        return False
-    return bool(_verify_module().verify(list(truth), answer, timeout_seconds=_timeout()))
+def _check_bounds(workers: int, answer_timeout: float, batch_timeout: float) -> None:
+    """One line naming a setting that cannot work (NaN included)."""
+    if workers < 0:
+        raise UsageError(f"MathAnswerReward workers must be 0 or more, got {workers}")
+    if not answer_timeout > 0:
+        raise UsageError(
+            f"MathAnswerReward answer_timeout must be more than 0 seconds, got {answer_timeout!r}"
+        )
+    if not batch_timeout >= answer_timeout:
+        raise UsageError(
+            f"MathAnswerReward batch_timeout must be at least answer_timeout ({answer_timeout:g} s), "
+            f"got {batch_timeout!r}"
+        )
 
 
 def _text(completion: Any) -> str:
@@ -103,10 +93,22 @@ class MathAnswerReward:
         format_weight: Added when the completion matches ``format_pattern``; 0 (default) for none.
         format_pattern: A regular expression (``re.search``) of the format the prompt asks for;
             default: a non-empty ``\\boxed{...}``.
+        workers: Processes that check answers (started on first use, shared by the rewards of this
+            process); default: 4, or the CPUs if fewer. 0: in this process, one answer after
+            another, and nothing bounds the batch (math-verify's timeouts, on the main thread only).
+        answer_timeout: Seconds one answer may take to check (math-verify's own default: 5).
+        batch_timeout: Seconds a batch's answers may take all together; those not checked by then
+            score 0.0 and count in ``reward/timed_out`` (the share of the batch).
     """
 
     def __init__(
-        self, answer_column: str = "answer", format_weight: float = 0.0, format_pattern: str = BOXED
+        self,
+        answer_column: str = "answer",
+        format_weight: float = 0.0,
+        format_pattern: str = BOXED,
+        workers: int | None = None,
+        answer_timeout: float = 5.0,
+        batch_timeout: float = 10.0,
     ):
         self.answer_column = answer_column
         self.format_weight = float(format_weight)
@@ -116,6 +118,11 @@ class MathAnswerReward:
             raise UsageError(
                 f"MathAnswerReward format_pattern {format_pattern!r} is not a regex: {err}"
             ) from err
+        self.workers = min(4, os.cpu_count() or 1) if workers is None else int(workers)
+        self.answer_timeout = float(answer_timeout)
+        self.batch_timeout = float(batch_timeout)
+        _check_bounds(self.workers, self.answer_timeout, self.batch_timeout)
+        self._warned = False
 
     def __call__(
         self,
@@ -131,25 +138,41 @@ class MathAnswerReward:
                 f"MathAnswerReward needs the ground truth in the dataset column {self.answer_column!r} "
                 f"(answer_column); the batch has the columns {shown}"
             )
-        pairs = enumerate(zip(columns[self.answer_column], prompts, strict=True))
-        truths = [self.truth(value, row, _text(prompt)) for row, (value, prompt) in pairs]
+        values = [str(value) for value in columns[self.answer_column]]
+        for row, (value, prompt) in enumerate(zip(values, prompts, strict=True)):
+            self.truth(value, row, _text(prompt))
         texts = [_text(c) for c in completions]
-        correct = [float(is_correct(text, truth)) for text, truth in zip(texts, truths, strict=True)]
+        pairs = list(zip(values, texts, strict=True))
+        checked = checkers(self.workers).check(pairs, self.answer_timeout, self.batch_timeout)
+        correct = [float(bool(right)) for right in checked]
+        late = [text for text, right in zip(texts, checked, strict=True) if right is None]
+        self._warn_late(late, len(texts))
         if log_extra is not None:
             log_extra(ACCURACY_COLUMN, correct)
         if log_metric is not None and correct:
             log_metric("accuracy", sum(correct) / len(correct))
+            log_metric("timed_out", len(late) / len(correct))
         if not self.format_weight:
             return correct
         return [
             c + self.format_weight * bool(self._format.search(t)) for c, t in zip(correct, texts, strict=True)
         ]
 
+    def _warn_late(self, late: list[str], total: int) -> None:
+        """Once per reward: answers that took too long to check are scored 0.0, not waited for."""
+        if late and not self._warned:
+            self._warned = True
+            warn(
+                f"MathAnswerReward: {len(late)} of {total} answers were not checked within answer_timeout "
+                f"{self.answer_timeout:g} s or batch_timeout {self.batch_timeout:g} s and score 0.0 "
+                f"(reward/timed_out), such as {final_answer(late[0])!r:.80}"
+            )
+
     def truth(self, value: Any, row: int = 0, prompt: str = "") -> tuple[Any, ...]:
-        """The parsed ground truth of one row; one that does not parse is a one-line error naming it,
-        with its prompt's start (the batch's row number alone does not find it in the dataset)."""
-        answer = gsm8k_answer(value)
-        parsed = _parse_truth(answer) if answer else ()
+        """The ground truth of one row as read (a sympy value); one that reads as nothing is a one-line
+        error naming it, with its prompt's start (the batch's row number alone does not find it)."""
+        answer = truth_answer(value)
+        parsed = read(answer, _timeout()) if answer is not None else ()
         if not parsed:
             asked = f", prompt {' '.join(prompt.split())[:60]!r}" if prompt else ""
             raise UsageError(
