@@ -341,8 +341,11 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             return
         batch, rollout = sampled.batch, sampled.rollout
         completions = self.decode_responses(rollout)
-        scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
-        scores = self.shape_scores(scores, rollout)
+        failed = self.dropped_episodes(sampled)  # the environment's: never scored
+        if sampled.episodes is not None and self.nothing_to_learn(failed):
+            self._skip_iteration(len(batch), sampled.episodes)
+            return
+        scores = self.shape_scores(self.score_kept(batch, rollout, completions, failed), rollout, failed)
         if self.nothing_to_learn(scores.dropped):
             self._skip_iteration(len(batch))
             return
@@ -443,17 +446,59 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             kept = self.sum_over_ranks(kept)
         return bool(kept == 0)
 
-    def _skip_iteration(self, batch_size: int) -> None:
-        """Every score of every rank's batch was NaN/inf and dropped: nothing to learn from, count it."""
+    def _skip_iteration(self, batch_size: int, episodes: EpisodeRecord | None = None) -> None:
+        """Every sample of every rank's batch was dropped, each score NaN/inf or, with ``episodes``,
+        each episode by its environment: nothing to learn from, count it."""
         self.iteration += 1
         self.dropped_in_a_row += 1
+        limit = f"(ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): stopping."
+        if self.dropped_in_a_row >= self.ppo.max_consecutive_skips and episodes is not None:
+            raise RunStopped(
+                f"every episode was dropped for {self.dropped_in_a_row} iterations in a row {limit} "
+                f"{newest_checkpoint(self._trainer)} The environment raised, timed out or gave NaN/inf "
+                "rewards (episode/env_errors, episode/timeouts, episode/bad_rewards): set "
+                "episode.on_error: error to see why"
+            )
         if self.dropped_in_a_row >= self.ppo.max_consecutive_skips:
             raise RunStopped(
                 f"the reward {self.reward_label!r} returned only NaN/inf for {self.dropped_in_a_row} "
-                f"iterations in a row (ppo.max_consecutive_skips = {self.ppo.max_consecutive_skips}): "
-                f"stopping. {newest_checkpoint(self._trainer)}"
+                f"iterations in a row {limit} {newest_checkpoint(self._trainer)}"
             )
-        self.log("reward/dropped", float(batch_size), on_step=True, batch_size=batch_size)
+        if episodes is None:
+            self.log("reward/dropped", float(batch_size), on_step=True, batch_size=batch_size)
+            return
+        counts = {name: float(value) for name, value in episodes.stats.metrics(self.sum_over_ranks).items()}
+        self.log_dict(counts, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=False)
+
+    def dropped_episodes(self, sampled: Sampled) -> Tensor:
+        """(B,) the episodes their environment dropped (``episode.on_error: drop``, or a NaN/inf turn
+        reward under ``ppo.on_bad_reward: drop``); all False without an environment."""
+        if sampled.episodes is None:
+            return torch.zeros(len(sampled.batch), dtype=torch.bool, device=self.device)
+        return sampled.episodes.stats.failed.to(self.device)
+
+    def score_kept(self, batch: PromptBatch, rollout: Rollout, completions: list[str], failed: Tensor) -> Any:
+        """:meth:`score` of the rows not ``failed``, in order: a dropped episode is never shown to the
+        rewards (nor, by :meth:`shape_scores`, to the score moments)."""
+        if not failed.any():
+            return self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
+        rows = (~failed).nonzero().squeeze(1).tolist()
+        if not rows and not is_sharded(self):  # nothing of this rank's to score (another rank's is kept)
+            self.scorer.columns = {}
+            return []
+        # Under FSDP2 a sharded reward model's forwards are every rank's: a rank none of whose
+        # episodes was kept scores its first one, and the score is ignored.
+        shown = rows or [0]
+        inputs = ScoreInputs(
+            {name: [values[i] for i in shown] for name, values in batch.extras.items()},
+            rollout.rows(torch.tensor(shown, dtype=torch.long, device=failed.device)),
+            None if batch.messages is None else [batch.messages[i] for i in shown],
+        )
+        scores = self.score([batch.prompts[i] for i in shown], [completions[i] for i in shown], inputs)
+        # the sample tables' columns, in the batch's rows (None for a dropped episode)
+        columns = self.scorer.columns.items() if rows else ()
+        self.scorer.columns = {name: _in_rows(values, rows, len(failed)) for name, values in columns}
+        return scores if rows else scores[:0]
 
     def sample(self, batch: PromptBatch) -> Sampled | None:
         """The rollout to train on: this batch's, sampled now with the weights that train on it
@@ -515,14 +560,20 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         """
         return self.scorer.score(self, prompts, completions, batch)
 
-    def shape_scores(self, scores: Any, rollout: Rollout) -> ShapedScores:
+    def shape_scores(self, scores: Any, rollout: Rollout, failed: Tensor | None = None) -> ShapedScores:
         """Validate, drop non-finite scores (if configured), clip and normalise.
 
         A dropped sample keeps shaped score 0 and its response mask is cleared, so it contributes
-        to no loss and no statistic. The raw scores stay as they were, for logging.
+        to no loss and no statistic. The raw scores stay as they were, for logging. ``failed``: (B,)
+        episodes their environment dropped; ``scores`` are then the other rows' (:meth:`score_kept`),
+        and a failed row's raw score is NaN.
         """
         drop = self.ppo.on_bad_reward == "drop"  # rows no reward scored are dropped in any case
-        raw = self.scorer.check_total(scores, len(rollout.response_ids), self.reward_label, self.device, drop)
+        kept = None if failed is None else (~failed).nonzero().squeeze(1)
+        rows = len(rollout.response_ids) if kept is None else len(kept)
+        raw = self.scorer.check_total(scores, rows, self.reward_label, self.device, drop)
+        if kept is not None:  # back in the batch's rows
+            raw = raw.new_full(failed.shape, torch.nan).index_copy(0, kept.to(raw.device), raw)
         dropped = ~torch.isfinite(raw)
         shaped = torch.where(dropped, torch.zeros_like(raw), raw)
         rollout.response_mask &= ~dropped[:, None]
@@ -785,3 +836,11 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             checkpoint.get(PENDING_KEY), self._trainer, self.ppo.max_staleness, saved_copies
         )
         self._resumed_at = self.iteration
+
+
+def _in_rows(values: list[Any], rows: list[int], size: int) -> list[Any]:
+    """``values`` of ``rows`` placed in a list of ``size`` (``None`` elsewhere)."""
+    placed: list[Any] = [None] * size
+    for row, value in zip(rows, values, strict=True):
+        placed[row] = value
+    return placed

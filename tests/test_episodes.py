@@ -3,6 +3,7 @@ environment failures, and a one-turn environment that reproduces today's single-
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from lightning_ppo.ppo import functional as F
 from lightning_ppo.ppo.experience import make_experience
 from lightning_ppo.rollout.episodes import Environment, EnvironmentFailure, StepResult, Turn
 from lightning_ppo.rollout.kept_cache import local_attention
-from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.errors import RunStopped, UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from lightning_ppo.tasks.reveal import RevealDigits, RevealDigitsDataModule
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
@@ -584,3 +585,95 @@ def test_keep_cache_is_refused_before_training_for_a_sliding_window_model(tiny_m
 )
 def test_which_models_attend_within_a_window(config, local):
     assert local_attention(config) == local
+
+
+class ResetsFail(Environment):
+    """Every reset raises: under ``on_error: drop`` every episode of every batch is dropped."""
+
+    def reset(self, prompt, row, rng) -> None:
+        raise ConnectionError("the sandbox is down")
+
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(done=True)
+
+
+class NaNTurnReward(Environment):
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(reward=float("nan"), done=True)
+
+
+class FailsOddResets(Environment):
+    """Drops the episodes whose prompt starts with an odd digit; the others end after one reply."""
+
+    def reset(self, prompt, row, rng) -> None:
+        if int(prompt[0]) % 2:
+            raise ValueError("odd")
+
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(done=True)
+
+
+class SeenByReward(DigitsReward):
+    """The digits reward, keeping the prompts of every completion it scored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompts: list[list[str]] = []
+
+    def __call__(self, prompts, completions, batch):
+        self.prompts.append(list(prompts))
+        return super().__call__(prompts, completions, batch)
+
+
+def _dropping(policy, environment, reward, **ppo) -> PPOLightningModule:
+    return PPOLightningModule(
+        policy=str(policy),
+        reward_fn=reward,
+        environment=environment,
+        episode=EpisodeConfig(max_turns=2, max_tokens=20, on_error="drop"),
+        ppo=PPOConfig(ppo_epochs=2, num_minibatches=2, on_bad_reward="drop", **ppo),
+        generation=GenerationConfig(max_new_tokens=6),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+    )
+
+
+@pytest.mark.parametrize("environment", [ResetsFail(), NaNTurnReward()], ids=["reset raises", "NaN reward"])
+def test_an_iteration_whose_every_episode_was_dropped_trains_nothing_and_counts_as_a_skip(
+    environment, tiny_digits, tmp_path
+):
+    """Before, only the rows the rewards dropped counted: the update ran on empty masks (AdamW's
+    weight decay moved every weight), the rewards scored the dropped episodes, objective/scores
+    logged 0.0 and ppo.max_consecutive_skips never fired."""
+    reward = SeenByReward()
+    module = _dropping(tiny_digits, environment, reward, max_consecutive_skips=3)
+    before = {name: value.clone() for name, value in module.state_dict().items()}
+    data = DigitsDataModule(num_prompts=64, batch_size=8, max_prompt_length=16)
+    trainer = quiet_trainer(tmp_path, iterations=2)
+    trainer.fit(module, datamodule=data)
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert trainer.global_step == 0 and module.iteration == 2 and module.dropped_in_a_row == 2
+    assert reward.prompts == [] and "objective/scores" not in trainer.callback_metrics
+    assert float(trainer.callback_metrics["episode/env_errors"]) == 8.0
+    stopping = _dropping(tiny_digits, environment, SeenByReward(), max_consecutive_skips=2)
+    with pytest.raises(RunStopped, match=r"^every episode was dropped for 2 iterations in a row \("):
+        quiet_trainer(tmp_path, iterations=3).fit(stopping, datamodule=data)
+    assert stopping.iteration == 2
+
+
+def test_a_dropped_episode_is_not_scored_nor_in_the_score_moments(tiny_digits, tmp_path):
+    """Before, the rewards scored every episode, the dropped ones too, and their scores entered the
+    running moments that ppo.score_norm divides by."""
+    torch.manual_seed(0)
+    reward = SeenByReward()
+    module = _dropping(tiny_digits, FailsOddResets(), reward, score_norm=True)
+    data = DigitsDataModule(num_prompts=64, batch_size=8, max_prompt_length=16)
+    trainer = quiet_trainer(tmp_path, iterations=1)
+    trainer.fit(module, datamodule=data)
+    shown = module.last_samples.prompts
+    kept = [prompt for prompt in shown if int(prompt[0]) % 2 == 0]
+    assert 0 < len(kept) < len(shown)
+    assert reward.prompts == [kept] and module.score_moments.count == len(kept)
+    assert trainer.global_step == 4  # the kept episodes trained
+    scores = module.last_samples.scores
+    assert [math.isnan(score) for score in scores] == [prompt not in kept for prompt in shown]

@@ -7,6 +7,7 @@ numbers as one process holding the global batch would, and no rank skips (or wai
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from lightning_ppo.ppo import functional as F
 from lightning_ppo.rewards import RunningMoments
+from lightning_ppo.rollout.episodes import Environment, StepResult, Turn
 from tests.helpers import free_port, quickstart_fit_args, ranks_process, spawn_forked, two_cpu_ranks
 
 pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
@@ -125,3 +127,44 @@ def test_multi_turn_episodes_on_two_ddp_ranks_train_one_model(tiny_digits, tmp_p
         assert row0["episode_tokens"] == row1["episode_tokens"] > 6  # longer than one reply
         assert row0["completions"] != row1["completions"]
         assert all(" [env: " in text for text in row0["completions"])
+
+
+class DropsOnRankZeroThenOnEvery(Environment):
+    """One reply per episode. Every reset raises (dropped under ``episode.on_error: drop``) in rank
+    0's first batch and in every rank's second (batches of 8, counted in the class: each episode runs
+    on a copy)."""
+
+    resets = itertools.count()
+
+    def reset(self, prompt, row, rng) -> None:
+        batch = next(DropsOnRankZeroThenOnEvery.resets) // 8
+        if batch == 1 or (batch == 0 and dist.get_rank() == 0):
+            raise ConnectionError("the sandbox is down")
+
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(done=True)
+
+
+def test_episodes_dropped_on_one_rank_or_on_every_rank_train_or_skip_together(tiny_digits, tmp_path):
+    """Rank 0's first batch all dropped: both ranks train on rank 1's 8 episodes (before, rank 0's
+    dropped episodes were scored and entered the score moments: 16). The second batch dropped on
+    every rank: both skip it (before, both ran the update on empty masks and weight decay moved the
+    weights), no rank waits for the other, and both train on the third."""
+    recorder = {"class_path": "tests.helpers.RankRecorder", "init_args": {"out_dir": str(tmp_path)}}
+    environment = json.dumps({"class_path": f"{__name__}.DropsOnRankZeroThenOnEvery"})
+    args = quickstart_fit_args(
+        tiny_digits,
+        tmp_path,
+        [recorder],
+        *two_cpu_ranks("ddp", iterations=3),
+        *("--model.init_args.environment", environment, "--model.init_args.episode.on_error", "drop"),
+        *("--model.init_args.episode.max_tokens", "16", "--model.init_args.ppo.score_norm", "true"),
+    )
+    done = ranks_process(args, timeout=240)  # a hang is a TimeoutExpired
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for row0, row1 in zip(*ranks, strict=True):
+        assert row0["checksum"] == row1["checksum"] and row0["score_moments"] == row1["score_moments"]
+    assert [row["score_moments"]["count"] for row in ranks[0]] == [8, 8, 24]
+    first, skipped, third = (row["checksum"] for row in ranks[0])
+    assert first == skipped != third

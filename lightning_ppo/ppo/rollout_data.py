@@ -6,7 +6,7 @@ experience, the rewards, the metrics. The engines in ``rollout/`` produce it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -63,6 +63,11 @@ class Rollout:
     def response_lengths(self) -> Tensor:
         """(B,) number of the policy's real response tokens, stop tokens included."""
         return self.response_mask.sum(dim=1)
+
+    def rows(self, index: Tensor) -> Rollout:
+        """The rollout of the rows ``index`` (a long tensor) only, in that order."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Rollout(**{name: None if value is None else value[index] for name, value in values.items()})
 
     def episode_token_ids(self) -> list[list[int]]:
         """Each row's tokens after the prompt, without padding (one turn: the response with its stop
