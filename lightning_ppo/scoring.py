@@ -225,9 +225,13 @@ def _called(reward: Any, name: str, prompts: list[str], completions: list[str], 
     """``reward(...)``; its ``sys.exit()`` stops the run in one line, as an async reward's does, rather
     than end ``fit`` as if it had finished. A ``KeyboardInterrupt`` on the main thread is the run's
     Ctrl-C (one cannot be told from the other there: SIGINT lands wherever the main thread is); on
-    another (sampling ahead) it can only be the code's own, and stops the run as an exit does."""
+    another (sampling ahead) it can only be the code's own, and stops the run as an exit does. A
+    ``StopIteration`` (``next()`` over no match) becomes a ``RuntimeError``, as in a generator (PEP 479):
+    Lightning's loop would take it for the end of the data and end the run in silence."""
     try:
         return reward(prompts, completions, batch)
+    except StopIteration as err:
+        raise RuntimeError(f"reward {name!r} raised StopIteration: {err}") from err
     except SystemExit as err:
         raise call_exited(f"reward {name!r}", err) from err
     except KeyboardInterrupt as err:

@@ -365,3 +365,19 @@ def test_a_keyboard_interrupt_from_a_reward_off_the_main_thread_is_the_codes_own
             CallExited, match=r"^reward 'raises_keyboard_interrupt' raised KeyboardInterrupt\(\)"
         ):
             pool.submit(score).result()
+
+
+def finds_nothing(prompts, completions, batch):
+    """``next()`` over no match, a common bug: it raises StopIteration."""
+    return [next(c for c in completions if c == "never")] * len(completions)
+
+
+def test_a_reward_raising_stop_iteration_is_an_error_not_the_end_of_the_data(tiny_digits, tmp_path):
+    """Lightning's loop takes a StopIteration out of ``training_step`` for the end of the epoch: the
+    run ended at once, as if done, with nothing trained. Now it is an error naming the reward."""
+    from tests.helpers import prompt_data, quiet_trainer
+
+    module = PPOLightningModule(policy=str(tiny_digits), reward_fn=finds_nothing)
+    with pytest.raises(RuntimeError, match=r"^reward 'finds_nothing' raised StopIteration") as raised:
+        quiet_trainer(tmp_path, iterations=2).fit(module, datamodule=prompt_data())
+    assert isinstance(raised.value.__cause__, StopIteration) and module.iteration == 0
