@@ -57,6 +57,7 @@ MATH_STYLE = [
     (r"3\pi", r"\boxed{3}", False),
     (r"3\pi", r"\boxed{3\pi}", True),
     (r"5\sqrt{2}", r"\boxed{5}", False),
+    (r"5\sqrt{2}", r"\boxed{5\sqrt{2}}", True),
     (r"5\sqrt{2}", r"\boxed{\sqrt{50}}", True),
     (r"\frac{\sqrt{3}}{2}", r"\boxed{\frac{\sqrt{3}}{2}}", True),
     (r"\frac{\sqrt{3}}{2}", r"\boxed{\frac{1}{2}}", False),
@@ -173,16 +174,17 @@ def test_through_a_modules_reward_fn(reward_fn, tiny_gpt2):
     assert module.scorer.columns == {"correct": [1.0, 0.0, 1.0]}
 
 
-def test_off_the_main_thread_the_reward_still_answers():
-    """math-verify's timeouts need SIGALRM, which only the main thread may set: a reward run on
-    another thread (an async pipeline, a reward server) checks without them instead of failing."""
+def test_off_the_main_thread_the_reward_still_answers_and_is_bounded():
+    """math-verify's timeouts need SIGALRM, which only a main thread may set: a reward run on another
+    thread (an async pipeline, a reward server) still answers, and a slow answer is still cut (its
+    worker's main thread has the alarm), where math-verify alone would compute on for minutes."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(1) as pool:
-        scores = pool.submit(
-            math_answer_reward, ["q"] * 2, [r"\boxed{1/2}", "3"], answer=["0.5", "4"]
-        ).result()
-    assert scores == [1.0, 0.0]
+    reward = MathAnswerReward(answer_timeout=0.5)
+    completions = [r"\boxed{1/2}", "3", r"\boxed{(10^{100})!}"]
+    with ThreadPoolExecutor(1) as pool, pytest.warns(LightningPPOWarning):
+        scores = pool.submit(reward, ["q"] * 3, completions, answer=["0.5", "4", "72"]).result()
+    assert scores == [1.0, 0.0, 0.0]
 
 
 SLOW = (r"\boxed{9^{9^{9^{9}}}}", r"\boxed{(10^{100})!}")  # sympy cannot compare either to 72 in seconds
