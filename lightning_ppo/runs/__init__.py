@@ -3,6 +3,6 @@
 atomic checkpoint files, locks and file modes (``checkpoint_io``, ``run_lock``, ``writable``,
 ``file_modes``, ``processes``), exact resume and its logs (``resume``, ``log_continuity``,
 ``run_length``), Ctrl-C and silenced noise (``ctrl_c``, ``quiet``), and the user's slow calls run
-together within a time limit (``bounded_calls``, on ``background_loop``). The bottom of the
-package: imports nothing of it but ``config``.
+together within a time limit (``bounded_calls``, on ``background_loop`` and ``call_threads``). The
+bottom of the package: imports nothing of it but ``config``.
 """
