@@ -5,7 +5,9 @@ fast and leak nothing"): an answer out of range, a call whose bytes trickle in. 
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lightning_ppo.rollout.engines.server.client import GenerationServerError
+from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
 from tests.test_server_engine import SYNCED, _Backlogged, _Quiet, _server_engine
 
@@ -86,3 +88,65 @@ def test_an_answer_out_of_range_stops_the_batch_in_one_line_naming_the_server(
     assert str(caught.value).startswith(f"generation server {url} (/v1/completions): answered ")
     assert problem.format(vocab=vocab) in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+class _Trickling:
+    """A server on 127.0.0.1 that answers each connection one byte every 0.25 s: the status line
+    and headers first (``where`` "headers") or after them, at once ("body"), for 60 s in all,
+    each byte well within a socket's timeout of 1 s. Stopped with :meth:`stop`."""
+
+    def __init__(self, where: str) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.25)
+        self.port = self.listener.getsockname()[1]
+        body = json.dumps({"results": ["x" * 200]}).encode()
+        head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        self.at_once = b"" if where == "headers" else head.encode()
+        self.trickled = (head.encode() if where == "headers" else b"") + body
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                connection, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            with connection:
+                connection.recv(65536)  # the request (small: one read)
+                try:
+                    connection.sendall(self.at_once)
+                    for byte in self.trickled[:240]:
+                        if self.stopped.wait(0.25):
+                            return
+                        connection.sendall(bytes([byte]))
+                except OSError:  # the client gave up and closed: the next connection
+                    continue
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(30)
+        self.listener.close()
+
+
+@pytest.mark.parametrize("where", ["headers", "body"])
+def test_a_call_whose_answer_trickles_in_ends_at_its_timeout(where):
+    """Every byte of the answer came within the socket's timeout, so the call waited for the whole
+    trickle (``rpc('lppo_version')`` held 10.5 s at server_timeout 1; here the trickle lasts 60 s):
+    now the whole exchange has one deadline, the timeout, and the error is the hung server's line.
+    The bound asserted (30 s) is far from both, so a loaded machine cannot flip it."""
+    server = _Trickling(where)
+    try:
+        client = ServerClient(f"http://127.0.0.1:{server.port}", timeout=1.0)
+        start = time.monotonic()
+        with pytest.raises(GenerationServerError) as caught:
+            client.rpc("lppo_version")
+        waited = time.monotonic() - start
+    finally:
+        server.stop()
+    assert waited < 30
+    assert str(caught.value) == (
+        f"generation server http://127.0.0.1:{server.port} (/collective_rpc lppo_version): "
+        "no answer within 1 s (generation.server_timeout)"
+    )

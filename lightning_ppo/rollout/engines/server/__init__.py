@@ -4,6 +4,7 @@ The trainer's side:
 
 - :mod:`.engine`: :class:`VLLMServerEngine`, what the module calls: sync the weights, sample a batch.
 - :mod:`.client`: one server over HTTP (JSON, every call bounded in time, the API key).
+- :mod:`.deadline`: one deadline for a whole call of the client's, however its bytes trickle in.
 - :mod:`.connections`, :mod:`.session`, :mod:`.batch`: a batch's completions on the engine's own
   event loop, one pooled session per server, one bound for the whole batch.
 - :mod:`.concurrent_calls`: a few calls to every server at once, on threads.

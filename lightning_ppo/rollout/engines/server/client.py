@@ -3,7 +3,8 @@
 A server that is down, dies mid-run, hangs, or answers with an error status gives one
 :class:`GenerationServerError` naming its URL and the route, within ``timeout`` seconds: peers'
 syncs that waited forever on a hung server without a word (trl#6796, trl#6797) are the reason.
-These calls (checks, syncs, worker calls: a few per iteration) use the standard library; a
+These calls (checks, syncs, worker calls: a few per iteration) use the standard library, the
+whole exchange within the timeout however its bytes trickle in (:mod:`.deadline`); a
 batch's completions go over pooled connections on the engine's event loop
 (:mod:`.session`), with the same messages (the ``what`` functions below).
 
@@ -22,6 +23,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from lightning_ppo.rollout.engines.server.deadline import ErrorStatus, exchange
 from lightning_ppo.runs.errors import UsageError
 
 
@@ -88,11 +90,10 @@ class ServerClient:
             raise self.error(route, not_json(body)) from None
 
     def _call(self, request: urllib.request.Request, route: str, timeout: float) -> Any:
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                body = response.read()
-        except urllib.error.HTTPError as err:
-            raise self.error(route, refused(err.code, err.read())) from None
+        try:  # the whole exchange within the timeout, not each read (a trickling server)
+            body = exchange(request, timeout)
+        except ErrorStatus as err:
+            raise self.error(route, refused(err.status, err.body)) from None
         except TimeoutError:
             raise self.error(route, no_answer(timeout)) from None
         except http.client.HTTPException as err:  # IncompleteRead, a malformed status line...
