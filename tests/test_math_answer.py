@@ -205,7 +205,7 @@ def test_a_batch_is_cut_at_batch_timeout_and_the_workers_start_again():
     """Past batch_timeout the workers are killed (a computation in C ignores their alarms), what was
     not checked scores 0.0, and the next batch starts new workers. Answers take milliseconds each,
     first: a slow answer later in the batch never holds them back."""
-    reward = MathAnswerReward(workers=2, answer_timeout=5.0, batch_timeout=5.0)
+    reward = MathAnswerReward(workers=2, answer_timeout=2.0, batch_timeout=2.0)
     pool = checkers(2)
     reward(["q"], ["1"], answer=["1"])
     first = [worker.process.pid for worker in pool._workers]
