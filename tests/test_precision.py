@@ -8,6 +8,8 @@ supported versions too (``make test-oldest``).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -21,8 +23,11 @@ from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.preflight import check_precision
 from lightning_ppo.tasks.tiny import ARCHS, TinyModelSpec, make_tiny_checkpoint
 from tests.helpers import CountCharReward, cli_usage_error, prompt_data, quickstart_fit_args, quiet_trainer
+from tests.tolerances import LargestLogit, log_prob_tolerance
 
 PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+# the dtype the LM head's logits are rounded to under each precision
+LOGITS_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16}
 # the dtype the trained weights live in under each precision
 WEIGHT_DTYPES = {"bf16-true": torch.bfloat16}
 ITERATIONS, EPOCHS, MINIBATCHES = 2, 1, 1
@@ -47,7 +52,11 @@ def fit(
         generation=GenerationConfig(max_new_tokens=8, cache_implementation=cache),
     )
     trainer = quiet_trainer(
-        "unused", iterations=ITERATIONS, precision=precision, accelerator=accelerator, callbacks=callbacks
+        "unused",
+        iterations=ITERATIONS,
+        precision=precision,
+        accelerator=accelerator,
+        callbacks=[*callbacks, LargestLogit()],
     )
     trainer.fit(module, datamodule=prompt_data(4))
     return module, trainer, {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -58,9 +67,12 @@ def check_trained(module, trainer, metrics: dict[str, float], precision: str) ->
     assert trainer.global_step == ITERATIONS * EPOCHS * MINIBATCHES
     assert metrics["train/skipped_updates"] == 0  # every step had finite gradients
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
-    # one epoch of one minibatch: the policy that sampled, so a ratio of 1 up to the precision's rounding
-    tolerance = 2e-2 if precision != "32-true" else 1e-5
-    assert metrics["val/ratio"] == pytest.approx(1.0, abs=tolerance)
+    # One epoch of one minibatch: the policy that sampled, so a ratio of 1 up to the precision's
+    # rounding of the log-probs, |exp(d) - 1| <= expm1(|d|); |log p| <= 2 max|z| + log(vocabulary).
+    largest = next(c for c in trainer.callbacks if isinstance(c, LargestLogit)).value
+    log_prob_scale = 2 * largest + math.log(module.policy.config.vocab_size)
+    tolerance = log_prob_tolerance(LOGITS_DTYPES.get(precision, torch.float32), largest, log_prob_scale)
+    assert metrics["val/ratio"] == pytest.approx(1.0, abs=math.expm1(tolerance))
     trained = [p for p in module.parameters() if p.requires_grad]
     assert {p.dtype for p in trained} == {WEIGHT_DTYPES.get(precision, torch.float32)}
 

@@ -12,7 +12,9 @@ magnitude: a bug (a token masked away, a wrong position) moves these tiny models
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch import Callback
 from torch import Tensor
 
 
@@ -26,7 +28,7 @@ def rounding_step(dtype: torch.dtype, values: float | Tensor) -> float:
     return torch.finfo(dtype).eps * magnitude(values)
 
 
-def log_prob_tolerance(dtype: torch.dtype, logits: float | Tensor, log_probs: Tensor) -> float:
+def log_prob_tolerance(dtype: torch.dtype, logits: float | Tensor, log_probs: float | Tensor) -> float:
     """How far two correct programs' log-probs may be apart, where each program's logits were rounded
     to ``dtype`` (bf16 under bf16 autocast: the LM head's output; float32 otherwise) and the
     log-softmax ran in float32 (generation's scores and the loss's logits are cast up first).
@@ -42,3 +44,18 @@ def log_prob_tolerance(dtype: torch.dtype, logits: float | Tensor, log_probs: Te
     of ``max|log p|`` (float32).
     """
     return 2 * rounding_step(dtype, logits) + 2 * rounding_step(torch.float32, log_probs)
+
+
+class LargestLogit(Callback):
+    """The largest ``|logit|`` any forward of the policy's LM head gave during a fit: what a log-prob
+    tolerance scales with (:func:`log_prob_tolerance`)."""
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        head = pl_module.policy.get_output_embeddings()
+        head.register_forward_hook(self._record)
+
+    def _record(self, module: torch.nn.Module, args: tuple, output: Tensor) -> None:
+        self.value = max(self.value, magnitude(output))
