@@ -381,9 +381,11 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         answers = BatchAnswers.gathered(self._trainer, batch.prompts, completions)  # every rank's: they warn
         diversity = Diversity.of(answers.prompts, answers.completions)  # text, on the host: no device read
         stats.update(diversity.on(self.device))
-        # the iteration's one host read: what the host decides on and what it logs
+        # the iteration's one host read: what the host decides on and what it logs; the guardrails
+        # judge the spread of every reward the update used (the shaped scores and an environment's)
+        used, kept = exp.scores, ~scores.dropped
         host = HostView.read(
-            stats, stepped, raw, exp.kl.sum(1), scores.shaped, ~scores.dropped, self.mean_over_ranks, reduce
+            stats, stepped, raw, exp.kl.sum(1), used, kept, self.mean_over_ranks, reduce, rollout.turn_rewards
         )
         self._count_skips(host.stepped)
         logged = host.logged

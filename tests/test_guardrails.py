@@ -6,14 +6,17 @@ from __future__ import annotations
 import warnings
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.checkpoint import PPOCheckpoint
+from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.runs.warn import LightningPPOWarning
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
+from lightning_ppo.tasks.reveal import RevealDigits, RevealDigitsDataModule
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
-from tests.helpers import fit_warnings
+from tests.helpers import fit_warnings, quiet_trainer
 
 CALM = {"approx_kl": 0.02, "clipfrac": 0.1, "kl": 3.0, "kl_coef": 0.05, "kl_coef_pinned": False}
 
@@ -181,3 +184,58 @@ def test_the_guardrails_and_the_unscored_count_carry_on_through_a_resume(tiny_di
     assert second.guardrails.early[:3] == first.guardrails.early  # the run's start, not the resume's
     assert len(second.guardrails.early) == 5
     assert float(trainer.callback_metrics["reward/unscored"]) == 0.0  # still logged after the resume
+
+
+class ScoresPerIteration(pl.Callback):
+    """The population std of every iteration's scores as logged: the reward's plus the environment's."""
+
+    def __init__(self) -> None:
+        self.stds: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.stds.append(float(torch.tensor(pl_module.last_samples.scores).std(unbiased=False)))
+
+
+@pytest.mark.parametrize("reward_weights", [None, [0.01]], ids=["environment only", "with a 0.01 reward"])
+def test_the_reward_scale_is_judged_on_every_reward_the_update_uses(reward_weights, tiny_digits, tmp_path):
+    """The reveal task (the environment pays 0 to 1 for the digits repeated), alone or with the digits
+    reward at 0.01 beside it. Before, the spread judged left the environment's rewards out: 0 for
+    the environment alone (the reward-scale and small-steps checks could never speak), and 0.004 with
+    the small reward beside it, so 'the scores the update uses vary by 0.004 ... set ppo.score_norm:
+    true' spoke while the score rose, advice that would blow the small reward up over the
+    environment's."""
+    torch.manual_seed(0)
+    module = PPOLightningModule(
+        policy=str(tiny_digits),
+        reward_fn=None if reward_weights is None else DigitsReward(),
+        reward_weights=reward_weights,
+        environment=RevealDigits(),
+        episode=EpisodeConfig(max_turns=2, max_tokens=18),
+        ppo=PPOConfig(ppo_epochs=2, num_minibatches=2, kl_coef=0.05),
+        generation=GenerationConfig(max_new_tokens=6),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+    )
+    data = RevealDigitsDataModule(num_prompts=256, batch_size=16, max_prompt_length=8)
+    spreads = ScoresPerIteration()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        quiet_trainer(tmp_path, iterations=6, callbacks=[spreads]).fit(module, datamodule=data)
+    rails = module.guardrails
+    assert rails.spread_count == 6 and rails.spread_sum == pytest.approx(sum(spreads.stds), rel=1e-5)
+    assert min(spreads.stds) > 0.05 and "reward_drowned" not in rails.fired
+
+
+def test_beside_an_environments_rewards_the_reward_scale_advice_names_no_score_norm():
+    """ppo.score_norm normalises the reward's scores, not the environment's: advice to set it would
+    scale one part of the rewards against the other."""
+    rails = Guardrails(PPOConfig(), lr=1e-3)
+    views = [_view(i + 20, scores_std=0.006, environment_rewards=True) for i in range(5)]
+    (message,) = [m for view in views for m in rails.observe(view)]
+    assert message.startswith(
+        "the rewards the update uses (the reward's scores and the environment's) vary by"
+    )
+    assert "score_norm" not in message and "Scale the rewards up, lower ppo.kl_coef" in message
+    (low,) = Guardrails(PPOConfig(kl_target=4.0), lr=1e-3).observe(
+        _view(kl=0.5, kl_coef=0.004, environment_rewards=True)
+    )
+    assert "raise the rewards' scale" in low and "score_norm" not in low

@@ -77,10 +77,12 @@ class IterationView:
     kl_coef_pinned: bool
     # the adaptive controller's slow part (the coefficient without its answer to this iteration's KL)
     kl_coef_base: float
-    scores_std: float | None  # batch std of the scores the update uses; None with fewer than 2
+    # batch std of every reward the update uses (scores and an environment's); None with fewer than 2
+    scores_std: float | None
     entropy: float = float("nan")  # the rollout policy's entropy per response token
     score: float = float("nan")  # objective/scores
     diversity: Diversity | None = None  # every rank's answers (watch/diversity.py, watch/every_rank.py)
+    environment_rewards: bool = False  # an environment's rewards were among them (not ppo.score_norm's)
 
     @classmethod
     def of(
@@ -101,6 +103,7 @@ class IterationView:
             kl_coef_pinned=kl_ctl.pinned,
             kl_coef_base=getattr(kl_ctl, "integral", kl_ctl.value),
             scores_std=host.scores_std,
+            environment_rewards=host.environment_rewards,
             entropy=stats["objective/entropy"] / max(stats["response/length_mean"], 1.0),
             score=stats["objective/scores"],
         )
@@ -121,6 +124,9 @@ class Guardrails:
     early: list[tuple[float, float]] = field(default_factory=list)
     recent: list[tuple[float, float]] = field(default_factory=list)
     converging_in_a_row: int = 0
+    # whether an environment's rewards were ever among those the update used: ppo.score_norm would
+    # then scale the reward's scores against them, so the advice never names it
+    environment_rewards: bool = False
 
     def heed(self, view: IterationView) -> None:
         """Warn, on rank 0, with each warning due this iteration."""
@@ -128,6 +134,7 @@ class Guardrails:
             warn(message)
 
     def observe(self, view: IterationView) -> list[str]:
+        self.environment_rewards |= view.environment_rewards
         checks = (
             self._trust_region,
             self._collapse,
@@ -152,6 +159,7 @@ class Guardrails:
             "early": [list(pair) for pair in self.early],
             "recent": [list(pair) for pair in self.recent],
             "converging_in_a_row": self.converging_in_a_row,
+            "environment_rewards": self.environment_rewards,
         }
 
     @classmethod
@@ -167,6 +175,7 @@ class Guardrails:
             early=[(entropy, score) for entropy, score in state["early"]],
             recent=[(entropy, score) for entropy, score in state["recent"]],
             converging_in_a_row=state["converging_in_a_row"],
+            environment_rewards=state.get("environment_rewards", False),  # saved since issue 49
         )
 
     def _once(self, name: str, message: str) -> str | None:
@@ -245,8 +254,8 @@ class Guardrails:
             + (
                 "the policy moves faster than the penalty can pull it back. " + self._restart_advice()
                 if view.kl > self.config.kl_target
-                else "the reward gives the policy too little reason to move: raise the reward's scale"
-                + ("" if self.config.score_norm else " or set ppo.score_norm: true")
+                else f"{self._rewards_give} the policy too little reason to move: raise the {self._scale}"
+                + (" or set ppo.score_norm: true" if self._score_norm_helps else "")
             ),
         )
 
@@ -263,13 +272,13 @@ class Guardrails:
         spread = self.spread_sum / self.spread_count
         if self.spread_count < SPREAD_ITERATIONS or not reward_drowned(spread, view.kl_coef):
             return None
-        remedies = ["scale the reward up"]
-        if not self.config.score_norm:
+        remedies = ["scale the rewards up" if self.environment_rewards else "scale the reward up"]
+        if self._score_norm_helps:
             remedies.append("set ppo.score_norm: true")
         remedies.append("lower ppo.kl_coef" if self.config.kl_target is None else "lower ppo.kl_target")
         return self._once(
             "reward_drowned",
-            f"the scores the update uses vary by {spread:.3g} (batch std, mean of {self.spread_count} "
+            f"{self._used} vary by {spread:.3g} (batch std, mean of {self.spread_count} "
             f"iterations), less than the KL coefficient {view.kl_coef:.3g}: the KL-regularised optimum "
             f"lies within about {spread**2 / view.kl_coef:.2g} of the reference's mean score, so the "
             f"score will stay flat. {', '.join(remedies).capitalize()} "
@@ -335,9 +344,9 @@ class Guardrails:
         return self._once(
             "small_steps",
             f"objective/kl {view.kl:.3g} and policy/approxkl_avg {view.approx_kl:.2g} at iteration "
-            f"{view.iteration} while the scores vary (std {spread:.3g}): the policy has barely moved from "
-            f"the reference, and the KL penalty (kl_coef {view.kl_coef:.3g}) is too weak to be what holds "
-            f"it. The learning rate {self.lr:g} is likely too small for this model (usual rates: "
+            f"{view.iteration} while the {self._varied} vary (std {spread:.3g}): the policy has barely moved "
+            f"from the reference, and the KL penalty (kl_coef {view.kl_coef:.3g}) is too weak to be what "
+            f"holds it. The learning rate {self.lr:g} is likely too small for this model (usual rates: "
             f"{', '.join(above)}); set model.optimizer.init_args.lr",
         )
 
@@ -358,6 +367,30 @@ class Guardrails:
             self.config.advantage_estimator == "gae" and self.config.whiten_advantages
         )
         return self.config.kl_placement == "loss" and normalised
+
+    @property
+    def _used(self) -> str:
+        """What the spread the checks judge is of, said in a warning."""
+        if self.environment_rewards:
+            return "the rewards the update uses (the reward's scores and the environment's)"
+        return "the scores the update uses"
+
+    @property
+    def _varied(self) -> str:
+        return "rewards" if self.environment_rewards else "scores"
+
+    @property
+    def _score_norm_helps(self) -> bool:
+        """Whether ppo.score_norm is off and would scale all the rewards: not an environment's."""
+        return not self.config.score_norm and not self.environment_rewards
+
+    @property
+    def _rewards_give(self) -> str:
+        return "the rewards give" if self.environment_rewards else "the reward gives"
+
+    @property
+    def _scale(self) -> str:
+        return "rewards' scale" if self.environment_rewards else "reward's scale"
 
     def _restart_advice(self) -> str:
         return (

@@ -121,14 +121,16 @@ OVER_RANKS = frozenset(
 class HostView:
     """An iteration's numbers as the host sees them, read from the device in one read (one sync on
     GPUs, where a ``float()`` of each would be one each): the :data:`HOST_STATS` it decides on (this
-    rank's), which optimizer steps were taken, each sample's score and KL, the spread of the scores
-    the update used (``None`` with fewer than two), and every statistic as logged."""
+    rank's), which optimizer steps were taken, each sample's score and KL, the spread of the rewards
+    the update used (``None`` with fewer than two samples), whether an environment's rewards were
+    among them, and every statistic as logged."""
 
     stats: dict[str, float]
     stepped: list[bool]
     scores: list[float]
     kl: list[float]
     scores_std: float | None
+    environment_rewards: bool
     # every statistic, averaged over the ranks (but :data:`OVER_RANKS`) as ``log(sync_dist=True)``
     # would average each: here one collective for all of them
     logged: dict[str, float]
@@ -144,21 +146,25 @@ class HostView:
         kept: Tensor,
         mean: F.Reduce | None = None,
         total: F.Reduce | None = None,
+        turn_rewards: Tensor | None = None,
     ) -> HostView:
         """``stats`` (at least :data:`HOST_STATS`, scalars), ``stepped`` (steps,), ``scores`` and ``kl``
-        (B,) as the host sees them; ``used`` (B,) the scores the update used where ``kept``; ``mean``
-        averages over the data-parallel ranks and ``total`` sums (``None``: one process): the spread
-        the guardrails judge is every rank's."""
-        spread = F.masked_var(used, kept, unbiased=False, reduce=total).sqrt()
-        kept_count = kept.sum().float() if total is None else total(kept.sum().float())
+        (B,) as the host sees them; ``used`` (B,) the scores the update used where ``kept``, and
+        ``turn_rewards`` (B, R) an environment's rewards, which reach the advantages beside them;
+        ``mean`` averages over the data-parallel ranks and ``total`` sums (``None``: one process):
+        the spread the guardrails judge is every rank's, of every reward the update used."""
+        environment = torch.zeros_like(used) if turn_rewards is None else turn_rewards.sum(1).to(used)
+        spread = F.masked_var(used + environment, kept, unbiased=False, reduce=total).sqrt()
+        counts = torch.stack([kept.sum().float(), environment.abs().masked_fill(~kept, 0.0).sum().float()])
+        counts = counts if total is None else total(counts)
         names = sorted(stats, key=lambda name: name in OVER_RANKS)  # this rank's own first
         own = sum(name not in OVER_RANKS for name in names)
         # float32 holds every float32, bf16 and fp16 value exactly (scores are float32: check_scores)
-        scalars = torch.stack([stats[name].float() for name in names] + [spread.float(), kept_count])
+        scalars = torch.cat([torch.stack([stats[name].float() for name in names] + [spread.float()]), counts])
         averaged = [] if mean is None else [mean(scalars[:own])]
         flat = torch.cat([scalars, *averaged, stepped.float(), scores.float(), kl.float()]).tolist()
         values, rest = flat[: len(names)], flat[len(scalars) :]
-        spread_value, count = flat[len(names) : len(scalars)]
+        spread_value, count, environment_total = flat[len(names) : len(scalars)]
         local = dict(zip(names, values, strict=True))
         logged = dict(local)
         if mean is not None:
@@ -171,6 +177,7 @@ class HostView:
             scores=rest[steps : steps + len(scores)],
             kl=rest[steps + len(scores) :],
             scores_std=spread_value if count >= 2 else None,
+            environment_rewards=environment_total > 0,
             logged={name: logged[name] for name in stats},  # in the order they were computed
         )
 
