@@ -378,7 +378,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             )
         if sampled.episodes is not None:  # the runner's counts of this batch, not of one sampled since
             stats.update(sampled.episodes.stats.metrics(reduce))
-        answers = BatchAnswers.gathered(self._trainer, batch.prompts, completions)  # every rank's: they warn
+        words = completions if sampled.episodes is None else sampled.episodes.words  # the policy's own
+        answers = BatchAnswers.gathered(self._trainer, batch.prompts, words)  # every rank's: they warn
         diversity = Diversity.of(answers.prompts, answers.completions)  # text, on the host: no device read
         stats.update(diversity.on(self.device))
         # the iteration's one host read: what the host decides on and what it logs; the guardrails

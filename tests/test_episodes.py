@@ -677,3 +677,24 @@ def test_a_dropped_episode_is_not_scored_nor_in_the_score_moments(tiny_digits, t
     assert trainer.global_step == 4  # the kept episodes trained
     scores = module.last_samples.scores
     assert [math.isnan(score) for score in scores] == [prompt not in kept for prompt in shown]
+
+
+class Explains(Environment):
+    """After the first reply, the same long observation for every episode; done after the second."""
+
+    def step(self, turn: Turn) -> StepResult:
+        if turn.index == 0:
+            return StepResult(observation="=0123456789876543210=")
+        return StepResult(reward=0.5, done=True)
+
+
+def test_the_converging_check_reads_the_policys_replies_not_the_observations(tiny_digits, tmp_path):
+    """Before, it read whole episodes: every episode held the environment's observation, so answers to
+    different prompts read as near-copies sharing it (most of each episode's text). The sample
+    tables still show the whole episode."""
+    torch.manual_seed(0)
+    module = _module(tiny_digits, Explains(), EpisodeConfig(max_turns=2, max_tokens=40))
+    trainer = quiet_trainer(tmp_path, iterations=1)
+    trainer.fit(module, datamodule=DigitsDataModule(num_prompts=64, batch_size=8, max_prompt_length=16))
+    assert module.guardrails.converging_in_a_row == 0  # 1 before: near-copies in this iteration
+    assert all(" [env: =0123456789876543210=] " in text for text in module.last_samples.completions)

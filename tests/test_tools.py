@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -16,6 +17,8 @@ from lightning_ppo.rollout.tools import ToolCall, ToolEnvironment
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.arithmetic import AnswerReward, ArithmeticDataModule, calculator
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+from lightning_ppo.watch.diversity import Diversity
+from lightning_ppo.watch.guardrails import _converged_on
 
 CHATML = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
@@ -227,3 +230,33 @@ def test_a_tool_name_the_text_format_cannot_call_is_one_line_at_setup(name):
     said = rf"^model.tools: {re.escape(repr(name))} cannot be called in the text format \(`call NAME: "
     with pytest.raises(UsageError, match=said):
         ToolEnvironment([_named(name)], tool_format="text")
+
+
+# ----------------------------------------------------------------- the policy's own words
+def _hermes_episode(i: int) -> tuple[list[str], str]:
+    """A correct, distinct hermes episode: the policy's two replies, and the tool message between them
+    as the chat template writes it (what the episode's text holds between the replies)."""
+    a, b = i + 3, i + 7
+    call = {"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}
+    result = {"name": "calculator", "content": str(a * b)}
+    replies = [f"<tool_call>{json.dumps(call)}</tool_call>", f"so {a} times {b} is {a * b}"]
+    return replies, f" user <tool_response>{json.dumps(result)}</tool_response> assistant "
+
+
+def test_a_replys_own_words_leave_out_the_tool_call_wrapper(chat_tokenizer):
+    """What the diversity checks compare: the policy's words, not the call's markup (the run's
+    observations are left out by the runner). Before, 16 correct, distinct hermes episodes read as
+    near-copies sharing '"}} </tool_call> user <tool_response> ...' (overlap 0.78)."""
+    hermes = ToolEnvironment([calculator], tool_format="hermes", tokenizer=chat_tokenizer)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>'
+    assert hermes.own_words(f"let me see. {call}") == "let me see. 12*7"
+    assert hermes.own_words("<tool_call>{name: calculator}</tool_call>") == "{name: calculator}"  # malformed
+    text = ToolEnvironment([calculator], tool_format="text")
+    assert text.own_words("let me see. call calculator: 12*7; then") == "let me see. 12*7; then"
+    assert text.own_words("84") == "84"
+    prompts = [f"question {i}" for i in range(16)]
+    episodes = [_hermes_episode(i) for i in range(16)]
+    whole = Diversity.of(prompts, [replies[0] + between + replies[1] for replies, between in episodes])
+    assert _converged_on(whole) is not None  # the wrappers and the tool messages, read as the answer
+    own = Diversity.of(prompts, [" ".join(map(hermes.own_words, replies)) for replies, _ in episodes])
+    assert _converged_on(own) is None

@@ -66,14 +66,18 @@ class Sampled:
 
 @dataclass(frozen=True)
 class EpisodeRecord:
-    """An episode runner's stats and transcripts of one batch, read right after it ran the batch."""
+    """An episode runner's stats, transcripts and the policy's own words in each episode (its
+    replies, for the diversity checks) of one batch, read right after it ran the batch."""
 
     stats: Any  # rollout.episodes.EpisodeStats
     transcripts: list[str]
+    words: list[str]
 
     @staticmethod
     def of(runner: Any) -> EpisodeRecord | None:
-        return None if runner is None else EpisodeRecord(runner.last_stats, list(runner.transcripts))
+        if runner is None:
+            return None
+        return EpisodeRecord(runner.last_stats, list(runner.transcripts), list(runner.own_words))
 
 
 @dataclass

@@ -65,6 +65,13 @@ class Environment:
         """Answer the policy's turn."""
         raise NotImplementedError(f"{type(self).__name__} must implement step(turn) -> StepResult")
 
+    def own_words(self, reply: str) -> str:
+        """The policy's own words in ``reply`` (a turn's text): what the checks of how varied the
+        answers are compare (``lightning_ppo.watch.diversity``), never the observations. The default:
+        all of it. Override it to leave out markup every reply shares (an action's wrapper), which
+        would read as answers converging on it."""
+        return reply
+
 
 class StepFunction(Environment):
     """A stateless environment: ``fn(turn, row) -> StepResult``, ``row`` the episode's dataset row

@@ -80,6 +80,7 @@ class _Episode:
     last_reply: int = 0  # tokens of the latest reply as kept (0: cut away by the budget)
     cached: int = 0  # tokens after the prompt that a kept cache (episode.keep_cache) holds
     transcript: list[str] = field(default_factory=list)  # replies as text, observations marked
+    words: list[str] = field(default_factory=list)  # each reply's own words (Environment.own_words)
     ended: bool = False  # the last reply emitted the stop token
     truncated: bool = False  # cut by the token budget
     failed: bool = False  # dropped (episode.on_error or ppo.on_bad_reward: drop): nothing to learn from it
@@ -173,6 +174,9 @@ class EpisodeRunner:
         # The last batch's episodes as text, observations between OBSERVATION_OPEN and _CLOSE: what
         # the sample tables show (rewards get the plain text, as the policy read it).
         self.transcripts: list[str] = []
+        # The policy's own words in each of the last batch's episodes, its replies' (without the
+        # observations, or what Environment.own_words leaves out): what the diversity checks read.
+        self.own_words: list[str] = []
         self._engine_logprobs = False
         self.render_message = MessageRenderer(tokenizer, stop_token)
 
@@ -295,6 +299,7 @@ class EpisodeRunner:
         episode.cached = len(episode.tokens)  # a kept cache holds everything up to here
         text = self.tokenizer.decode(reply, skip_special_tokens=True)
         episode.transcript.append(text)
+        episode.words.append(episode.environment.own_words(text))
         return Turn(turn, text, reply, episode.ended)
 
     def _answer(self, episode: _Episode, outcome: Outcome, turn: int, prompt: str) -> None:
@@ -342,6 +347,7 @@ class EpisodeRunner:
             for index, reward in e.rewards.items():
                 rewards[row, index] = reward
         self.transcripts = ["".join(e.transcript) for e in episodes]
+        self.own_words = [" ".join(words for words in e.words if words) for e in episodes]
         self.last_stats = EpisodeStats(
             turns=torch.tensor([e.turns for e in episodes], device=device),
             tokens=torch.tensor([len(e.tokens) for e in episodes], device=device),

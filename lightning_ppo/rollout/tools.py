@@ -127,6 +127,15 @@ class ToolEnvironment(Environment):
         except (ValueError, KeyError, TypeError) as err:
             return ToolCall("", {}, f"malformed tool call ({type(err).__name__}: {err})")
 
+    def own_words(self, reply: str) -> str:
+        """``reply`` with each tool call written as its arguments only: the markup around them (the
+        ``hermes`` tags, the JSON keys and the tool's name, ``call NAME:``) is every call's."""
+        if self.format == "text":
+            words = _TEXT.sub(lambda call: call.group(2).strip(), reply)
+        else:
+            words = _HERMES.sub(lambda call: _arguments_text(call.group(1)), reply)
+        return self.inner.own_words(words) if self.inner is not None else words
+
     def run(self, call: ToolCall) -> tuple[str, bool]:
         """``(text, failed)``: the tool's result as text, or what went wrong."""
         if call.error is not None:
@@ -149,6 +158,15 @@ class ToolEnvironment(Environment):
             return f" {'error' if failed else 'result'}: {result};"
         content = json.dumps({"error": result} if failed else {"name": call.name, "content": result})
         return self.tool_suffix.format(content=content)
+
+
+def _arguments_text(payload: str) -> str:
+    """A hermes call's argument values, space-separated; a call that does not parse, as written."""
+    try:
+        arguments = json.loads(payload).get("arguments") or {}
+        return " ".join(str(value) for value in dict(arguments).values())
+    except (ValueError, AttributeError, TypeError):
+        return payload.strip()
 
 
 def _check_text_names(tools: dict[str, Callable[..., Any]]) -> None:
