@@ -1,6 +1,8 @@
 """The server engine where servers fail, hang, trickle or answer nonsense (issue 50, "syncs that fail
-fast and leak nothing"): an answer out of range, a call whose bytes trickle in. Fake servers on
-127.0.0.1 as in tests/test_server_engine.py, stopped by each test."""
+fast and leak nothing"): an answer out of range, a call whose bytes trickle in, a load that fails
+on a server, Ctrl-C during a sync, the address a server's workers give the weights group. Fake
+servers on 127.0.0.1 as in tests/test_server_engine.py, stopped by each test; the in-memory sync's
+servers run the real worker extension on a tiny torch model, with a stand-in for vLLM's reload."""
 
 from __future__ import annotations
 
@@ -10,12 +12,17 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 from transformers import AutoTokenizer
 
+from lightning_ppo.rollout.engines.server import worker_extension
 from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
+from lightning_ppo.rollout.engines.server.memory_sync import MemorySync
+from lightning_ppo.rollout.engines.server.worker_extension import WeightSyncExtension
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
 from tests.test_server_engine import SYNCED, _Backlogged, _Quiet, _server_engine
 
@@ -150,3 +157,210 @@ def test_a_call_whose_answer_trickles_in_ends_at_its_timeout(where):
         f"generation server http://127.0.0.1:{server.port} (/collective_rpc lppo_version): "
         "no answer within 1 s (generation.server_timeout)"
     )
+
+
+class _Worker(WeightSyncExtension):
+    """What vLLM mixes the worker extension into, around a tiny torch model: a model runner, the
+    worker's rank, and a reload that copies each tensor into the parameter of its name (vLLM's
+    fails alike on a name the model lacks: a KeyError)."""
+
+    def __init__(self, model: nn.Module, rank: int = 0) -> None:
+        self.model_runner = SimpleNamespace(get_model=lambda: model)
+        self.rank = rank
+
+    def reload_weights(self, weights_iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        held = dict(self.model_runner.get_model().named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights_iterator:
+                held[name].copy_(tensor)
+
+
+class _Serving(_Quiet):
+    """A server's ``/collective_rpc`` route: the method run on every worker (each on a thread, as
+    vLLM's workers are processes of their own), one call at a time (as vLLM's engine runs them),
+    their answers, or vLLM's HTTP 500 for a failure."""
+
+    workers: list[_Worker]
+    one_at_a_time: threading.Lock
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        with self.one_at_a_time:
+            self._run()
+
+    def _run(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        results: list = [None] * len(self.workers)
+        errors: list[BaseException] = []
+
+        def run(index: int) -> None:
+            try:
+                results[index] = getattr(self.workers[index], request["method"])(*request["args"])
+            except Exception as err:  # noqa: BLE001  (answered as vLLM answers a failed call)
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(self.workers))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        if errors:
+            message = f"Worker failed with error '{type(errors[0]).__name__}: {errors[0]}'"
+            self.reply(json.dumps({"error": {"message": message, "code": 500}}).encode(), status=500)
+        else:
+            self.reply(json.dumps({"results": results}).encode())
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+
+
+def _weights(model: nn.Module, scale: float, extra: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s parameters times ``scale``; ``extra``: with a tensor the model lacks, third."""
+    weights = [(name, param.detach() * scale) for name, param in model.named_parameters()]
+    return weights[:2] + [("lm_head.extra", torch.ones(32, 32))] + weights[2:] if extra else weights
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch) -> Iterator[tuple[str, list[_Worker]]]:
+    """A server of one worker (add more to the list for tensor parallelism), on 127.0.0.1."""
+    monkeypatch.setattr(worker_extension, "_repack_embedding_gemms", lambda model: None)  # vLLM's CPU GEMMs
+    workers = [_Worker(_model())]
+    handler = type("Serving", (_Serving,), {"workers": workers, "one_at_a_time": threading.Lock()})
+    server = _Backlogged(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", workers
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _receiving_threads(within: float = 30.0) -> list[threading.Thread]:
+    """The weights' receiving threads still alive after waiting up to ``within`` s for them to end."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [t for t in threading.enumerate() if t.name == "lightning-ppo-weights"]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return alive
+
+
+def _synced(sync: MemorySync, workers: list[_Worker], version: str) -> None:
+    """A sync of the model's own weights times 2 arrives whole, checked, as ``version``."""
+    sums, held = sync.load(iter(_weights(_model(), 2.0)), torch.float32, True, version)
+    assert len(held) == 1 and sorted(held[0][0]) == sorted(sums)
+    for worker in workers:
+        assert worker.lppo_version() == version
+        for (name, tensor), (_, param) in zip(
+            _weights(_model(), 2.0), worker.model_runner.get_model().named_parameters(), strict=True
+        ):
+            assert torch.equal(param, tensor), name
+
+
+def test_a_load_that_fails_on_a_server_stops_the_sync_at_once_and_leaks_no_thread(fake_vllm):
+    """The worker's load fails on a tensor its model lacks (the third, in the first of several
+    buckets): its receiving thread was left blocked on a full queue for good, holding the old group
+    and two buckets, while rank 0 sent on until the group's timeout (60 s here). Now the failure
+    stops the sync for every member: rank 0 raises the worker's error at once, the thread ends, and
+    the next sync joins anew and arrives whole. The bound asserted (30 s) is far from the timeout."""
+    url, workers = fake_vllm
+    sync = MemorySync([ServerClient(url, 60.0)], [1], "127.0.0.1", 60.0)
+    sync.bucket_bytes = 3 * 32 * 32 * 4  # a few tensors a bucket: several buckets after the failure
+    start = time.monotonic()
+    with pytest.raises(GenerationServerError) as caught:
+        sync.load(iter(_weights(_model(), 2.0, extra=True)), torch.float32, True, "run/1")
+    assert time.monotonic() - start < 30
+    assert str(caught.value).startswith(f"generation server {url} (/collective_rpc lppo_receive): ")
+    assert "KeyError: 'lm_head.extra'" in str(caught.value)
+    assert _receiving_threads() == []
+    assert sync.group is None and workers[0].lppo_group() == "" and workers[0].lppo_version() == ""
+    start = time.monotonic()
+    _synced(sync, workers, "run/2")
+    assert time.monotonic() - start < 30
+
+
+def test_ctrl_c_during_a_sync_leaves_no_group_for_the_next_fit(fake_vllm):
+    """Ctrl-C while rank 0 gathers the weights (KeyboardInterrupt from its weights, after 3 of 8):
+    the group stayed in place, and the next fit in the notebook sent on it to workers still waiting
+    for the rest of the interrupted sync (a hang until the group's timeout). Now the interrupt
+    propagates as it is, the servers are told to stop, the group is let go, and the next sync joins
+    anew and arrives whole."""
+    url, workers = fake_vllm
+    sync = MemorySync([ServerClient(url, 60.0)], [1], "127.0.0.1", 60.0)
+    sync.bucket_bytes = 3 * 32 * 32 * 4
+
+    def interrupted() -> Iterator[tuple[str, torch.Tensor]]:
+        for index, weight in enumerate(_weights(_model(), 3.0)):
+            if index == 3:
+                raise KeyboardInterrupt
+            yield weight
+
+    with pytest.raises(KeyboardInterrupt):
+        sync.load(interrupted(), torch.float32, True, "run/1")
+    assert sync.group is None
+    assert _receiving_threads() == []
+    start = time.monotonic()
+    _synced(sync, workers, "run/2")
+    assert time.monotonic() - start < 30
+
+
+def _listening_on(address_hex: str) -> int:
+    """How many sockets listen on the address (hex, as /proc/net/tcp writes it)."""
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(
+        1 for line in lines if line.split()[3] == "0A" and line.split()[1].startswith(address_hex + ":")
+    )
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").is_file(), reason="reads Linux's socket tables")
+def test_a_servers_workers_join_the_weights_group_at_the_address_set_for_them(fake_vllm, monkeypatch):
+    """``LIGHTNING_PPO_SYNC_HOST`` where the server runs (here 127.0.0.3, another loopback address):
+    its workers' gloo pairs listen there, and the sync arrives whole. It was ignored: a worker gave
+    the host of the server's URL, which on the server's own machine may resolve to 127.0.1.1 (Debian,
+    Ubuntu: ``serve --host 0.0.0.0`` prints the node's name), unreachable from another node."""
+    url, workers = fake_vllm
+    monkeypatch.setenv("LIGHTNING_PPO_SYNC_HOST", "127.0.0.3")
+    assert _listening_on("0300007F") == 0
+    sync = MemorySync([ServerClient(url, 60.0)], [1], "127.0.0.1", 60.0)
+    _synced(sync, workers, "run/1")
+    assert _listening_on("0300007F") >= 1
+    assert sync.group.store.get("address/1") == b"127.0.0.3"
+
+
+def test_without_a_setting_a_worker_gives_its_address_towards_rank_zero(fake_vllm):
+    """Rank 0 at 127.0.0.1: the worker gives the address its machine reaches rank 0 from, as
+    recorded in the group's store (a join that fails names it)."""
+    from lightning_ppo.rollout.engines.server.weight_group import address_towards
+
+    url, workers = fake_vllm
+    sync = MemorySync([ServerClient(url, 60.0)], [1], "127.0.0.1", 60.0)
+    _synced(sync, workers, "run/1")
+    assert sync.group.store.get("address/1").decode() == address_towards("127.0.0.1") == "127.0.0.1"
+
+
+def test_a_server_address_the_group_cannot_use_is_one_line_naming_it(fake_vllm, monkeypatch):
+    """A set address that is not the server's (198.51.100.7, a documentation address): the worker's
+    join fails at once, and the trainer's line names the address and where it came from, not a
+    timeout's bare words."""
+    url, workers = fake_vllm
+    monkeypatch.setenv("LIGHTNING_PPO_SYNC_HOST", "198.51.100.7")
+    sync = MemorySync([ServerClient(url, 60.0)], [1], "127.0.0.1", 60.0)
+    start = time.monotonic()
+    with pytest.raises(GenerationServerError) as caught:
+        sync.load(iter(_weights(_model(), 2.0)), torch.float32, True, "run/1")
+    assert time.monotonic() - start < 30
+    assert str(caught.value).startswith(f"generation server {url} (/collective_rpc lppo_join): HTTP 500")
+    assert "at 198.51.100.7 (LIGHTNING_PPO_SYNC_HOST)" in str(caught.value)
+
+
+def test_a_join_that_times_out_names_the_address_each_worker_gave(fake_vllm):
+    """Two workers expected, one there (a worker that never joins): the join ends at the group's
+    timeout (3 s) with the address each member gave, and the setting that changes a server's."""
+    url, _ = fake_vllm
+    sync = MemorySync([ServerClient(url, 3.0)], [2], "127.0.0.1", 3.0)
+    with pytest.raises(GenerationServerError) as caught:
+        sync.load(iter(_weights(_model(), 2.0)), torch.float32, True, "run/1")
+    assert "at 127.0.0.1" in str(caught.value) and "LIGHTNING_PPO_SYNC_HOST" in str(caught.value)
+    assert "\n" not in str(caught.value)

@@ -68,10 +68,12 @@ class ServerClient:
         answer (the only one without tensor parallelism; for methods whose answers agree)."""
         return self.rpc_all(method, *args)[0]
 
-    def rpc_all(self, method: str, *args: str) -> list[Any]:
-        """Every worker's answer to ``method``, in the server's worker order (one per TP rank)."""
-        body = {"method": method, "args": list(args), "timeout": self.timeout}
-        answer = self.post("/collective_rpc", body, what=method)
+    def rpc_all(self, method: str, *args: str, timeout: float | None = None) -> list[Any]:
+        """Every worker's answer to ``method``, in the server's worker order (one per TP rank).
+        ``timeout``: for a method that itself waits up to ``self.timeout`` (a join of the weights
+        group), a longer bound, so that the worker's own error comes back rather than the call's."""
+        body = {"method": method, "args": list(args), "timeout": timeout or self.timeout}
+        answer = self.post("/collective_rpc", body, timeout=timeout and timeout + self.timeout, what=method)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not results:
             raise self.error(f"/collective_rpc {method}", f"no result in {str(answer)[:200]!r}")

@@ -6,13 +6,14 @@ the group is whole, so it runs on a thread while rank 0 joins too). Each sync th
 worker to receive (``lppo_receive``, on threads again) and broadcasts the weights, in the servers'
 dtype, in buckets; each worker loads them as they arrive with vLLM's own reload and answers with
 the checksums of what it holds, as the file path does. Every wait is bounded by
-``generation.server_timeout``: the group's own timeout, and the calls'.
+``generation.server_timeout``: the group's own timeout, and the calls'. A sync that fails anywhere
+(a worker's load, a server's answer, the trainer's weights, Ctrl-C) stops every member at once
+(:mod:`.weight_group`) and is said at once; the group is let go and the next sync joins anew.
 """
 
 from __future__ import annotations
 
 import secrets
-import socket
 from collections.abc import Iterable, Iterator
 from functools import partial
 from typing import Any
@@ -23,7 +24,17 @@ from torch import Tensor
 
 from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
 from lightning_ppo.rollout.engines.server.concurrent_calls import Requests
-from lightning_ppo.rollout.engines.server.weight_group import listening_socket, open_group, send
+from lightning_ppo.rollout.engines.server.weight_group import (
+    BUCKET_BYTES,
+    SYNC_HOST_VARIABLE,
+    JoinFailed,
+    SyncStopped,
+    WeightsGroup,
+    address_towards,
+    listening_socket,
+    open_group,
+    send,
+)
 from lightning_ppo.rollout.engines.server.weight_sync import Checksum, checksum
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -34,23 +45,17 @@ def sync_address(configured: str | None, urls: list[str]) -> str:
     if configured:
         return configured
     local = all(urlparse(url).hostname in LOOPBACK for url in urls)
-    return "127.0.0.1" if local else _address_towards(urlparse(urls[0]).hostname or "")
-
-
-def _address_towards(host: str) -> str:
-    """This machine's address on the interface that routes to ``host`` (no packet is sent): not its
-    name, which some systems map to 127.0.1.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))
-        return probe.getsockname()[0]
+    return "127.0.0.1" if local else address_towards(urlparse(urls[0]).hostname or "")
 
 
 class MemorySync:
     """The gloo group of rank 0 and the servers' workers (``workers[i]`` for server ``i``)."""
 
+    bucket_bytes = BUCKET_BYTES
+
     def __init__(self, servers: list[ServerClient], workers: list[int], address: str, timeout: float) -> None:
         self.servers, self.workers, self.address, self.timeout = servers, workers, address, timeout
-        self.group: Any = None
+        self.group: WeightsGroup | None = None
         self.secret = ""
 
     def load(
@@ -59,25 +64,59 @@ class MemorySync:
         """Every server holds ``weights`` (in ``dtype``) as ``version``: the trainer's checksums, and
         each server's workers' answers (their checksums where ``verify``)."""
         if self.group is None or not self._still_joined():
+            self._let_go()
             self.group = self._join()
         sums: dict[str, Checksum] = {}
         calls = [partial(s.rpc_all, "lppo_receive", "1" if verify else "0", version) for s in self.servers]
         receiving = Requests(calls, len(calls))
         try:
-            send(self.group, _in_dtype(weights, dtype, sums if verify else None))
+            send(
+                self.group,
+                _in_dtype(weights, dtype, sums if verify else None),
+                version,
+                receiving.failure,
+                self.bucket_bytes,
+            )
             return sums, receiving.wait(self.timeout)
-        except Exception as err:
-            self.group = None  # a broken sync leaves the group unusable: the next one joins anew
-            failure = receiving.failure()
-            if failure is None and isinstance(err, GenerationServerError):
+        except BaseException as err:
+            # A stopped sync leaves the group's order broken (every member was told: send): the next
+            # sync joins anew. Ctrl-C included, or a notebook's next fit would send on it.
+            self._let_go()
+            if not isinstance(err, Exception):
                 raise
-            raise failure or self._error("broadcast", err) from None
+            raise self._failure(err, receiving.failure()) from None
+
+    def _failure(self, err: Exception, answered: BaseException | None) -> BaseException:
+        """One error for a sync that failed: the worker that stopped it, the server that answered
+        with an error, or what the broadcast itself met."""
+        if isinstance(err, SyncStopped) and err.rank > 0:
+            server, worker = self._worker(err.rank)
+            return server.error(
+                "/collective_rpc lppo_receive", f"worker {worker} stopped the sync: {err.why}"
+            )
+        if isinstance(err, GenerationServerError):
+            return err
+        return answered or self._error("broadcast", err)
+
+    def _worker(self, rank: int) -> tuple[ServerClient, int]:
+        """The server of group rank ``rank``, and the worker's index within it."""
+        first = 1
+        for server, count in zip(self.servers, self.workers, strict=True):
+            if rank < first + count:
+                return server, rank - first
+            first += count
+        return self.servers[-1], rank - first
+
+    def _let_go(self) -> None:
+        if self.group is not None:
+            self.group.let_go()
+            self.group = None
 
     def _still_joined(self) -> bool:
         """Every worker of every server still holds this group (a restarted server holds none)."""
         return all(held == self.secret for s in self.servers for held in s.rpc_all("lppo_group"))
 
-    def _join(self) -> Any:
+    def _join(self) -> WeightsGroup:
         world = 1 + sum(self.workers)
         try:
             listener = listening_socket(self.address)  # before the workers are told its port
@@ -90,27 +129,55 @@ class MemorySync:
         self.secret = secrets.token_hex(16)
         calls, first = [], 1
         for server, count in zip(self.servers, self.workers, strict=True):
-            # each worker is reached at the address the trainer reaches its server at
-            device = _device_host(urlparse(server.url).hostname or "")
-            args = (self.address, str(port), str(world), str(first), str(self.timeout), device, self.secret)
-            calls.append(partial(server.rpc_all, "lppo_join", *args))
+            # "": each worker gives its own address towards rank 0 (weight_group.advertised_address)
+            args = (self.address, str(port), str(world), str(first), str(self.timeout), "", self.secret)
+            calls.append(partial(server.rpc_all, "lppo_join", *args, timeout=2 * self.timeout))
             first += count
         joining = Requests(calls, len(calls))
         try:
             group = open_group(
-                self.address, port, 0, world, self.timeout, _device_host(self.address), self.secret, listener
+                self.address,
+                port,
+                0,
+                world,
+                self.timeout,
+                _device_host(self.address),
+                self.secret,
+                listener,
+                failed=joining.failure,  # a worker that cannot join fails the join at once
             )
         except Exception as err:
-            raise joining.failure() or self._error("joining", err) from None
+            raise self._join_error(err, joining.failure()) from None
         joining.wait(self.timeout)
         return group
 
-    def _error(self, what: str, err: Exception) -> GenerationServerError:
+    def _join_error(self, err: BaseException, answered: BaseException | None) -> GenerationServerError:
+        """A join that failed, with the address each worker gave the group (those known)."""
+        if isinstance(err, GenerationServerError):  # a worker's own line: its address, and why that one
+            return err
+        given = err.addresses if isinstance(err, JoinFailed) else {}
+        workers = ", ".join(
+            f"{server.url} worker {worker} at {given.get(rank, 'none given')}"
+            for rank in range(1, 1 + sum(self.workers))
+            for server, worker in [self._worker(rank)]
+        )
+        why = f"{answered.what}; " if isinstance(answered, GenerationServerError) else ""
+        return self._error(
+            "joining",
+            err,
+            f"{why}the group's members: rank 0 at {self.address}, {workers} (each must reach every other "
+            f"there; a server's workers give their address towards rank 0, or {SYNC_HOST_VARIABLE} set "
+            "where `lightning-ppo serve` runs).",
+        )
+
+    def _error(self, what: str, err: BaseException, more: str = "") -> GenerationServerError:
         urls = ", ".join(server.url for server in self.servers)
+        said = str(err) if isinstance(err, JoinFailed) else f"{type(err).__name__}: {err}"
+        said = said.replace(self.secret, "<secret>") if self.secret else said  # the store's keys hold it
+        more = more or f"can they reach {self.address} (generation.sync_address)?"
         return GenerationServerError(
-            f"generation servers {urls} (weights in memory, {what}): {type(err).__name__}: {err}; "
-            f"can they reach {self.address} (generation.sync_address)? generation.sync_transport "
-            "'file' sends the weights through generation.sync_dir instead"
+            f"generation servers {urls} (weights in memory, {what}): {said}; {more} "
+            "generation.sync_transport 'file' sends the weights through generation.sync_dir instead"
         )
 
 

@@ -12,17 +12,32 @@ broadcast as it is (no packing copy). An empty header ends the weights, so the r
 list of names beforehand and the sender gathers (FSDP2) one weight at a time. The sender gathers
 the next bucket while the last one is on the wire; the receiver takes the next bucket on a thread
 while its caller loads this one.
+
+A sync stops as soon as any member stops it (a worker's load failed, the trainer was interrupted
+or heard a server fail): the member says so in the group's store, which every member's waits look
+at every :data:`POLL_S` seconds, so no one waits out the group's timeout on a peer that will send
+or take nothing more, and every receiving thread ends. A stopped sync leaves operations half done
+in gloo's own threads (they end at the group's timeout): each member lets go of the group on a
+thread of its own (:meth:`WeightsGroup.let_go`), and the trainer makes a new one for the next sync.
+
+Each worker joins at :func:`advertised_address`: its machine's address towards rank 0, or the one
+set in ``LIGHTNING_PPO_SYNC_HOST``; the address is written to the store too, so that a join that
+fails says who gave which address.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import socket
 import threading
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,6 +45,59 @@ from torch import Tensor
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 BUCKET_BYTES = 256 * 2**20  # per broadcast: large enough to stream, small enough to hold twice
+POLL_S = 0.1  # how often a wait looks for a stop in the store: a store call each, ~0.1 ms on a LAN
+SYNC_HOST_VARIABLE = "LIGHTNING_PPO_SYNC_HOST"  # a server's address for the group, where it is set
+
+Stopped = Callable[[], BaseException | None]  # what stopped the sync, if anything has
+
+
+class SyncStopped(RuntimeError):
+    """Rank ``rank`` of the group stopped the sync (said in the store), for ``why``."""
+
+    def __init__(self, rank: int, why: str) -> None:
+        super().__init__(f"rank {rank} of the weights group stopped the sync: {why}")
+        self.rank, self.why = rank, why
+
+
+class JoinFailed(RuntimeError):
+    """Rank 0's join failed; ``addresses``: those the other ranks gave in the store (by rank)."""
+
+    def __init__(self, error: BaseException, addresses: dict[int, str]) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.addresses = addresses
+
+
+@dataclass
+class WeightsGroup:
+    """This process's place in the weights group: the gloo ``process_group`` the weights travel on,
+    and the group's ``store`` (its rendezvous, under the group's secret) beside it, where a member
+    says it stopped a sync and why, and each worker the address it gave."""
+
+    process_group: Any
+    store: Any
+    rank: int
+
+    def stop(self, sync: str, why: str) -> None:
+        """Every member's waits in sync ``sync`` end with :class:`SyncStopped`; the first reason stands."""
+        self.store.compare_set(f"stop/{sync}", "", f"{self.rank} {why}")
+
+    def stopped(self, sync: str) -> SyncStopped | None:
+        """What stopped sync ``sync``, if a member did (or this one let go of the group)."""
+        store = self.store
+        if store is None:
+            return SyncStopped(self.rank, "this member let go of the weights group")
+        if not store.check([f"stop/{sync}"]):
+            return None
+        rank, _, why = store.get(f"stop/{sync}").decode().partition(" ")
+        return SyncStopped(int(rank), why)
+
+    def let_go(self) -> None:
+        """Drop this process's hold of the group on a daemon thread: its destructor waits for the
+        operations a stopped sync left in gloo's threads (up to the group's timeout; the GIL is
+        released meanwhile), which must not hold the trainer's or a server worker's own thread."""
+        held = [self.process_group, self.store]
+        self.process_group = self.store = None
+        threading.Thread(target=held.clear, name="lightning-ppo-weights-let-go", daemon=True).start()
 
 
 def listening_socket(host: str, port: int = 0) -> socket.socket:
@@ -41,6 +109,27 @@ def listening_socket(host: str, port: int = 0) -> socket.socket:
     return socket.create_server((host, port), family=family)
 
 
+def address_towards(host: str) -> str:
+    """This machine's address on the interface that routes to ``host`` (no packet is sent): the
+    address ``host``'s packets to this machine arrive at, not the machine's name, which Debian and
+    Ubuntu map to 127.0.1.1."""
+    family = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0][0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+
+
+def advertised_address(rank_zero: str) -> tuple[str, str]:
+    """The address a server's worker gives the group (every member connects to it), and why that
+    one: ``LIGHTNING_PPO_SYNC_HOST`` where it is set (a multi-homed server, a NAT), else this
+    machine's address towards rank 0 (``rank_zero``), which reaches the trainer at least."""
+    configured = os.environ.get(SYNC_HOST_VARIABLE, "").strip()
+    if configured:
+        return configured, SYNC_HOST_VARIABLE
+    why = f"its address towards rank 0 at {rank_zero}; {SYNC_HOST_VARIABLE} sets another"
+    return address_towards(rank_zero), why
+
+
 def open_group(
     host: str,
     port: int,
@@ -50,24 +139,63 @@ def open_group(
     device_host: str | None,
     secret: str = "",
     listener: socket.socket | None = None,
-) -> Any:
+    failed: Stopped = lambda: None,
+) -> WeightsGroup:
     """This process's place in the weights group: rank 0 (the trainer) serves the store on ``host:port``
     and the others connect to it; returns once all ``world`` have joined, or raises after ``timeout``
-    seconds. ``device_host``: the address the others reach this process at (None: gloo's default,
-    the machine's name, which some systems map to 127.0.1.1). ``secret``: the rendezvous keys'
-    prefix, handed to the servers over their keyed route, so that a stranger who reaches the
-    store's port cannot take a rank's place without guessing it. ``listener`` (rank 0): the
-    :func:`listening_socket` it serves on (closed here); without one it binds ``host:port`` itself."""
+    seconds (rank 0: :class:`JoinFailed`). ``device_host``: the address the others reach this
+    process at (None: gloo's default, the machine's name, which some systems map to 127.0.1.1).
+    ``secret``: the rendezvous keys' prefix, handed to the servers over their keyed route, so that
+    a stranger who reaches the store's port cannot take a rank's place without guessing it.
+    ``listener`` (rank 0): the :func:`listening_socket` it serves on (closed here); without one it
+    binds ``host:port`` itself. Rank 0 starts its part only once every other rank is ready (its
+    address given, its device made), and raises what ``failed()`` returns meanwhile (a server's
+    answer to its join call: a worker that cannot join fails the join at once)."""
     wait = timedelta(seconds=timeout)
     if rank == 0:
         store = _serve_store(listener or listening_socket(host, port), world, wait)
     else:
         store = TCPStore(host, port, world, is_master=False, timeout=wait, wait_for_workers=False)
+    store = PrefixStore(f"lightning-ppo-weights/{secret}", store)
+    if rank > 0:
+        store.set(f"address/{rank}", device_host or socket.gethostname())
     options = ProcessGroupGloo._Options()
     options._timeout = wait
     device = ProcessGroupGloo.create_device(hostname=device_host) if device_host else None
     options._devices = [device or ProcessGroupGloo.create_default_device()]
-    return ProcessGroupGloo(PrefixStore(f"lightning-ppo-weights/{secret}", store), rank, world, options)
+    try:
+        if rank > 0:
+            store.set(f"ready/{rank}", "1")
+        else:
+            _await_the_others(store, world, timeout, failed)
+        return WeightsGroup(ProcessGroupGloo(store, rank, world, options), store, rank)
+    except Exception as err:
+        if rank == 0 and not isinstance(err, JoinFailed) and err is not failed():
+            raise JoinFailed(err, _addresses(store, world)) from None
+        raise
+
+
+def _await_the_others(store: Any, world: int, timeout: float, failed: Stopped) -> None:
+    """Until every rank but 0 is ready, looked at every :data:`POLL_S` s: raises what ``failed()``
+    returns, and :class:`JoinFailed` after ``timeout`` seconds."""
+    ready = [f"ready/{rank}" for rank in range(1, world)]
+    deadline = time.monotonic() + timeout
+    while not store.check(ready):
+        if (error := failed()) is not None:
+            raise error
+        if time.monotonic() > deadline:
+            missing = [rank for rank in range(1, world) if not store.check([f"ready/{rank}"])]
+            error = TimeoutError(f"rank(s) {missing} did not join within {timeout:g} s")
+            raise JoinFailed(error, _addresses(store, world))
+        time.sleep(POLL_S)
+
+
+def _addresses(store: Any, world: int) -> dict[int, str]:
+    """The addresses the other ranks gave (those that got as far as the store)."""
+    keys = {rank: f"address/{rank}" for rank in range(1, world)}
+    with contextlib.suppress(Exception):  # the store itself failing: no addresses to tell
+        return {rank: store.get(key).decode() for rank, key in keys.items() if store.check([key])}
+    return {}
 
 
 def _serve_store(listener: socket.socket, world: int, wait: timedelta) -> TCPStore:
@@ -86,64 +214,118 @@ def _serve_store(listener: socket.socket, world: int, wait: timedelta) -> TCPSto
         )
 
 
-def send(group: Any, weights: Iterable[tuple[str, Tensor]], bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Broadcast ``weights`` (contiguous CPU tensors, one dtype) from rank 0, bucket by bucket, then
-    the end. A bucket's tensors go as they are (no packing copy), while the next bucket is gathered
-    (two buckets in flight at most)."""
+def send(
+    group: WeightsGroup,
+    weights: Iterable[tuple[str, Tensor]],
+    sync: str = "",
+    failed: Stopped = lambda: None,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> None:
+    """Broadcast ``weights`` (contiguous CPU tensors, one dtype) from rank 0 as sync ``sync``,
+    bucket by bucket, then the end. A bucket's tensors go as they are (no packing copy), while the
+    next bucket is gathered (two buckets in flight at most). Stopped as soon as ``failed()`` returns
+    an error (a server's answer to its receive call) or a member stopped the sync; whatever ends it
+    early (that, an error of ``weights``, Ctrl-C) is said in the store, so every member stops too."""
+    try:
+        _send(group, weights, lambda: failed() or group.stopped(sync), bucket_bytes)
+    except BaseException as err:
+        with contextlib.suppress(Exception):  # the store gone with the group: nobody left to tell
+            group.stop(sync, f"{type(err).__name__}: {err}")
+        raise
+
+
+def _send(
+    group: WeightsGroup, weights: Iterable[tuple[str, Tensor]], stopped: Stopped, bucket_bytes: int
+) -> None:
     in_flight: list[tuple[Any, Tensor]] = []  # the last bucket's broadcasts, and their tensors
     bucket: list[tuple[str, Tensor]] = []
     size = 0
     for name, tensor in weights:
         if bucket and size + tensor.numel() * tensor.element_size() > bucket_bytes:
-            in_flight = _send_bucket(group, bucket, in_flight)
+            in_flight = _send_bucket(group, bucket, in_flight, stopped)
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += tensor.numel() * tensor.element_size()
     if bucket:
-        in_flight = _send_bucket(group, bucket, in_flight)
+        in_flight = _send_bucket(group, bucket, in_flight, stopped)
     for work, _ in in_flight:
-        work.wait()
-    _broadcast(group, torch.zeros(1, dtype=torch.int64))
+        _wait(work, stopped)
+    _broadcast(group, torch.zeros(1, dtype=torch.int64), stopped)
 
 
-def receive(group: Any) -> Iterator[tuple[str, Tensor]]:
-    """The weights rank 0 sends, one ``(name, tensor)`` at a time, as they arrive; the next bucket
-    is received on a thread of its own while the caller loads this one."""
-    buckets: queue.Queue[list[tuple[str, Tensor]] | BaseException | None] = queue.Queue(maxsize=1)
+def receive(group: WeightsGroup, sync: str = "") -> Receiver:
+    """The weights rank 0 sends as sync ``sync`` (:class:`Receiver`)."""
+    return Receiver(group, sync)
 
-    def pull() -> None:
+
+class Receiver:
+    """The weights rank 0 sends, one ``(name, tensor)`` at a time as they arrive (iterate once); the
+    next bucket is received on a thread of its own while the caller loads this one. A caller whose
+    load fails calls :meth:`stop`: every member hears of it, and the thread ends; a sync another
+    member stopped raises :class:`SyncStopped` from the iteration."""
+
+    def __init__(self, group: WeightsGroup, sync: str) -> None:
+        self.group, self.sync = group, sync
+        self.buckets: queue.Queue[list[tuple[str, Tensor]] | BaseException | None] = queue.Queue(maxsize=1)
+        self.ended = threading.Event()  # the caller stopped: the thread hands it nothing more
+        self.whole = False  # the end of the weights was reached
+        self.thread = threading.Thread(target=self._pull, name="lightning-ppo-weights", daemon=True)
+        self.thread.start()
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        while (item := self.buckets.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield from item
+        self.whole = True
+
+    def stop(self, why: str) -> None:
+        """The caller's load failed for ``why``: every member stops this sync, and the bucket held
+        for the caller is dropped (the thread drops its own as it ends, within :data:`POLL_S`)."""
+        self.ended.set()
+        with contextlib.suppress(Exception):  # the store gone (rank 0 ended): nobody left to tell
+            self.group.stop(self.sync, why)
+        with contextlib.suppress(queue.Empty):
+            self.buckets.get_nowait()
+
+    def _pull(self) -> None:
+        stopped = partial(self.group.stopped, self.sync)
         try:
-            while (bucket := _receive_bucket(group)) is not None:
-                buckets.put(bucket)
-            buckets.put(None)
-        except BaseException as err:  # noqa: BLE001  (raised by the loading thread below)
-            buckets.put(err)
+            while (bucket := _receive_bucket(self.group, stopped)) is not None:
+                self._put(bucket)
+            self._put(None)
+        except BaseException as err:  # noqa: BLE001  (raised by the loading thread, in __iter__)
+            self._put(err)
 
-    threading.Thread(target=pull, name="lightning-ppo-weights", daemon=True).start()
-    while (item := buckets.get()) is not None:
-        if isinstance(item, BaseException):
-            raise item
-        yield from item
+    def _put(self, item: list[tuple[str, Tensor]] | BaseException | None) -> None:
+        while not self.ended.is_set():
+            with contextlib.suppress(queue.Full):
+                self.buckets.put(item, timeout=POLL_S)
+                return
 
 
-def _receive_bucket(group: Any) -> list[tuple[str, Tensor]] | None:
-    length = _broadcast(group, torch.zeros(1, dtype=torch.int64))
+def _receive_bucket(group: WeightsGroup, stopped: Stopped) -> list[tuple[str, Tensor]] | None:
+    length = _broadcast(group, torch.zeros(1, dtype=torch.int64), stopped)
     if int(length) == 0:
         return None
-    header = json.loads(bytes(_broadcast(group, torch.empty(int(length), dtype=torch.uint8)).tolist()))
+    encoded = _broadcast(group, torch.empty(int(length), dtype=torch.uint8), stopped)
+    header = json.loads(bytes(encoded.tolist()))
     dtype = getattr(torch, header["dtype"])
     tensors = [
         (name, torch.empty(shape, dtype=dtype))
         for name, shape in zip(header["names"], header["shapes"], strict=True)
     ]
-    works = [group.broadcast([tensor], _from_rank_zero()) for _, tensor in tensors]
+    works = [_process_group(group).broadcast([tensor], _from_rank_zero()) for _, tensor in tensors]
     for work in works:
-        work.wait()
+        _wait(work, stopped)
     return tensors
 
 
 def _send_bucket(
-    group: Any, bucket: list[tuple[str, Tensor]], in_flight: list[tuple[Any, Tensor]]
+    group: WeightsGroup,
+    bucket: list[tuple[str, Tensor]],
+    in_flight: list[tuple[Any, Tensor]],
+    stopped: Stopped,
 ) -> list[tuple[Any, Tensor]]:
     """Broadcast one bucket's header, then its tensors without waiting for them, once the bucket
     before is sent; the broadcasts, with their tensors kept alive until they end."""
@@ -154,15 +336,39 @@ def _send_bucket(
     }
     encoded = torch.tensor(list(json.dumps(header).encode()), dtype=torch.uint8)
     for work, _ in in_flight:
-        work.wait()
-    _broadcast(group, torch.tensor([encoded.numel()], dtype=torch.int64))
-    _broadcast(group, encoded)
-    return [(group.broadcast([tensor], _from_rank_zero()), tensor) for _, tensor in bucket]
+        _wait(work, stopped)
+    if (error := stopped()) is not None:  # before each bucket, however fast the last one went
+        raise error
+    _broadcast(group, torch.tensor([encoded.numel()], dtype=torch.int64), stopped)
+    _broadcast(group, encoded, stopped)
+    process_group = _process_group(group)
+    return [(process_group.broadcast([tensor], _from_rank_zero()), tensor) for _, tensor in bucket]
 
 
-def _broadcast(group: Any, tensor: Tensor) -> Tensor:
-    group.broadcast([tensor], _from_rank_zero()).wait()
+def _broadcast(group: WeightsGroup, tensor: Tensor, stopped: Stopped) -> Tensor:
+    _wait(_process_group(group).broadcast([tensor], _from_rank_zero()), stopped)
     return tensor
+
+
+def _process_group(group: WeightsGroup) -> Any:
+    if group.process_group is None:
+        raise SyncStopped(group.rank, "this member let go of the weights group")
+    return group.process_group
+
+
+def _wait(work: Any, stopped: Stopped) -> None:
+    """Until ``work`` is done: its own error (a peer gone, the group's timeout) is raised, and so is
+    what stopped the sync, looked for every :data:`POLL_S` seconds of waiting."""
+    while True:
+        try:
+            work.wait(timedelta(seconds=POLL_S))
+            return
+        except RuntimeError:
+            if work.is_completed():  # failed (or done just as the wait gave up): wait() says which
+                work.wait()
+                return
+        if (error := stopped()) is not None:
+            raise error
 
 
 def _from_rank_zero() -> Any:

@@ -99,12 +99,22 @@ class WeightSyncExtension:
         """Join the trainer's weights group (:mod:`.weight_group`) as rank ``first`` + this worker's
         rank within the server; returns once the group is whole (every worker and the trainer).
         The group's ``secret`` names it: :meth:`lppo_group` answers it, so the trainer sees a worker
-        that holds another group or none (a restarted server) and joins it again."""
-        from lightning_ppo.rollout.engines.server.weight_group import open_group
+        that holds another group or none (a restarted server) and joins it again. The worker gives
+        the others ``device`` where the trainer names one, else :func:`.weight_group.advertised_address`
+        (its address towards rank 0 at ``host``, or ``LIGHTNING_PPO_SYNC_HOST``); a join that fails
+        says which, and why that one."""
+        from lightning_ppo.rollout.engines.server.weight_group import advertised_address, open_group
 
-        self.lppo_group_secret = ""
+        self._lppo_let_go()  # a group held from before (a stopped sync, another run's)
         rank = int(first) + int(getattr(self, "rank", 0))
-        group = open_group(host, int(port), rank, int(world), float(timeout), device or None, secret)
+        address, why = (device, "given by the trainer") if device else advertised_address(host)
+        try:
+            group = open_group(host, int(port), rank, int(world), float(timeout), address, secret)
+        except Exception as err:
+            raise RuntimeError(
+                f"weights group rank {rank}, at {address} ({why}), could not join rank 0 at {host}:{port}: "
+                f"{type(err).__name__}: {err}"
+            ) from None
         self.lppo_weights_group, self.lppo_group_secret = group, secret
         return rank
 
@@ -114,17 +124,37 @@ class WeightSyncExtension:
 
     def lppo_receive(self, with_checksums: str = "1", version: str = "") -> dict[str, list[float]] | None:
         """Load the weights the trainer broadcasts over its group, as they arrive, as ``version``;
-        the checksums after, as :meth:`lppo_load`."""
+        the checksums after, as :meth:`lppo_load`. A load that fails stops the sync for every member
+        at once (the trainer raises this worker's error, its receiving thread ends) and lets go of
+        the group: the trainer makes a new one for the next sync."""
         from lightning_ppo.rollout.engines.server.weight_group import receive
 
-        if not self.lppo_group():
+        group = getattr(self, "lppo_weights_group", None)
+        if not self.lppo_group() or group is None:
             raise RuntimeError("this server holds no weights group of a trainer (restarted since it joined?)")
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         self.lppo_weights_version = ""
-        self.reload_weights(weights_iterator=receive(self.lppo_weights_group))  # type: ignore[attr-defined]
+        weights = receive(group, version)
+        try:
+            self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
+            if not weights.whole:
+                raise RuntimeError("the load returned before the last of the weights arrived")
+        except BaseException as err:
+            weights.stop(f"{type(err).__name__}: {err}")
+            self._lppo_let_go(group)
+            raise
         _repack_embedding_gemms(model)
         self.lppo_weights_version = version
         return checksums(model) if with_checksums == "1" else None
+
+    def _lppo_let_go(self, group: Any = None) -> None:
+        """Hold no weights group any more, or not ``group`` (a later join's is kept); its destructor
+        runs on a thread of its own."""
+        held = getattr(self, "lppo_weights_group", None)
+        if group is None or group is held:
+            group, self.lppo_weights_group, self.lppo_group_secret = held, None, ""
+        if group is not None:
+            group.let_go()
 
     def lppo_version(self) -> str:
         """The version of the weights loaded last ("" for the startup checkpoint's)."""
