@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from benchmarks.diversity import batches as benchmark_batches
 from benchmarks.diversity import before
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward, digits_score
@@ -361,6 +362,7 @@ def test_the_shared_part_is_the_one_the_search_before_found():
     ]
     batches = [list(zip(CHAT_PROMPTS, answers, strict=True)) for answers in fixed]
     batches += [_batch_of_near_copies(random.Random(seed)) for seed in range(400)]
+    batches += [rows for _, rows in benchmark_batches(16, 300) + benchmark_batches(16, 1000)[1:]]
     for rows in batches:
         assert _shared_part(rows) == before(rows), rows
 

@@ -48,7 +48,7 @@ SHARED_SEEDS = 4
 MAX_SHARED_CHARS = 400
 # Occurrences of the part read in each answer, the first ones: an answer that repeats one text
 # thousands of times (a collapsed policy) holds nothing more to grow from than its first few.
-MAX_OCCURRENCES = 16
+MAX_OCCURRENCES = 64
 
 
 def normalise(text: str) -> str:
@@ -197,8 +197,9 @@ def _contexts(part: str, texts: list[str], room: int, right: bool) -> list[str]:
 def _extend(contexts: list[list[str]], need: int) -> str:
     """The text grown from each prompt's ``contexts``: one character at a time, the one the most
     prompts' contexts continue with (ties: the first found), while ``need`` prompts continue it.
-    Where every context continues alike the whole common stretch is taken at once: a collapsed
-    batch costs a few steps, not one per character."""
+    Up to where two contexts first differ, each depth has one character to choose: that stretch is
+    taken at once, to where fewer than ``need`` prompts' contexts go on if that comes first (a
+    collapsed batch costs a step or two, not one per character)."""
     grown = ""
     while True:
         at = len(grown)
@@ -206,9 +207,11 @@ def _extend(contexts: list[list[str]], need: int) -> str:
         if len(contexts) < need:
             return grown
         every = [c for cs in contexts for c in cs]
-        common = _common_start(min(every), max(every))
-        if len(common) > at:  # every context goes on alike: every prompt still holds it
-            grown = common
+        last = max(every)  # every context that is no start of it differs from it somewhere
+        apart = min((len(_common_start(c, last)) for c in every if not last.startswith(c)), default=len(last))
+        going_on = sorted((max(map(len, cs)) for cs in contexts), reverse=True)[need - 1]
+        if apart > at:  # no choice before `apart`; `need` prompts hold the text up to `going_on`
+            grown = last[: min(apart, going_on)]
             continue
         counts = Counter(chain.from_iterable(dict.fromkeys(c[at] for c in cs) for cs in contexts))
         char, count = counts.most_common(1)[0]
