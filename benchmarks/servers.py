@@ -16,7 +16,7 @@ the server's load as the buckets arrive), each measured in the same run, and the
 the checksums (``verify_sync``: the server's checksums and the trainer's comparison).
 
 **One rollout of 512 prompts x 64 new tokens** on one server: at most 64 requests in flight per
-rank (as before issue 40) against ``MAX_IN_FLIGHT`` (256), alternated in the same run;
+rank (as before issue 40) against the default 256, alternated in the same run;
 and 64 prompts x 8 samples sent as 512 requests against 64 grouped requests of ``n`` 8.
 ``--before DIR`` runs each round of it twice, alternated, against the same server: with the
 ``lightning_ppo`` of the checkout at ``DIR`` (``git worktree add DIR COMMIT``: the engine as it
@@ -25,6 +25,15 @@ CPU seconds are its process's (every thread's), less noisy than the wall time on
 
     git worktree add /tmp/before HEAD~1
     .venv-vllm/bin/python -m benchmarks.servers --only rollouts --rounds 3 --before /tmp/before
+
+**Routing over several servers** (``--only routing``, no vLLM: ``.venv/bin/python`` runs it): 1024
+prompts on 4 fake servers that answer each request after a fixed service time (0.5 s or 2 s, any
+number at once; then one of them 4x slower), with the engine's defaults; the seconds of one batch, each
+server's most requests in flight, and the requests each got. With ``--before DIR`` each round runs
+DIR's engine too, alternated, against the same servers::
+
+    git worktree add /tmp/before HEAD~1
+    .venv/bin/python -m benchmarks.servers --only routing --rounds 3 --before /tmp/before
 """
 
 from __future__ import annotations
@@ -130,7 +139,7 @@ def child_rollouts(policy: str, url: str, rounds: int) -> dict[str, list[float]]
     distinct = torch.randint(0, 10, (512, 6))
     grouped = torch.randint(0, 10, (64, 6)).repeat_interleave(8, dim=0)
     mask = torch.ones(512, 6, dtype=torch.long)
-    cap = server_module.MAX_IN_FLIGHT
+    cap = engine.max_in_flight  # the default: 256 (per rank before issue 50, per server since)
     sent = [(64, distinct, False), (cap, distinct, False), (cap, grouped, True), (cap, grouped, False)]
     ways = dict(zip(WAYS, sent, strict=True))
     times: dict[str, list[float]] = {name: [] for name in ways}
@@ -148,6 +157,78 @@ def child_rollouts(policy: str, url: str, rounds: int) -> dict[str, list[float]]
             cpu[name].append(time.process_time() - start_cpu)
     server_module.prompt_groups = real_groups
     return {"seconds": times, "cpu": cpu}
+
+
+# The fake servers' service times of each routing scenario, in seconds per request: the review's
+# 0.5 s (where the client's own HTTP work per request is a large share of a batch's time), and 2 s.
+SCENARIOS = {
+    "4 x 0.5 s": [0.5] * 4,
+    "4 x 0.5 s, one 4x slower": [2.0, 0.5, 0.5, 0.5],
+    "4 x 2 s": [2.0] * 4,
+    "4 x 2 s, one 4x slower": [8.0, 2.0, 2.0, 2.0],
+}
+ROUTED_PROMPTS = 1024
+
+
+def child_routing(policy: str, urls: list[str], rounds: int) -> dict[str, list]:
+    """Seconds of each of ``rounds`` batches of ``ROUTED_PROMPTS`` distinct prompts over ``urls`` (after
+    one that opens the connections, left out), with this checkout's engine at its defaults, and the
+    requests it sent each server."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from lightning_ppo import GenerationConfig
+    from lightning_ppo.rollout.engines import Placement
+    from lightning_ppo.rollout.engines.server import engine as server_module
+    from lightning_ppo.rollout.sampling import hf_generation_config
+
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    config = GenerationConfig(max_new_tokens=16, engine="vllm_server", server_urls=urls, server_timeout=60)
+    hf = hf_generation_config(config, len(tokenizer), tokenizer.pad_token_id)
+    engine = server_module.VLLMServerEngine(config, hf, Placement(), tokenizer, len(tokenizer))
+    engine.served_names, engine.syncs = ["policy"] * len(urls), 0  # the fake servers hold no version
+    ids = torch.tensor([[i // 1000, i // 100 % 10, i // 10 % 10, i % 10] for i in range(ROUTED_PROMPTS)])
+    mask = torch.ones_like(ids)
+    engine.generate(ids, mask)
+    sent = list(engine.requests_sent)
+    seconds = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        engine.generate(ids, mask)
+        seconds.append(time.perf_counter() - start)
+    engine.close()
+    sent = [now - first for now, first in zip(engine.requests_sent, sent, strict=True)]
+    return {"seconds": seconds, "sent": [count // rounds for count in sent]}
+
+
+def routing_table(policy: Path, work: Path, rounds: int, before: Path | None = None) -> None:
+    """Each scenario's batch with each checkout's engine, a child per round and checkout, alternated."""
+    from benchmarks.fake_servers import FakeServers
+
+    checkouts = {"before": _package_of(before, work), "now": ROOT} if before else {"now": ROOT}
+    print(f"\n{ROUTED_PROMPTS} prompts, one batch, fake servers (fixed service time), {rounds} rounds")
+    print(
+        "| servers | engine | s / batch (median, min-max) | / before | most in flight per server | requests |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for scenario, service in SCENARIOS.items():
+        seconds: dict[str, list[float]] = {label: [] for label in checkouts}
+        seen: dict[str, tuple[list[int], list[int]]] = {}
+        with FakeServers(service, tokens=16) as servers:
+            for _ in range(rounds):
+                for label, root in checkouts.items():
+                    servers.peaks()  # from here on
+                    took = _child(["routing", str(policy), "-", ",".join(servers.urls), "1"], root)
+                    seconds[label] += took["seconds"]
+                    seen[label] = (servers.peaks(), took["sent"])
+        for label, took in seconds.items():
+            median = statistics.median(took)
+            ratio = f"{median / statistics.median(seconds['before']):.2f}x" if before else "-"
+            spread = f"{median:.2f} ({min(took):.2f}-{max(took):.2f})"
+            print(
+                f"| {scenario} | {label} | {spread} | {ratio} | {seen[label][0]} | {seen[label][1]} |",
+                flush=True,
+            )
 
 
 def rollout_table(policy: Path, work: Path, rounds: int, before: Path | None = None) -> None:
@@ -224,7 +305,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--sizes", default="4x256,8x512,12x768")
     parser.add_argument("--child", nargs="*")
-    parser.add_argument("--only", choices=["iterations", "syncs", "rollouts"], help="One table only.")
+    parser.add_argument(
+        "--only", choices=["iterations", "syncs", "rollouts", "routing"], help="One table only."
+    )
     parser.add_argument("--before", type=Path, help="A checkout to run the rollouts from too, alternated.")
     args = parser.parse_args()
     if args.child:
@@ -234,17 +317,22 @@ def main() -> None:
             print(json.dumps(child_iterations(policy, engine, url, int(count))))
         elif kind == "rollouts":
             print(json.dumps(child_rollouts(policy, url, int(count))))
+        elif kind == "routing":
+            print(json.dumps(child_routing(policy, url.split(","), int(count))))
         else:
             print(json.dumps(child_syncs(policy, engine, url, int(count))))
         return
     from lightning_ppo.tasks.tiny import make_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="bench-servers-"))
-    sizes = args.sizes.split(",")
+    sizes = args.sizes.split(",")[: 1 if args.only in ("rollouts", "routing") else None]
     policies = {s: make_tiny_checkpoint(work / s, _spec(s), alphabet="0123456789=") for s in sizes}
     first = policies[sizes[0]]
     if args.only == "rollouts":
         rollout_table(first, work, args.rounds, args.before)
+        return
+    if args.only == "routing":
+        routing_table(first, work, args.rounds, args.before)
         return
     if args.only == "syncs":
         sync_table(policies, work)

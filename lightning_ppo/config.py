@@ -84,6 +84,11 @@ class GenerationConfig:
             whenever the batch is padded.
         server_urls: The ``vllm_server`` engine's servers (``http://HOST:PORT``, as ``lightning-ppo
             serve`` prints it); each rank spreads its requests over all of them.
+        server_max_in_flight: Requests in flight at once on each server, every rank's together
+            (each rank sends at most its share, this / ranks rounded up, to any one server); each
+            request goes to the server with the fewest of its rank's in flight. The default, 256,
+            is vLLM's default batch (``--max-num-seqs``) on most GPUs; set the servers' own where it
+            differs (vLLM's default is 1024 on GPUs of 70 GiB or more but A100s, 128 on CPU).
         server_timeout: Seconds any one call to a server may take (a completion, a weight load, a
             check), and a batch's requests without any answer, before the run stops with an error
             naming the server.
@@ -115,6 +120,7 @@ class GenerationConfig:
     cache_implementation: str = "static"
     compile: bool = False
     server_urls: list[str] = field(default_factory=list)
+    server_max_in_flight: int = 256
     server_timeout: float = 300.0
     verify_sync: bool = False
     sync_dir: str | None = None
@@ -192,6 +198,12 @@ class GenerationConfig:
                 url,
             )
         _check(self.server_timeout > 0, "generation.server_timeout", "> 0 seconds", self.server_timeout)
+        _check(
+            type(self.server_max_in_flight) is int and self.server_max_in_flight >= 1,
+            "generation.server_max_in_flight",
+            "an integer >= 1 (requests in flight per server)",
+            self.server_max_in_flight,
+        )
         _check(
             self.sync_transport in ("memory", "file"),
             "generation.sync_transport",

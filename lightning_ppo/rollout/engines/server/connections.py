@@ -27,8 +27,8 @@ CLOSE_S = 10.0  # the most closing waits for the loop to cancel what runs and cl
 
 
 class Connections:
-    """One session per server of ``clients`` (at most ``limit`` connections each) on a loop of
-    their own; batches of at most ``limit`` requests in flight."""
+    """One session per server of ``clients`` (at most ``limit`` connections each: the requests one
+    rank may have in flight on one server) on a loop of their own."""
 
     def __init__(self, clients: Sequence[ServerClient], limit: int) -> None:
         self.limit = limit
@@ -41,12 +41,18 @@ class Connections:
         self._close = weakref.finalize(self, _shut, self.loop, self.thread, self.sessions, self.pid)
 
     def serves(self, limit: int) -> bool:
-        """Usable here, for batches of ``limit`` in flight (not closed, not a forked parent's)."""
+        """Usable here, for ``limit`` in flight per server (not closed, not a forked parent's)."""
         return self.limit == limit and self.pid == os.getpid() and self._close.alive
 
-    def send(self, calls: Sequence[Callable[[], Awaitable[Any]]], stall_timeout: float) -> list[Any]:
-        """Every call's result, in order (:class:`~.batch.Batch`)."""
-        return Batch(calls, self.limit, self.loop).wait(stall_timeout)
+    def send(
+        self,
+        calls: Sequence[Callable[[], Awaitable[Any]]],
+        stall_timeout: float,
+        in_flight: int | None = None,
+    ) -> list[Any]:
+        """Every call's result, in order (:class:`~.batch.Batch`), at most ``in_flight`` at once: one
+        server's limit by default; a batch routed over several servers runs more (:mod:`.routing`)."""
+        return Batch(calls, in_flight or self.limit, self.loop).wait(stall_timeout)
 
     def close(self) -> None:
         """Cancels any batch still out, closes every connection, ends the loop's thread."""

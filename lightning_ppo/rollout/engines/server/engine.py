@@ -1,9 +1,11 @@
 """Generation on running vLLM servers (``generation.engine: vllm_server``).
 
 Each rank sends its prompts, as token ids, to the servers' OpenAI-compatible completions route,
-spread over all of them, one request per prompt with the seed drawn from torch's generator (so a
-run samples as the colocated ``vllm`` engine does, and resumes exactly). The sampled tokens and the
-engine's processed log-probs come back as the same :class:`~lightning_ppo.ppo.rollout_data.Rollout`.
+one request per prompt with the seed drawn from torch's generator (so a run samples as the
+colocated ``vllm`` engine does, and resumes exactly), each to the server with the fewest of the
+rank's requests in flight, up to its share of ``generation.server_max_in_flight`` (:mod:`.routing`).
+The sampled tokens and the engine's processed log-probs come back as the same
+:class:`~lightning_ppo.ppo.rollout_data.Rollout`.
 
 Before every rollout rank 0 syncs the policy's weights into every server (:mod:`.weight_sync`);
 the first sync, and every one under ``generation.verify_sync``, is checked against the trainer's
@@ -40,6 +42,7 @@ from lightning_ppo.rollout.engines.server.client import GenerationServerError, S
 from lightning_ppo.rollout.engines.server.concurrent_calls import Stalled
 from lightning_ppo.rollout.engines.server.connections import Connections
 from lightning_ppo.rollout.engines.server.memory_sync import MemorySync, sync_address
+from lightning_ppo.rollout.engines.server.routing import Router, rank_share
 from lightning_ppo.rollout.engines.server.session import ServerSession
 from lightning_ppo.rollout.engines.server.suppress import Suppression, suppression
 from lightning_ppo.rollout.engines.server.weight_sync import (
@@ -55,10 +58,6 @@ EXTENSION = f"{__package__}.worker_extension.WeightSyncExtension"
 
 # Letters, digits, punctuation, spaces and a few words: where two tokenizers usually part ways.
 _TOKENIZER_PROBE = "The quick brown fox, 0123456789 = 42; x+y*z? (a|b) [done] naïve\n\tend."
-# Requests in flight at once, per rank: vLLM's default batch (max_num_seqs), so the server's own
-# scheduler, not a cap here, sets how many sequences it decodes together; at most as many pooled
-# connections per server carry them.
-MAX_IN_FLIGHT = 256
 
 
 class VLLMServerEngine:
@@ -90,7 +89,8 @@ class VLLMServerEngine:
         self.requests_sent = [0] * len(self.servers)
         self.last_sync_seconds = 0.0
         self._memory: MemorySync | None = None
-        self.max_in_flight = MAX_IN_FLIGHT
+        # This rank's requests in flight on one server: its share of generation.server_max_in_flight.
+        self.max_in_flight = rank_share(config.server_max_in_flight, placement.world_size)
         self.batch_requests = 1
         self.exact_requests = 0  # samples requested again under allowed_token_ids (_exact_again)
         self.bias_refused: set[int] = set()  # servers that refuse logit_bias (_post)
@@ -240,23 +240,21 @@ class VLLMServerEngine:
         # engine seeds its rows): a group shares one server's prefix cache.
         groups = prompt_groups(prompts)
         seeds = group_seeds(groups)
-        first = self.placement.rank * len(groups)  # spreads every rank's requests over the servers
         connections = self._connected()
-        targets = [(first + i) % len(self.servers) for i in range(len(groups))]
-        sessions = [connections.sessions[target] for target in targets]
+        router = Router(len(self.servers), self.max_in_flight, first=self.placement.rank)
         calls = [
-            partial(self._complete, session, prompts[start], seed, count)
-            for session, (start, count), seed in zip(sessions, groups, seeds, strict=True)
+            partial(self._routed, router, connections, index, prompts[start], seed, count)
+            for index, ((start, count), seed) in enumerate(zip(groups, seeds, strict=True))
         ]
         self.batch_requests = len(calls)
         try:
-            answers = connections.send(calls, self.config.server_timeout)
+            answers = connections.send(calls, self.config.server_timeout, in_flight=router.room())
         except Stalled as stalled:
-            server = self.servers[(first + stalled.waiting[0]) % len(self.servers)]
+            index, held = router.holding(stalled.waiting)
+            server = self.servers[index]
             raise server.error(
                 "/v1/completions",
-                f"no completion of {len(stalled.waiting)} request(s) within {server.timeout:g} s "
-                "(generation.server_timeout)",
+                f"no completion of {held} request(s) within {server.timeout:g} s (generation.server_timeout)",
             ) from None
         # A server restarted while the batch was out answered (a request sent again on a new
         # connection, or sent later) with its startup checkpoint, and the next sync would load it
@@ -264,7 +262,7 @@ class VLLMServerEngine:
         # holds the batch's now held it throughout.
         self._check_versions(
             version,
-            sorted(set(targets)),
+            router.used(),
             since="restarted while this batch was out (none of it is trained on)",
         )
         tokens = [row for answer in answers for row, _ in answer]
@@ -304,6 +302,17 @@ class VLLMServerEngine:
                     f"sync ({version}): {since}, or synced by another run? Resume the run (--ckpt_path "
                     "last) to sync it again",
                 )
+
+    async def _routed(
+        self, router: Router, connections: Connections, index: int, prompt: list[int], seed: int, n: int
+    ) -> list[tuple[list[int], list[float]]]:
+        """Request ``index`` of the batch on the server with the fewest of this rank's in flight
+        (:mod:`.routing`): its samples come from there, a request asked again exactly too."""
+        server = router.take(index)
+        try:
+            return await self._complete(connections.sessions[server], prompt, seed, n)
+        finally:
+            router.give_back(server)
 
     async def _complete(
         self, session: ServerSession, prompt: list[int], seed: int, n: int, exact: bool = False

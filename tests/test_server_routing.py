@@ -1,0 +1,181 @@
+"""How the server engine spreads a batch over several servers: a limit of requests in flight per
+server (``generation.server_max_in_flight``), each request to the server with the fewest of this
+rank's in flight, the ranks sharing the limit. Fake servers on 127.0.0.1 (threads, no vLLM) that
+hold requests until an event of the test, never a time: what they record is what the client sent
+them at once, and nothing is timed (benchmarks/servers.py --only routing times it)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from lightning_ppo import GenerationConfig
+from lightning_ppo.rollout.engines import Placement
+from lightning_ppo.rollout.engines.server import VLLMServerEngine
+from lightning_ppo.rollout.sampling import hf_generation_config
+from lightning_ppo.runs.errors import UsageError
+from tests.test_server_engine import _Backlogged, _Quiet
+
+
+@dataclass
+class Floor:
+    """What several fake servers saw together: each one's requests in flight now and at most, and
+    each one's answers; ``ready(server)`` says when a request held at ``server`` may be answered
+    (once true, true for good: a held request looks again only when it wakes)."""
+
+    servers: int
+    in_flight: list[int] = field(init=False)
+    peaks: list[int] = field(init=False)
+    answered: list[int] = field(init=False)
+    arrived: int = 0
+    ready: Callable[[Floor, int], bool] = lambda floor, server: True
+    hold_s: float = 60.0  # the bound on any hold: only a test that fails reaches it
+    changed: threading.Condition = field(default_factory=threading.Condition)
+
+    def __post_init__(self) -> None:
+        self.in_flight, self.peaks, self.answered = [0] * self.servers, [0] * self.servers, [0] * self.servers
+
+
+class _Held(_Quiet):
+    """A completion held until its floor says it may go, then answered with [3, 4] per sample;
+    counted in flight from its arrival to its answer."""
+
+    floor: Floor
+    index: int
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        floor, index = self.floor, self.index
+        with floor.changed:
+            floor.arrived += 1
+            floor.in_flight[index] += 1
+            floor.peaks[index] = max(floor.peaks[index], floor.in_flight[index])
+            floor.changed.notify_all()
+            floor.changed.wait_for(lambda: floor.ready(floor, index), timeout=floor.hold_s)
+        choice = {"token_ids": [3, 4], "logprobs": {"token_logprobs": [-0.5, -0.25]}}
+        body = json.dumps({"choices": [{**choice, "index": i} for i in range(request["n"])]}).encode()
+        with floor.changed:  # counted out before the answer leaves: the client may send the next
+            floor.in_flight[index] -= 1
+            floor.answered[index] += 1
+            floor.changed.notify_all()
+        self.reply(body)
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[[Floor], list[str]]]:
+    """Starts a fake server per server of a floor; every one is stopped at the test's end."""
+    started: list[tuple[_Backlogged, Floor]] = []
+
+    def start(floor: Floor) -> list[str]:
+        urls = []
+        for index in range(floor.servers):
+            handler = type("Held", (_Held,), {"floor": floor, "index": index})
+            server = _Backlogged(("127.0.0.1", 0), handler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            started.append((server, floor))
+            urls.append(f"http://127.0.0.1:{server.server_port}")
+        return urls
+
+    yield start
+    for server, floor in started:
+        floor.hold_s = 0.0
+        with floor.changed:
+            floor.ready = lambda floor, index: True
+            floor.changed.notify_all()
+        server.shutdown()
+        server.server_close()
+
+
+def _prompts(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` distinct prompts (one request each)."""
+    ids = torch.tensor([[i // 100, i // 10 % 10, i % 10] for i in range(count)])
+    return ids, torch.ones_like(ids)
+
+
+def _many(tiny_digits: Path, urls: list[str], placement: Placement, **settings) -> VLLMServerEngine:
+    """An engine on ``urls`` as after its first sync, for a fake server that keeps no weights version."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_digits))
+    config = GenerationConfig(
+        max_new_tokens=4,
+        stop_token="=",
+        engine="vllm_server",
+        server_urls=urls,
+        server_timeout=60,
+        **settings,
+    )
+    hf = hf_generation_config(config, tokenizer.convert_tokens_to_ids("="), tokenizer.pad_token_id)
+    engine = VLLMServerEngine(config, hf, placement, tokenizer, len(tokenizer))
+    engine.served_names, engine.syncs = ["policy"] * len(urls), 0
+    return engine
+
+
+def test_every_server_fills_to_its_limit_in_one_wave(servers, tiny_digits):
+    """32 prompts on 4 servers, 8 in flight per server: all 32 out at once, 8 on each (each server
+    holds its requests until all 32 have arrived). Before, the cap of 8 was the rank's over all
+    servers: 2 on each, in 4 waves (each wave answered only at its holds' bound)."""
+    floor = Floor(4, ready=lambda floor, index: floor.arrived >= 32, hold_s=3.0)
+    engine = _many(tiny_digits, servers(floor), Placement())
+    engine.max_in_flight = 8  # per server
+    rollout = engine.generate(*_prompts(32))
+    engine.close()
+    assert rollout.response_ids.shape == (32, 2)
+    assert floor.peaks == [8, 8, 8, 8], floor.peaks
+    assert engine.requests_sent == [8, 8, 8, 8]
+
+
+def test_a_slow_server_gets_fewer_requests(servers, tiny_digits):
+    """2 servers, 2 in flight each, 20 prompts; server 0 answers only once server 1 has answered 18
+    (it holds the first 2 it gets). Each request goes to the server with the fewest in flight
+    below the limit: server 0 keeps its 2, server 1 takes the other 18. Before, request i went to
+    server i mod 2 whatever either held: 10 each, server 0's waiting at the hold's bound."""
+    floor = Floor(2, ready=lambda floor, index: index == 1 or floor.answered[1] >= 18, hold_s=2.0)
+    engine = _many(tiny_digits, servers(floor), Placement())
+    engine.max_in_flight = 2
+    rollout = engine.generate(*_prompts(20))
+    engine.close()
+    assert rollout.response_ids.shape == (20, 2)
+    assert engine.requests_sent == [2, 18]
+    assert floor.peaks[0] == 2  # the slow one held as many as it may
+
+
+def test_two_ranks_share_each_servers_limit(servers, tiny_digits):
+    """Two ranks (two engines, as two DDP ranks would be, on threads) on 2 servers with
+    ``server_max_in_flight: 8``: each rank sends at most 4 to a server, so each server holds 8 from
+    both at most, and holds 8 (its servers hold the first 16 requests until all 16 have come: with
+    a limit of 8 per rank per server, 32 would come at once, 16 on each server)."""
+    floor = Floor(2, ready=lambda floor, index: floor.arrived >= 16)
+    urls = servers(floor)
+    ranks = [Placement(world_size=2, rank=rank) for rank in (0, 1)]
+    engines = [_many(tiny_digits, urls, placement, server_max_in_flight=8) for placement in ranks]
+    assert [engine.max_in_flight for engine in engines] == [4, 4]
+    shapes: list[object] = []
+
+    def sample(engine: VLLMServerEngine) -> None:
+        try:
+            shapes.append(tuple(engine.generate(*_prompts(16)).response_ids.shape))
+        except Exception as err:  # noqa: BLE001  (said by the assertion below)
+            shapes.append(err)
+
+    threads = [threading.Thread(target=sample, args=(engine,)) for engine in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for engine in engines:
+        engine.close()
+    assert shapes == [(16, 2), (16, 2)], shapes
+    assert floor.peaks == [8, 8], floor.peaks
+    assert [engine.requests_sent for engine in engines] == [[8, 8], [8, 8]]
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True])
+def test_the_limit_per_server_is_checked(value):
+    with pytest.raises(UsageError, match=r"generation.server_max_in_flight must be an integer >= 1"):
+        GenerationConfig(engine="vllm_server", server_urls=["http://h:1"], server_max_in_flight=value)
