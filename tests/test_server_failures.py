@@ -364,3 +364,29 @@ def test_a_join_that_times_out_names_the_address_each_worker_gave(fake_vllm):
         sync.load(iter(_weights(_model(), 2.0)), torch.float32, True, "run/1")
     assert "at 127.0.0.1" in str(caught.value) and "LIGHTNING_PPO_SYNC_HOST" in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_a_sampling_job_left_after_a_failed_fit_does_not_open_the_connections_again(answering, tiny_policy):
+    """A fit that fails leaves its sampling job running on its background thread (EndSamplingOnFailure)
+    and closes the engine's connections (CloseEngine). The job's next batch (an episode's next turn)
+    opened them again from its thread, unlocked against the close, and nothing closed them after. Now
+    it stops there in one line; the main thread (a user's call, the next fit) opens them again."""
+    from lightning_ppo.rollout.fit_callbacks import CloseEngine
+    from lightning_ppo.runs.daemon_worker import DaemonWorker
+
+    url, _ = answering
+    engine = _server_engine(tiny_policy, url, timeout=30)
+    ids = torch.tensor([[1, 2, 3]] * 2)
+    try:
+        engine.generate(ids, torch.ones_like(ids))  # a batch of the fit: the connections are open
+        CloseEngine().on_exception(None, SimpleNamespace(_engine=engine), RuntimeError("the fit failed"))
+        assert engine._connections is None
+        left = DaemonWorker("lightning-ppo-rollouts")
+        with pytest.raises(GenerationServerError, match="closed as its fit ended"):
+            left.submit(lambda: engine.generate(ids, torch.ones_like(ids))).result(60)
+        left.close(wait=True)
+        assert engine._connections is None
+        assert engine.generate(ids, torch.ones_like(ids)).response_ids.tolist() == [[3, 4], [3, 4]]
+        assert engine._connections is not None
+    finally:
+        engine.close()

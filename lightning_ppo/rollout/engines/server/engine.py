@@ -22,6 +22,7 @@ the last sync (serving its startup checkpoint) stops the run in one line. Server
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -95,6 +96,10 @@ class VLLMServerEngine:
         self.exact_requests = 0  # samples requested again under allowed_token_ids (_exact_again)
         self.bias_refused: set[int] = set()  # servers that refuse logit_bias (_post)
         self._connections: Connections | None = None  # made at the first batch (_connected)
+        # Set by close() (a fit ended), cleared by a sync (the next fit): a job on another thread
+        # does not open connections meanwhile (_connected). The lock: close() runs on the fit's thread.
+        self._closed = False
+        self._connections_lock = threading.Lock()
 
     # --- weights -------------------------------------------------------------------------------
 
@@ -103,6 +108,8 @@ class VLLMServerEngine:
         """Load ``policy``'s weights into every server (rank 0 writes and asks; every rank joins the
         gathers of a sharded policy), then agree over the ranks on whether it worked."""
         start = time.perf_counter()
+        with self._connections_lock:
+            self._closed = False  # the fit's thread, syncing before a batch: a fit runs again
         weights = hf_weights(policy)
         error = None
         if self.placement.rank == 0:
@@ -272,18 +279,31 @@ class VLLMServerEngine:
 
     def _connected(self) -> Connections:
         """The engine's connections, made anew after :meth:`close`, in a forked child, or for
-        another ``max_in_flight``."""
-        if self._connections is None or not self._connections.serves(self.max_in_flight):
-            self.close()
-            self._connections = Connections(self.servers, self.max_in_flight)
-        return self._connections
+        another ``max_in_flight``. After :meth:`close`, only the main thread (a user's own call) or
+        the next sync opens them again: a sampling job that a failed fit left on its background
+        thread stops here, rather than open connections that nothing would close."""
+        with self._connections_lock:
+            if self._closed and threading.current_thread() is not threading.main_thread():
+                raise GenerationServerError(
+                    "the vllm_server engine was closed as its fit ended: a sampling job left from that fit "
+                    "stops here (the next fit's first sync opens the connections again)"
+                )
+            self._closed = False
+            stale = self._connections
+            if stale is None or not stale.serves(self.max_in_flight):
+                self._connections = Connections(self.servers, self.max_in_flight)
+                if stale is not None:
+                    stale.close()
+            return self._connections
 
     def close(self) -> None:
-        """Closes the connections to the servers (a batch still out is cancelled); the next batch
-        opens them again. Called as each fit ends (:mod:`lightning_ppo.rollout.fit_callbacks`)."""
-        if self._connections is not None:
-            self._connections.close()
-            self._connections = None
+        """Closes the connections to the servers (a batch still out is cancelled); the next sync, or
+        a batch asked for on the main thread, opens them again. Called as each fit ends
+        (:mod:`lightning_ppo.rollout.fit_callbacks`), on the fit's thread while a job may still run."""
+        with self._connections_lock:
+            connections, self._connections, self._closed = self._connections, None, True
+        if connections is not None:
+            connections.close()
 
     def _version(self, syncs: int) -> str:
         return f"{self.tag}/{syncs}"
