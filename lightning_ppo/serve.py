@@ -9,13 +9,16 @@ It is vLLM's own OpenAI-compatible server (``python -m vllm.entrypoints.openai.a
 - ``--generation-config vllm``: no sampling defaults from the checkpoint's ``generation_config.json``
   (every setting comes from the trainer's ``generation`` section);
 - ``--logprobs-mode processed_logprobs``: log-probs of the distribution sampled from;
-- ``--middleware``: with ``VLLM_API_KEY`` set, the key on every route, dev mode's included (vLLM's
-  own check guards ``/v1`` only: :mod:`lightning_ppo.rollout.engines.server.key_guard`).
+- ``--middleware``: the API key on every route, dev mode's included (vLLM's own check guards
+  ``/v1`` only: :mod:`lightning_ppo.rollout.engines.server.key_guard`).
 
-Dev mode lets whoever reaches the port replace the weights (``/collective_rpc``). So the server
-listens on 127.0.0.1 unless told otherwise, and on any other address only with ``VLLM_API_KEY`` set
-(the trainer sends the same variable's value) or with ``--no-api-key`` for a network that is
-private already. The key comes from the environment only: a command line shows in ``ps``.
+Dev mode lets whoever reaches the port replace the weights (``/collective_rpc``), on a shared node
+any other user of it too. So every server has an API key: ``VLLM_API_KEY`` where it is set (the
+trainer sends the same variable's value), else a random one this command makes and writes to a
+file only the user can read, named by the server's address, where the trainer finds it
+(:mod:`lightning_ppo.runs.server_keys`). Only ``--no-api-key`` starts a server open to anyone who
+reaches the port. It listens on 127.0.0.1 unless told otherwise. A key is never on a command line
+(``ps`` shows it to every user) nor printed.
 
 Anything after ``--`` goes to vLLM unchanged (``--tensor-parallel-size 2``, ``--gpu-memory-utilization``).
 Light on purpose: it runs before torch or Lightning would load.
@@ -33,12 +36,11 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from lightning_ppo.runs.errors import VLLM_INSTALL_HINT, MissingPathError, UsageError
+from lightning_ppo.runs.server_keys import API_KEY_VARIABLE, environment_key, forget_keys, new_key
 
 log = logging.getLogger(__name__)
 EXTENSION = "lightning_ppo.rollout.engines.server.worker_extension.WeightSyncExtension"
 GUARD = "lightning_ppo.rollout.engines.server.key_guard.GuardEveryRoute"
-API_KEY_VARIABLE = "VLLM_API_KEY"  # as rollout.engines.server.client reads it (not imported: light)
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 REQUIRED_FLAGS = {
     "--generation-config": "vllm",
     "--logprobs-mode": "processed_logprobs",
@@ -63,7 +65,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-api-key",
         action="store_true",
-        help=f"Listen on another address than 127.0.0.1 without {API_KEY_VARIABLE} (a private network only).",
+        help=f"No API key (without {API_KEY_VARIABLE}, one is made): anyone who reaches the port may "
+        "replace the served weights. Only on a machine and network no one else uses.",
     )
     parser.add_argument(
         "--print-command", action="store_true", help="Print the environment and command line; start nothing."
@@ -92,14 +95,21 @@ def server_command(policy: str, host: str, port: int, dtype: str, extra: list[st
     return command + ["--middleware", GUARD] + extra
 
 
-def check_exposure(host: str, keyless_ok: bool) -> None:
-    """Refuse to open dev mode's routes beyond this machine without a key, unless told to."""
-    if host not in LOOPBACK and not os.environ.get(API_KEY_VARIABLE, "").strip() and not keyless_ok:
-        raise UsageError(
-            f"lightning-ppo serve --host {host}: set {API_KEY_VARIABLE} (the trainer sends the same "
-            "variable's value) or pass --no-api-key on a private network: the server's dev-mode routes "
-            "let anyone who reaches the port replace its weights"
-        )
+def server_key(host: str, port: int, keyless: bool) -> tuple[dict[str, str], str]:
+    """What the server's environment gets for its API key, and a line saying where the trainer
+    finds it. A key file of an earlier server at this address is removed where the key is not one
+    this command makes: the trainer would send it, and be refused."""
+    if keyless:
+        forget_keys(host, port)
+        return {}, "without an API key (--no-api-key): anyone who reaches the port may replace its weights"
+    if environment_key() is not None:
+        forget_keys(host, port)
+        return {}, f"with the API key in {API_KEY_VARIABLE} (the trainer sends the same variable's value)"
+    key, paths = new_key(host, port)
+    return {API_KEY_VARIABLE: key}, (
+        f"with a new API key, in {paths[0]} (yours alone; the trainer reads it there, on this machine "
+        f"or another that shares the folder; elsewhere set {API_KEY_VARIABLE} to it)"
+    )
 
 
 def _say_on_stdout() -> None:
@@ -119,23 +129,26 @@ def main(argv: list[str]) -> None:
     args = parser().parse_args(ours)
     if not Path(args.policy).is_dir():
         raise MissingPathError(f"lightning-ppo serve --policy: no folder {args.policy}")
-    check_exposure(args.host, args.no_api_key)
     command = server_command(str(Path(args.policy).resolve()), args.host, args.port, args.dtype, extra)
     # Listening on every address: the trainer reaches it by this machine's name.
     url = f"http://{socket.gethostname() if args.host in ('0.0.0.0', '::', '') else args.host}:{args.port}"
     _say_on_stdout()
     if args.print_command:
         log.info("VLLM_SERVER_DEV_MODE=1 %s", shlex.join(command))
+        if environment_key() is None and not args.no_api_key:
+            log.info("(set %s in its environment: without it the server takes any caller)", API_KEY_VARIABLE)
         return
     if find_spec("vllm") is None:
         raise UsageError(f"lightning-ppo serve needs the vllm package: {VLLM_INSTALL_HINT}")
+    key, where = server_key(args.host, args.port, args.no_api_key)
     log.info(
-        "lightning-ppo serve: starting vLLM for %s at %s; in the run's config:\n"
+        "lightning-ppo serve: starting vLLM for %s at %s %s; in the run's config:\n"
         "  generation:\n    engine: vllm_server\n    server_urls: [%s]",
         args.policy,
         url,
+        where,
         url,
     )
     for handler in log.handlers:
         handler.flush()
-    os.execve(sys.executable, command, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+    os.execve(sys.executable, command, {**os.environ, **key, "VLLM_SERVER_DEV_MODE": "1"})

@@ -8,16 +8,17 @@ whole exchange within the timeout however its bytes trickle in (:mod:`.deadline`
 batch's completions go over pooled connections on the engine's event loop
 (:mod:`.session`), with the same messages (the ``what`` functions below).
 
-Where the environment variable ``VLLM_API_KEY`` is set (the key ``lightning-ppo serve`` starts the
-server with), every call carries it as a bearer token. It is read from the environment only, never
-from a config file, which would copy it into every run's saved ``config.yaml``.
+Every call carries the server's API key as a bearer token: ``VLLM_API_KEY`` where it is set, else
+the key ``lightning-ppo serve`` made for the server and wrote to a file only its user can read,
+named by the server's address (:mod:`lightning_ppo.runs.server_keys`). Never from a config file,
+which would copy it into every run's saved ``config.yaml``. A refused key is said in one line: none
+found (and where it was looked for), the variable's, or a key file's left by an earlier server.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
 import urllib.error
 import urllib.request
@@ -25,6 +26,7 @@ from typing import Any
 
 from lightning_ppo.rollout.engines.server.deadline import ErrorStatus, exchange
 from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.server_keys import API_KEY_VARIABLE, ServerKey, environment_key, server_key
 
 
 class GenerationServerError(UsageError, RuntimeError):
@@ -37,19 +39,17 @@ class GenerationServerError(UsageError, RuntimeError):
         self.what = message if what is None else what
 
 
-API_KEY_VARIABLE = "VLLM_API_KEY"  # vLLM's own: the server and the trainer read the same variable
-
-
 class ServerClient:
     """Calls to the vLLM server at ``url`` (``http://HOST:PORT``), each within ``timeout`` seconds."""
 
     def __init__(self, url: str, timeout: float) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self._file_key: ServerKey | None = None  # read once found (every request would read it)
 
     def get(self, route: str) -> Any:
         return self._call(
-            urllib.request.Request(self.url + route, headers=auth_headers()), route, self.timeout
+            urllib.request.Request(self.url + route, headers=self.auth_headers()), route, self.timeout
         )
 
     def post(
@@ -59,7 +59,7 @@ class ServerClient:
         call queued behind others; a batch of them is bounded by :mod:`.batch`). ``what``
         follows the route in an error (the worker method of a ``/collective_rpc``)."""
         data = json.dumps(body or {}).encode()
-        headers = {"Content-Type": "application/json", **auth_headers()}
+        headers = {"Content-Type": "application/json", **self.auth_headers()}
         request = urllib.request.Request(self.url + route, data=data, headers=headers, method="POST")
         return self._call(request, f"{route} {what}".strip(), timeout or self.timeout)
 
@@ -82,6 +82,24 @@ class ServerClient:
     def error(self, route: str, what: str) -> GenerationServerError:
         return GenerationServerError(f"generation server {self.url} ({route}): {what}", what)
 
+    def key(self) -> ServerKey:
+        """The server's key: ``VLLM_API_KEY`` (read at every call, as before), else its key file's."""
+        if self._file_key is not None and environment_key() is None:
+            return self._file_key
+        key = server_key(self.url)
+        if key.source not in (None, API_KEY_VARIABLE):
+            self._file_key = key
+        return key
+
+    def auth_headers(self) -> dict[str, str]:
+        """The bearer token of :meth:`key`, where there is one."""
+        key = self.key().value
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def refused(self, status: int, body: bytes) -> str:
+        """What an error status says; a 401 says which key was refused, or where none was found."""
+        return refused(status, body, self.key() if status == 401 else None)
+
     def answer(self, route: str, body: bytes) -> Any:
         """A call's answer: its JSON (``None`` where empty), or one error naming the server."""
         if not body:
@@ -95,7 +113,7 @@ class ServerClient:
         try:  # the whole exchange within the timeout, not each read (a trickling server)
             body = exchange(request, timeout)
         except ErrorStatus as err:
-            raise self.error(route, refused(err.status, err.body)) from None
+            raise self.error(route, self.refused(err.status, err.body)) from None
         except TimeoutError:
             raise self.error(route, no_answer(timeout)) from None
         except http.client.HTTPException as err:  # IncompleteRead, a malformed status line...
@@ -111,9 +129,26 @@ class ServerClient:
 # What went wrong, as every call says it (after the server's URL and route).
 
 
-def refused(status: int, body: bytes) -> str:
-    hint = f" (the server wants an API key: set {API_KEY_VARIABLE} to it)" if status == 401 else ""
-    return f"HTTP {status}: {_message(body)}{hint}"
+def refused(status: int, body: bytes, key: ServerKey | None = None) -> str:
+    """``key``: the key a refused call (HTTP 401) carried, and where it came from."""
+    return f"HTTP {status}: {_message(body)}{_unauthorized(key) if status == 401 else ''}"
+
+
+def _unauthorized(key: ServerKey | None) -> str:
+    if key is None:
+        return f" (the server wants an API key: set {API_KEY_VARIABLE} to it)"
+    if key.source == API_KEY_VARIABLE:
+        return f" (it refused the key in {API_KEY_VARIABLE}: set it to this server's key)"
+    if key.source is not None:
+        return (
+            f" (it refused the key in {key.source}: a stale key of an earlier server at this address? "
+            f"Start the server again with `lightning-ppo serve`, or set {API_KEY_VARIABLE} to its key)"
+        )
+    return (
+        f" (the server wants an API key: {API_KEY_VARIABLE} is unset and there is no key file "
+        f"{key.expected}, which `lightning-ppo serve` writes for the URL it prints; set "
+        f"{API_KEY_VARIABLE} to the server's key)"
+    )
 
 
 def no_answer(timeout: float) -> str:
@@ -133,16 +168,13 @@ def not_json(body: bytes) -> str:
 
 
 def api_key() -> str | None:
-    """``VLLM_API_KEY`` without the line end a file-made secret carries; refused (without echoing
-    it: it would reach logs) where it holds other control characters or spaces."""
-    key = (os.environ.get(API_KEY_VARIABLE) or "").strip()
-    if any(ord(c) < 33 or ord(c) == 127 for c in key):
-        raise UsageError(f"{API_KEY_VARIABLE} holds spaces or control characters: set it to the key alone")
-    return key or None
+    """``VLLM_API_KEY`` (:func:`~lightning_ppo.runs.server_keys.environment_key`)."""
+    return environment_key()
 
 
 def auth_headers() -> dict[str, str]:
-    """The bearer token of ``VLLM_API_KEY``, where it is set."""
+    """The bearer token of ``VLLM_API_KEY``, where it is set (one server's key, its file's too:
+    :meth:`ServerClient.auth_headers`)."""
     key = api_key()
     return {"Authorization": f"Bearer {key}"} if key else {}
 

@@ -5,7 +5,9 @@ vLLM 0.32's own check (``--api-key`` / ``VLLM_API_KEY``) guards the paths starti
 weight sync needs (``/collective_rpc``, ``/reset_prefix_cache``, ``/pause``, ``/sleep``, ...), stay
 open to anyone who can reach the port: ``/collective_rpc`` can load any file the server can read as
 its weights. ``lightning-ppo serve`` adds this ASGI middleware (vLLM's ``--middleware``): with
-``VLLM_API_KEY`` set, every route but the health checks needs it as a bearer token.
+``VLLM_API_KEY`` set, every route but the health checks needs it as a bearer token. ``serve`` sets
+it: to the user's key, or to one it makes (:mod:`lightning_ppo.runs.server_keys`); only
+``serve --no-api-key`` leaves it unset, and the server open.
 
 Plain ASGI, no import of the web framework: it runs inside the server and is tested without one.
 """
@@ -17,7 +19,7 @@ import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from lightning_ppo.rollout.engines.server.client import api_key
+from lightning_ppo.runs.server_keys import environment_key
 
 OPEN_ROUTES = ("/health", "/ping")  # what a load balancer or LocalServer.wait_ready polls, key-less
 Asgi = Callable[
@@ -31,7 +33,7 @@ class GuardEveryRoute:
 
     def __init__(self, app: Asgi) -> None:
         self.app = app
-        key = api_key()
+        key = environment_key()
         self.digest = hashlib.sha256(key.encode()).digest() if key else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:

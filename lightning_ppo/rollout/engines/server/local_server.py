@@ -4,9 +4,11 @@ benchmarks that want a generation server without a second terminal.
     with LocalServer("checkpoints/tiny-digits") as server:
         GenerationConfig(engine="vllm_server", server_urls=[server.url])
 
-It listens on 127.0.0.1 only, on a free port; :meth:`wait_ready` polls ``/health`` for at most
-``start_timeout`` seconds; :meth:`stop` kills its whole process group (the API server, its engine
-core and worker), so nothing outlives it.
+It listens on 127.0.0.1 only, on a free port, with the API key ``serve`` makes where
+``VLLM_API_KEY`` is unset (the trainer in this process reads it from the key file ``serve``
+writes); :meth:`wait_ready` polls ``/health`` for at most ``start_timeout`` seconds; :meth:`stop`
+kills its whole process group (the API server, its engine core and worker), so nothing outlives
+it, and removes its key file.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from lightning_ppo.rollout.engines.server.client import auth_headers
+from lightning_ppo.rollout.engines.server.client import ServerClient
+from lightning_ppo.runs.server_keys import forget_keys
 
 
 def free_port() -> int:
@@ -36,7 +39,8 @@ class LocalServer:
     ``env`` is added to the server's environment: on CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default
     1 here: vLLM's own default takes most of the machine's memory and a minute to allocate).
     ``cpus`` pins every process of the server to those CPU cores (Linux), its API server and engine
-    core included (``VLLM_CPU_OMP_THREADS_BIND`` pins only the worker's threads).
+    core included (``VLLM_CPU_OMP_THREADS_BIND`` pins only the worker's threads). ``serve_args`` go
+    to ``lightning-ppo serve`` itself (``--no-api-key``).
     """
 
     def __init__(
@@ -48,6 +52,7 @@ class LocalServer:
         env: dict[str, str] | None = None,
         start_timeout: float = 240.0,
         cpus: set[int] | None = None,
+        serve_args: tuple[str, ...] = (),
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -55,7 +60,7 @@ class LocalServer:
         self.start_timeout = start_timeout
         environment = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {})}
         command = [sys.executable, "-m", "lightning_ppo.console", "serve", "--policy", str(policy)]
-        command += ["--port", str(self.port), "--dtype", dtype, "--", *vllm_args]
+        command += ["--port", str(self.port), "--dtype", dtype, *serve_args, "--", *vllm_args]
         with open(self.log, "w") as out:
             self.process = subprocess.Popen(
                 command,
@@ -86,7 +91,9 @@ class LocalServer:
 
     def completed(self) -> float:
         """Requests the server has finished (its Prometheus counter)."""
-        request = urllib.request.Request(self.url + "/metrics", headers=auth_headers())
+        request = urllib.request.Request(
+            self.url + "/metrics", headers=ServerClient(self.url, 10).auth_headers()
+        )
         with urllib.request.urlopen(request, timeout=10) as answer:
             lines = answer.read().decode().splitlines()
         return sum(
@@ -98,6 +105,7 @@ class LocalServer:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=60)
+        forget_keys("127.0.0.1", self.port)  # a dead server's key guards nothing
 
     def _log_tail(self) -> str:
         try:

@@ -19,10 +19,8 @@ import aiohttp
 
 from lightning_ppo.rollout.engines.server.client import (
     ServerClient,
-    auth_headers,
     broke_off,
     no_answer,
-    refused,
     unreachable,
 )
 
@@ -49,7 +47,7 @@ class ServerSession:
         """The JSON answer to ``body`` at ``route``; ``timeout``: how long the socket may stay silent
         (a completion waits behind its batch's others: the batch is bounded as a whole)."""
         data = json.dumps(body).encode()
-        headers = {"Content-Type": "application/json", **auth_headers()}
+        headers = {"Content-Type": "application/json", **self.client.auth_headers()}
         limits = aiohttp.ClientTimeout(total=None, sock_connect=self.client.timeout, sock_read=timeout)
         try:
             status, answer = await self._exchange(self.client.url + route, data, headers, limits)
@@ -64,7 +62,7 @@ class ServerSession:
         except (aiohttp.ClientError, OSError) as err:  # reset mid-call
             raise self.client.error(route, unreachable(err)) from None
         if status >= 400:
-            raise self.client.error(route, refused(status, answer))
+            raise self.client.error(route, self.client.refused(status, answer))
         return self.client.answer(route, answer)
 
     async def _exchange(

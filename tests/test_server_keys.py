@@ -1,0 +1,139 @@
+"""Every ``lightning-ppo serve`` server has an API key: without ``VLLM_API_KEY`` it makes one and
+writes it to a file only its user can read, named by the server's address, where the trainer
+finds it; only ``--no-api-key`` leaves a server open. The real ``lightning-ppo serve`` command and
+the real key guard in the server's process, on 127.0.0.1; vLLM replaced by a small aiohttp server
+(tests/fake_vllm_server.py) that the ``python -m vllm.entrypoints.openai.api_server`` serve runs
+finds first on its ``PYTHONPATH``. Each server is stopped by its test."""
+
+from __future__ import annotations
+
+import stat
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
+from lightning_ppo.rollout.engines.server.local_server import LocalServer
+from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.server_keys import key_file, server_key
+from lightning_ppo.serve import server_key as server_key_for
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache folder of this test's own (the key files' home), and no VLLM_API_KEY."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    return tmp_path / "cache" / "lightning_ppo" / "server_keys"
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Callable[..., LocalServer]]:
+    """Starts ``lightning-ppo serve`` (``serve_args`` its own flags) with vLLM's server replaced."""
+    shim = tmp_path / "shim" / "vllm" / "entrypoints" / "openai"
+    shim.mkdir(parents=True)
+    for folder in (shim, shim.parent, shim.parent.parent):
+        (folder / "__init__.py").write_text("")
+    (shim / "api_server.py").write_text("from tests.fake_vllm_server import main\n\nmain()\n")
+    (tmp_path / "policy").mkdir()
+    started: list[LocalServer] = []
+
+    def start(*serve_args: str) -> LocalServer:
+        env = {"PYTHONPATH": f"{tmp_path / 'shim'}:{ROOT}"}
+        server = LocalServer(tmp_path / "policy", tmp_path / "serve.log", env=env, serve_args=serve_args)
+        started.append(server)
+        return server.wait_ready()
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def _status(url: str, key: str | None = None) -> int:
+    """The status of a key-less (or ``key``) call of the route that loads weights."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = urllib.request.Request(url + "/collective_rpc", data=b"{}", headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_serve_makes_a_key_only_its_user_can_read_and_the_trainer_finds_it(keys, serve):
+    """No VLLM_API_KEY on either side: the server refuses a key-less caller (it took any before),
+    its key is in a 0600 file in a 0700 folder, named by its address, and the trainer's calls
+    carry it without a word from the user."""
+    server = serve()
+    path = key_file(server.url)
+    assert path.parent == keys and path.exists()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(keys.stat().st_mode) == 0o700
+    assert _status(server.url) == 401
+    assert _status(server.url, path.read_text().strip()) == 200
+    assert ServerClient(server.url, 30).rpc("lppo_version") == "none"
+
+
+def test_a_stale_or_missing_key_file_is_one_line_saying_so(keys, serve):
+    """The key file of an earlier server at the same address (another key), or none: each call
+    refused in one line that says which key was refused, or where none was found, and what to do."""
+    server = serve()
+    path = key_file(server.url)
+    path.write_text("an-earlier-servers-key\n")
+    with pytest.raises(GenerationServerError) as stale:
+        ServerClient(server.url, 30).rpc("lppo_version")
+    assert f"it refused the key in {path}: a stale key of an earlier server at this address?" in str(
+        stale.value
+    )
+    path.unlink()
+    with pytest.raises(GenerationServerError) as missing:
+        ServerClient(server.url, 30).rpc("lppo_version")
+    assert str(missing.value).endswith(
+        f"VLLM_API_KEY is unset and there is no key file {path}, which `lightning-ppo serve` writes for the "
+        "URL it prints; set VLLM_API_KEY to the server's key)"
+    ), str(missing.value)
+    assert "\n" not in str(stale.value) + str(missing.value)
+
+
+def test_a_server_is_open_only_when_told(keys, serve, monkeypatch):
+    """``--no-api-key``: any caller, and no key file. A key of the user's (VLLM_API_KEY): that key
+    on every route, and no key file either."""
+    open_server = serve("--no-api-key")
+    assert _status(open_server.url) == 200 and not key_file(open_server.url).exists()
+    monkeypatch.setenv("VLLM_API_KEY", "the-users-key")
+    keyed = serve()
+    assert _status(keyed.url) == 401 and _status(keyed.url, "the-users-key") == 200
+    assert not key_file(keyed.url).exists()
+    assert ServerClient(keyed.url, 30).rpc("lppo_version") == "none"
+
+
+def test_an_earlier_servers_key_file_is_replaced_or_removed(keys, monkeypatch):
+    """A server at an address where an earlier one left its key file: a new key replaces it, and a
+    server without one of serve's keys (the user's, or none) removes it: the trainer would send it."""
+    earlier = key_file("http://127.0.0.1:8000")
+    for keyless, users_key in ((False, None), (True, None), (False, "the-users-key")):
+        server_key_for("127.0.0.1", 8000, keyless=False)
+        written = earlier.read_text()
+        if users_key:
+            monkeypatch.setenv("VLLM_API_KEY", users_key)
+        env, _ = server_key_for("127.0.0.1", 8000, keyless=keyless)
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+        if keyless or users_key:
+            assert env == {} and not earlier.exists()
+        else:
+            assert env["VLLM_API_KEY"] == earlier.read_text().strip() != written.strip()
+
+
+def test_a_key_file_others_can_read_is_refused(keys):
+    keys.mkdir(parents=True)
+    path = key_file("http://127.0.0.1:8000")
+    path.write_text("k\n")
+    path.chmod(0o644)
+    with pytest.raises(UsageError, match=f"the server key file {path} is readable by other users"):
+        server_key("http://127.0.0.1:8000")
+    path.chmod(0o600)
+    assert server_key("http://127.0.0.1:8000").value == "k"
