@@ -378,8 +378,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             )
         if sampled.episodes is not None:  # the runner's counts of this batch, not of one sampled since
             stats.update(sampled.episodes.stats.metrics(reduce))
-        words = completions if sampled.episodes is None else sampled.episodes.words  # the policy's own
-        answers = BatchAnswers.gathered(self._trainer, batch.prompts, words)  # every rank's: they warn
+        answers = self.policy_answers(batch.prompts, completions, sampled.episodes)  # every rank's: they warn
         diversity = Diversity.of(answers.prompts, answers.completions)  # text, on the host: no device read
         stats.update(diversity.on(self.device))
         # the iteration's one host read: what the host decides on and what it logs; the guardrails
@@ -397,6 +396,20 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.log_stats(logged, len(batch))
         shown = completions if sampled.episodes is None else sampled.episodes.transcripts
         self.last_samples = Samples(batch.prompts, shown, host.scores, host.kl, self.scorer.columns)
+
+    def policy_answers(
+        self, prompts: list[str], completions: list[str], episodes: EpisodeRecord | None
+    ) -> BatchAnswers:
+        """Every rank's answers as the diversity checks and the guardrails read them: the policy's own
+        words (an episode's replies: ``EpisodeRunner.own_words``), none from a dropped episode."""
+        if episodes is not None:
+            kept = [
+                (prompt, words)
+                for prompt, words in zip(prompts, episodes.words, strict=True)
+                if words is not None
+            ]
+            prompts, completions = [prompt for prompt, _ in kept], [words for _, words in kept]
+        return BatchAnswers.gathered(self._trainer, prompts, completions)
 
     def heed_guardrails(self, completions: list[str], host: HostView, diversity: Diversity) -> None:
         """The guardrails' one-time warnings (lightning_ppo.watch.guardrails), spoken by rank 0."""

@@ -24,6 +24,7 @@ from lightning_ppo.runs.errors import RunStopped, UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
 from lightning_ppo.tasks.reveal import RevealDigits, RevealDigitsDataModule
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
+from lightning_ppo.watch.diversity import Diversity
 from tests.helpers import quiet_trainer
 
 
@@ -677,6 +678,22 @@ def test_a_dropped_episode_is_not_scored_nor_in_the_score_moments(tiny_digits, t
     assert trainer.global_step == 4  # the kept episodes trained
     scores = module.last_samples.scores
     assert [math.isnan(score) for score in scores] == [prompt not in kept for prompt in shown]
+
+
+def test_a_dropped_episode_gives_the_diversity_checks_no_answer(tiny_digits, tmp_path):
+    """Before, a dropped episode counted as the empty answer: here the 2 dropped ones and a kept one
+    read as 3 of 8 prompts given one answer, '' (diversity/top_share 0.375 for 1/6; half a batch
+    dropped while the score rose read as answers converging)."""
+    torch.manual_seed(0)
+    module = _dropping(tiny_digits, FailsOddResets(), SeenByReward())
+    data = DigitsDataModule(num_prompts=64, batch_size=8, max_prompt_length=16)
+    trainer = quiet_trainer(tmp_path, iterations=1)
+    trainer.fit(module, datamodule=data)
+    samples = zip(module.last_samples.prompts, module.last_samples.completions, strict=True)
+    kept = [(prompt, text) for prompt, text in samples if int(prompt[0]) % 2 == 0]
+    expected = Diversity.of([prompt for prompt, _ in kept], [text for _, text in kept]).top_share
+    assert len(kept) == 6 and expected == pytest.approx(1 / 6)  # six different answers
+    assert float(trainer.callback_metrics["diversity/top_share"]) == pytest.approx(expected)
 
 
 class Explains(Environment):

@@ -71,7 +71,7 @@ class EpisodeRecord:
 
     stats: Any  # rollout.episodes.EpisodeStats
     transcripts: list[str]
-    words: list[str]
+    words: list[str | None]  # None for an episode its environment dropped
 
     @staticmethod
     def of(runner: Any) -> EpisodeRecord | None:

@@ -176,7 +176,8 @@ class EpisodeRunner:
         self.transcripts: list[str] = []
         # The policy's own words in each of the last batch's episodes, its replies' (without the
         # observations, or what Environment.own_words leaves out): what the diversity checks read.
-        self.own_words: list[str] = []
+        # None for a dropped episode: it gave no answer.
+        self.own_words: list[str | None] = []
         self._engine_logprobs = False
         self.render_message = MessageRenderer(tokenizer, stop_token)
 
@@ -347,7 +348,7 @@ class EpisodeRunner:
             for index, reward in e.rewards.items():
                 rewards[row, index] = reward
         self.transcripts = ["".join(e.transcript) for e in episodes]
-        self.own_words = [" ".join(words for words in e.words if words) for e in episodes]
+        self.own_words = [None if e.failed else " ".join(w for w in e.words if w) for e in episodes]
         self.last_stats = EpisodeStats(
             turns=torch.tensor([e.turns for e in episodes], device=device),
             tokens=torch.tensor([len(e.tokens) for e in episodes], device=device),
