@@ -370,7 +370,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             experience_metrics(exp, forwards.entropy, rollout.ended, kl_coef, self.roles.has_critic, reduce)
         )
         raw = scores.raw if rollout.turn_rewards is None else scores.raw + rollout.turn_rewards.sum(1)
-        stats.update(score_metrics(raw, scores.shaped, scores.dropped, self.ppo.shapes_scores, reduce))
+        shaping = self.ppo.shapes_scores
+        stats.update(score_metrics(raw, scores.shaped, scores.dropped, shaping, reduce, failed))
         stats.update(engine_mismatch(self.generation_config, rollout, forwards.logprobs))
         if self.ppo.max_staleness > 0:
             stats["async/staleness"] = torch.tensor(

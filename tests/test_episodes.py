@@ -676,6 +676,9 @@ def test_a_dropped_episode_is_not_scored_nor_in_the_score_moments(tiny_digits, t
     assert 0 < len(kept) < len(shown)
     assert reward.prompts == [kept] and module.score_moments.count == len(kept)
     assert trainer.global_step == 4  # the kept episodes trained
+    # counted as the environment's (episode/env_errors), not as the rewards' NaN (reward/dropped)
+    assert float(trainer.callback_metrics["episode/env_errors"]) == len(shown) - len(kept)
+    assert float(trainer.callback_metrics["reward/dropped"]) == 0.0
     scores = module.last_samples.scores
     assert [math.isnan(score) for score in scores] == [prompt not in kept for prompt in shown]
 

@@ -61,10 +61,17 @@ def experience_metrics(
 
 
 def score_metrics(
-    raw: Tensor, shaped: Tensor, dropped: Tensor, shaping: bool, reduce: F.Reduce | None = None
+    raw: Tensor,
+    shaped: Tensor,
+    dropped: Tensor,
+    shaping: bool,
+    reduce: F.Reduce | None = None,
+    failed: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Mean and spread of the reward's own scores over the samples kept (not ``dropped``), over every
     rank's with ``reduce`` (a rank whose samples were all dropped then reports the others', not NaN).
+    ``reward/dropped`` counts the rows the rewards dropped, not those ``failed`` before scoring (an
+    environment's, counted in ``episode/*``).
 
     ``objective/scores_std`` next to ``objective/non_score_reward`` shows whether the reward's
     spread, which is all the policy can learn from, is small against the KL penalty.
@@ -75,7 +82,7 @@ def score_metrics(
     metrics = {
         "objective/scores": F.masked_mean(raw, kept, reduce=reduce),
         "objective/scores_std": F.masked_var(raw, kept, unbiased=False, reduce=reduce).sqrt(),
-        "reward/dropped": dropped.float().sum(),
+        "reward/dropped": (dropped if failed is None else dropped & ~failed).float().sum(),
     }
     if shaping:
         metrics["objective/scores_normalized"] = F.masked_mean(shaped, kept, reduce=reduce)
