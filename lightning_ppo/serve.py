@@ -27,6 +27,7 @@ Light on purpose: it runs before torch or Lightning would load.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import shlex
@@ -95,6 +96,26 @@ def server_command(policy: str, host: str, port: int, dtype: str, extra: list[st
     return command + ["--middleware", GUARD] + extra
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port a server listens on already: its key file would be replaced by a key it never
+    saw (this server then fails to listen, and the trainer sends the new key to the running one).
+    Bound as vLLM's server binds it (``SO_REUSEADDR``: a closed server's lingering connections do
+    not count); a name is looked up, every address it has tried."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # vLLM says it, in its own words
+    for family, kind, protocol, _, address in addresses:
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    taken = f"{host}:{port} is in use (a server already runs there?)"
+                    raise UsageError(f"lightning-ppo serve --port {port}: {taken}") from None
+
+
 def server_key(host: str, port: int, keyless: bool) -> tuple[dict[str, str], str]:
     """What the server's environment gets for its API key, and a line saying where the trainer
     finds it. A key file of an earlier server at this address is removed where the key is not one
@@ -140,6 +161,7 @@ def main(argv: list[str]) -> None:
         return
     if find_spec("vllm") is None:
         raise UsageError(f"lightning-ppo serve needs the vllm package: {VLLM_INSTALL_HINT}")
+    check_port_free(args.host, args.port)  # before the key file: a running server's is left alone
     key, where = server_key(args.host, args.port, args.no_api_key)
     log.info(
         "lightning-ppo serve: starting vLLM for %s at %s %s; in the run's config:\n"

@@ -7,7 +7,10 @@ finds first on its ``PYTHONPATH``. Each server is stopped by its test."""
 
 from __future__ import annotations
 
+import os
 import stat
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -137,3 +140,23 @@ def test_a_key_file_others_can_read_is_refused(keys):
         server_key("http://127.0.0.1:8000")
     path.chmod(0o600)
     assert server_key("http://127.0.0.1:8000").value == "k"
+
+
+def test_a_second_serve_on_a_busy_port_leaves_the_running_servers_key_alone(keys, serve, tmp_path):
+    """``serve`` on the port of a running server: refused in one line before a new key replaced the
+    running server's key file (the second server then failed to listen, and the trainer was sent a
+    key the running server had never seen)."""
+    server = serve()
+    path = key_file(server.url)
+    key = path.read_text()
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'shim'}:{ROOT}"}
+    command = [sys.executable, "-m", "lightning_ppo.console", "serve", "--policy", str(tmp_path / "policy")]
+    second = subprocess.run(
+        [*command, "--port", str(server.port)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert second.returncode == 2 and second.stderr.strip() == (
+        f"lightning-ppo serve: error: lightning-ppo serve --port {server.port}: 127.0.0.1:{server.port} "
+        "is in use (a server already runs there?)"
+    ), second.stderr
+    assert path.read_text() == key
+    assert ServerClient(server.url, 30).rpc("lppo_version") == "none"
