@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from lightning_ppo import GenerationConfig
 from lightning_ppo.rollout.engines import Placement
 from lightning_ppo.rollout.engines.server import VLLMServerEngine
+from lightning_ppo.rollout.engines.server.client import GenerationServerError
 from lightning_ppo.rollout.sampling import hf_generation_config
 from lightning_ppo.runs.errors import UsageError
 from tests.test_server_engine import _Backlogged, _Quiet
@@ -99,7 +100,9 @@ def _prompts(count: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.ones_like(ids)
 
 
-def _many(tiny_digits: Path, urls: list[str], placement: Placement, **settings) -> VLLMServerEngine:
+def _many(
+    tiny_digits: Path, urls: list[str], placement: Placement, timeout: float = 60, **settings
+) -> VLLMServerEngine:
     """An engine on ``urls`` as after its first sync, for a fake server that keeps no weights version."""
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_digits))
     config = GenerationConfig(
@@ -107,7 +110,7 @@ def _many(tiny_digits: Path, urls: list[str], placement: Placement, **settings) 
         stop_token="=",
         engine="vllm_server",
         server_urls=urls,
-        server_timeout=60,
+        server_timeout=timeout,
         **settings,
     )
     hf = hf_generation_config(config, tokenizer.convert_tokens_to_ids("="), tokenizer.pad_token_id)
@@ -143,6 +146,24 @@ def test_a_slow_server_gets_fewer_requests(servers, tiny_digits):
     assert rollout.response_ids.shape == (20, 2)
     assert engine.requests_sent == [2, 18]
     assert floor.peaks[0] == 2  # the slow one held as many as it may
+
+
+def test_a_hung_server_among_others_is_named_with_the_requests_it_holds(servers, tiny_digits):
+    """Server 1 never answers (until the test ends), server 0 at once: server 1 keeps its 3 requests,
+    server 0 answers the other 27, and the batch stops after one server_timeout of silence naming
+    server 1 and its 3 (not the first server, nor every request of the batch)."""
+    floor = Floor(2, ready=lambda floor, index: index == 0)
+    urls = servers(floor)
+    engine = _many(tiny_digits, urls, Placement(), timeout=2.0)
+    engine.max_in_flight = 3
+    with pytest.raises(GenerationServerError) as caught:
+        engine.generate(*_prompts(30))
+    engine.close()
+    assert str(caught.value) == (
+        f"generation server {urls[1]} (/v1/completions): no completion of 3 request(s) within 2 s "
+        "(generation.server_timeout)"
+    )
+    assert floor.answered[0] == 27
 
 
 def test_two_ranks_share_each_servers_limit(servers, tiny_digits):

@@ -65,10 +65,10 @@ class Router:
 
     def holding(self, requests: list[int]) -> tuple[int, int]:
         """The server ``requests`` (unanswered) were sent to most, and how many of them it holds
-        (the first server where none was sent yet)."""
+        (the first server and all of them where none was sent yet)."""
         counts = [0] * len(self.in_flight)
         for request in requests:
             if request in self.assigned:
                 counts[self.assigned[request]] += 1
         server = max(range(len(counts)), key=lambda index: counts[index])
-        return server, counts[server]
+        return server, counts[server] or len(requests)
