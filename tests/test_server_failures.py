@@ -10,7 +10,8 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -210,9 +211,9 @@ class _Serving(_Quiet):
             self.reply(json.dumps({"results": results}).encode())
 
 
-def _model() -> nn.Module:
+def _model(width: int = 32, layers: int = 4) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
 def _weights(model: nn.Module, scale: float, extra: bool = False) -> list[tuple[str, torch.Tensor]]:
@@ -247,6 +248,14 @@ def _receiving_threads(within: float = 30.0) -> list[threading.Thread]:
     return alive
 
 
+def _eventually(condition: Callable[[], bool], within: float = 30.0) -> bool:
+    """``condition()`` holds within ``within`` s (a server's worker ends its call after rank 0 heard)."""
+    deadline = time.monotonic() + within
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
 def _synced(sync: MemorySync, workers: list[_Worker], version: str) -> None:
     """A sync of the model's own weights times 2 arrives whole, checked, as ``version``."""
     sums, held = sync.load(iter(_weights(_model(), 2.0)), torch.float32, True, version)
@@ -275,7 +284,8 @@ def test_a_load_that_fails_on_a_server_stops_the_sync_at_once_and_leaks_no_threa
     assert str(caught.value).startswith(f"generation server {url} (/collective_rpc lppo_receive): ")
     assert "KeyError: 'lm_head.extra'" in str(caught.value)
     assert _receiving_threads() == []
-    assert sync.group is None and workers[0].lppo_group() == "" and workers[0].lppo_version() == ""
+    assert sync.group is None
+    assert _eventually(lambda: workers[0].lppo_group() == "") and workers[0].lppo_version() == ""
     start = time.monotonic()
     _synced(sync, workers, "run/2")
     assert time.monotonic() - start < 30
@@ -390,3 +400,50 @@ def test_a_sampling_job_left_after_a_failed_fit_does_not_open_the_connections_ag
         assert engine._connections is not None
     finally:
         engine.close()
+
+
+class _FailingWorker(_Worker):
+    """A worker whose load fails at its 5th tensor (a device out of memory, say)."""
+
+    def reload_weights(self, weights_iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        for index, _ in enumerate(weights_iterator):
+            if index == 4:
+                raise RuntimeError("out of memory loading the 5th tensor")
+
+
+def test_a_failing_worker_stops_its_tensor_parallel_sibling_and_the_other_servers_at_once(fake_vllm):
+    """Two servers, the first with two workers (tensor parallel) whose second fails its load: its
+    server answers only once both workers return, so rank 0 heard nothing until its sibling, and
+    the other server's worker, had waited out the group's timeout (60 s). Now the failing worker's
+    word in the store stops every member: rank 0 raises its error naming its server and worker,
+    every receiving thread ends, and the next sync (every worker sound again) joins anew and
+    arrives whole."""
+    url, workers = fake_vllm
+    big = partial(_model, 512, 16)  # 16 MB: more than the sockets hold for a worker that stopped
+    workers[0] = _Worker(big())
+    workers.append(_FailingWorker(big(), rank=1))
+    other = [_Worker(big())]
+    handler = type("Serving", (_Serving,), {"workers": other, "one_at_a_time": threading.Lock()})
+    second = _Backlogged(("127.0.0.1", 0), handler)
+    threading.Thread(target=second.serve_forever, daemon=True).start()
+    other_url = f"http://127.0.0.1:{second.server_port}"
+    try:
+        servers = [ServerClient(url, 60.0), ServerClient(other_url, 60.0)]
+        sync = MemorySync(servers, [2, 1], "127.0.0.1", 60.0)
+        sync.bucket_bytes = 2**20
+        start = time.monotonic()
+        with pytest.raises(GenerationServerError) as caught:
+            sync.load(iter(_weights(big(), 2.0)), torch.float32, True, "run/1")
+        assert time.monotonic() - start < 30
+        assert str(caught.value).startswith(f"generation server {url} (/collective_rpc lppo_receive): ")
+        assert "out of memory loading the 5th tensor" in str(caught.value)
+        assert _receiving_threads() == []
+        # the failing worker let go of the group; the others stopped too, or had loaded it all
+        assert _eventually(lambda: workers[1].lppo_group() == "")
+        workers[1] = _Worker(big(), rank=1)
+        sums, held = sync.load(iter(_weights(big(), 2.0)), torch.float32, True, "run/2")
+        assert [len(answers) for answers in held] == [2, 1]
+        assert [w.lppo_version() for w in [*workers, *other]] == ["run/2"] * 3
+    finally:
+        second.shutdown()
+        second.server_close()
