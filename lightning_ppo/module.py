@@ -7,6 +7,7 @@ the Lightning ``Trainer``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -846,7 +847,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             checkpoint[PENDING_KEY] = gather_objects(self._trainer, mine)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        check_resumable(checkpoint, dict(self.hparams), without_frozen(self.state_dict(), self))
+        trained = without_frozen(self.state_dict(), self)
+        check_resumable(checkpoint, dict(self.hparams), trained, default_hparams(type(self)))
         PPOState.from_dict(checkpoint.get(PPO_STATE_KEY, {})).restore(self)
         saved_copies = checkpoint.get("hyper_parameters", {}).get("ppo", {}).get("num_generations", 1)
         self._restored_pending = pending_of_rank(
@@ -861,3 +863,15 @@ def _in_rows(values: list[Any], rows: list[int], size: int) -> list[Any]:
     for row, value in zip(rows, values, strict=True):
         placed[row] = value
     return placed
+
+
+# The settings a checkpoint written before an option existed ran with: that option's default.
+# Nested like the saved hyper-parameters, for the options whose default is a plain value.
+def default_hparams(module_class: type) -> dict[str, Any]:
+    """What ``save_hyperparameters`` records for a module built with every default."""
+    defaults = {
+        name: param.default
+        for name, param in inspect.signature(module_class.__init__).parameters.items()
+        if param.default is not inspect.Parameter.empty and isinstance(param.default, bool | int | str)
+    }
+    return {**defaults, "ppo": asdict(PPOConfig()), "generation": asdict(GenerationConfig())}

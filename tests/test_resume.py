@@ -170,3 +170,24 @@ def test_checkpoint_every_n_iterations_writes_last_and_best(tiny_digits, tmp_pat
     state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     assert state["ppo_state"]["iteration"] == 4
     assert state["ppo_state"]["rng_states"].shape[0] == 1
+
+
+def test_an_option_newer_than_the_checkpoint_left_at_its_default_is_no_change():
+    """A checkpoint written before ``trust_remote_code`` and ``generation.server_max_in_flight``
+    existed ran as their defaults do: resuming with them unset warns of nothing (it warned
+    "None in the checkpoint, 256 now" for every older checkpoint); set otherwise, it is a change."""
+    import warnings
+
+    from lightning_ppo.module import PPOLightningModule, default_hparams
+    from lightning_ppo.runs.resume import check_resumable
+
+    defaults = default_hparams(PPOLightningModule)
+    now = {**defaults, "policy": "p"}
+    older = {key: value for key, value in now.items() if key != "trust_remote_code"}
+    older["generation"] = {k: v for k, v in now["generation"].items() if k != "server_max_in_flight"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_resumable({"hyper_parameters": older}, now, {}, defaults)
+    changed = {**now, "generation": {**now["generation"], "server_max_in_flight": 64}}
+    with pytest.warns(UserWarning, match=r"server_max_in_flight: None in the checkpoint, 64 now"):
+        check_resumable({"hyper_parameters": older}, changed, {}, defaults)

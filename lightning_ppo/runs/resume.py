@@ -33,18 +33,26 @@ class SettingChange:
 
 
 def setting_changes(
-    saved: Mapping[str, Any], now: Mapping[str, Any], prefix: str = "model"
+    saved: Mapping[str, Any],
+    now: Mapping[str, Any],
+    prefix: str = "model",
+    defaults: Mapping[str, Any] | None = None,
 ) -> list[SettingChange]:
     """Settings that differ between two hyper-parameter dicts, nested dicts compared field by field.
 
-    A setting absent on one side (an older checkpoint, a new option) counts as ``None`` there; a
+    A setting absent on one side (an older checkpoint, a new option) counts as ``None`` there,
+    except that a new option the checkpoint predates, left at its default (``defaults``, nested
+    like the hyper-parameters), is no change: the older code behaved as that default does. A
     section set on one side only (``lora``) is one change, not one per field.
     """
-    changes = []
+    changes, defaults = [], defaults or {}
     for key in sorted(set(saved) | set(now)):
         old, new, name = saved.get(key), now.get(key), f"{prefix}.{key}"
         if isinstance(old, Mapping) and isinstance(new, Mapping):
-            changes += setting_changes(old, new, name)
+            inner = defaults.get(key)
+            changes += setting_changes(old, new, name, inner if isinstance(inner, Mapping) else None)
+        elif key not in saved and key in defaults and new == defaults[key]:
+            continue
         elif old != new:
             changes.append(SettingChange(name, old, new))
     return changes
@@ -70,16 +78,19 @@ def weight_mismatch(saved: Mapping[str, Tensor], expected: Mapping[str, Tensor])
 
 
 def check_resumable(
-    checkpoint: Mapping[str, Any], hparams: Mapping[str, Any], trained: Mapping[str, Tensor]
+    checkpoint: Mapping[str, Any],
+    hparams: Mapping[str, Any],
+    trained: Mapping[str, Tensor],
+    defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """Error if the saved trained weights cannot load into a model that trains ``trained``; warn
-    about other setting changes.
+    about other setting changes (an option newer than the checkpoint, at its ``defaults``, is none).
 
     Runs before Lightning loads weights and optimizer state (whose own errors name no setting;
     frozen roles are left out of checkpoints, so the weights load non-strictly).
     """
     check_param_groups(checkpoint.get("hyper_parameters", {}), hparams)
-    changes = setting_changes(checkpoint.get("hyper_parameters", {}), hparams)
+    changes = setting_changes(checkpoint.get("hyper_parameters", {}), hparams, defaults=defaults)
     # A sharded checkpoint's weights are not in ``checkpoint``: the strategy loaded them already
     # (its distributed load fails on any missing or reshaped tensor).
     mismatch = weight_mismatch(checkpoint["state_dict"], trained) if "state_dict" in checkpoint else []
