@@ -447,3 +447,16 @@ def test_a_failing_worker_stops_its_tensor_parallel_sibling_and_the_other_server
     finally:
         second.shutdown()
         second.server_close()
+
+
+def test_a_rank_zero_address_a_server_cannot_resolve_is_one_line_naming_it(fake_vllm):
+    """``generation.sync_address`` given as a name the server cannot resolve: the worker's join
+    says so, naming the field, instead of a bare resolver error."""
+    url, workers = fake_vllm
+    args = ("no-such-host.invalid", "1", "2", "1", "5", "", "secret")
+    with pytest.raises(RuntimeError) as caught:
+        workers[0].lppo_join(*args)
+    assert str(caught.value).startswith(
+        "weights group rank 1: this server finds no route to rank 0 at no-such-host.invalid "
+        "(generation.sync_address): "
+    )

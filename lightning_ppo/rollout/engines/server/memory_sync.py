@@ -161,6 +161,10 @@ class MemorySync:
             for rank in range(1, 1 + sum(self.workers))
             for server, worker in [self._worker(rank)]
         )
+        if len(given) < sum(self.workers):
+            workers += (
+                " (one that gave none never reached rank 0's store, or runs an older `lightning-ppo serve`)"
+            )
         why = f"{answered.what}; " if isinstance(answered, GenerationServerError) else ""
         return self._error(
             "joining",

@@ -107,7 +107,13 @@ class WeightSyncExtension:
 
         self._lppo_let_go()  # a group held from before (a stopped sync, another run's)
         rank = int(first) + int(getattr(self, "rank", 0))
-        address, why = (device, "given by the trainer") if device else advertised_address(host)
+        try:
+            address, why = (device, "given by the trainer") if device else advertised_address(host)
+        except OSError as err:  # a name this machine cannot resolve, no route to rank 0
+            raise RuntimeError(
+                f"weights group rank {rank}: this server finds no route to rank 0 at {host} "
+                f"(generation.sync_address): {err}"
+            ) from None
         try:
             group = open_group(host, int(port), rank, int(world), float(timeout), address, secret)
         except Exception as err:
