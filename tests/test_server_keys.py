@@ -160,3 +160,20 @@ def test_a_second_serve_on_a_busy_port_leaves_the_running_servers_key_alone(keys
     ), second.stderr
     assert path.read_text() == key
     assert ServerClient(server.url, 30).rpc("lppo_version") == "none"
+
+
+def test_vllm_api_key_is_enough_where_no_home_folder_can_be_named(monkeypatch):
+    """A container's uid without a passwd entry or HOME: Path.home() raises. With VLLM_API_KEY set
+    the trainer needs no key folder (it looked for the key file first, and raised); without it the
+    error is one line saying what to set."""
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    monkeypatch.setenv("VLLM_API_KEY", "k3y")
+    assert server_key("http://127.0.0.1:8000").value == "k3y"
+    monkeypatch.delenv("VLLM_API_KEY")
+    with pytest.raises(UsageError, match="no home folder to keep server keys in: set XDG_CACHE_HOME"):
+        server_key("http://127.0.0.1:8000")

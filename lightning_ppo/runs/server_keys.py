@@ -37,12 +37,20 @@ class ServerKey:
 
     value: str | None
     source: str | None
-    expected: Path
+    expected: Path | None  # None: VLLM_API_KEY set where no key folder can be named (no home)
 
 
 def key_folder() -> Path:
     """``$XDG_CACHE_HOME/lightning_ppo/server_keys``, ``~/.cache/...`` where that is unset."""
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    cache = os.environ.get("XDG_CACHE_HOME")
+    if not cache:
+        try:
+            cache = str(Path.home() / ".cache")
+        except (RuntimeError, KeyError):  # a container's uid with no passwd entry and no HOME
+            raise UsageError(
+                f"no home folder to keep server keys in: set XDG_CACHE_HOME, or {API_KEY_VARIABLE} "
+                "to the server's key"
+            ) from None
     return Path(cache) / "lightning_ppo" / "server_keys"
 
 
@@ -67,11 +75,12 @@ def key_file(url: str) -> Path:
 
 
 def server_key(url: str) -> ServerKey:
-    """The key for the server at ``url``: ``VLLM_API_KEY`` where set, else its key file's."""
-    expected = key_file(url)
+    """The key for the server at ``url``: ``VLLM_API_KEY`` where set (no key file is looked for:
+    a container without a home folder still runs with it), else its key file's."""
     value = environment_key()
     if value is not None:
-        return ServerKey(value, API_KEY_VARIABLE, expected)
+        return ServerKey(value, API_KEY_VARIABLE, None)
+    expected = key_file(url)
     value = _read(expected)
     return ServerKey(value, str(expected) if value else None, expected)
 
