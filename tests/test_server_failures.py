@@ -407,8 +407,8 @@ class _FailingWorker(_Worker):
 
     def reload_weights(self, weights_iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         for index, _ in enumerate(weights_iterator):
-            if index == 4:
-                raise RuntimeError("out of memory loading the 5th tensor")
+            if index == 4:  # over two lines, as a server's errors often are
+                raise RuntimeError("out of memory\nloading the 5th tensor")
 
 
 def test_a_failing_worker_stops_its_tensor_parallel_sibling_and_the_other_servers_at_once(fake_vllm):
@@ -437,6 +437,7 @@ def test_a_failing_worker_stops_its_tensor_parallel_sibling_and_the_other_server
         assert time.monotonic() - start < 30
         assert str(caught.value).startswith(f"generation server {url} (/collective_rpc lppo_receive): ")
         assert "out of memory loading the 5th tensor" in str(caught.value)
+        assert "\n" not in str(caught.value)
         assert _receiving_threads() == []
         # the failing worker let go of the group; the others stopped too, or had loaded it all
         assert _eventually(lambda: workers[1].lppo_group() == "")

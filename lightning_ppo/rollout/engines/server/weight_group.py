@@ -78,8 +78,9 @@ class WeightsGroup:
     rank: int
 
     def stop(self, sync: str, why: str) -> None:
-        """Every member's waits in sync ``sync`` end with :class:`SyncStopped`; the first reason stands."""
-        self.store.compare_set(f"stop/{sync}", "", f"{self.rank} {why}")
+        """Every member's waits in sync ``sync`` end with :class:`SyncStopped`; the first reason stands
+        (on one line, as the trainer's error says it: a server's tracebacks run over many)."""
+        self.store.compare_set(f"stop/{sync}", "", f"{self.rank} {' '.join(why.split())[:1000]}")
 
     def stopped(self, sync: str) -> SyncStopped | None:
         """What stopped sync ``sync``, if a member did (or this one let go of the group)."""
