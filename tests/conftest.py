@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,12 @@ import pytest
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Inductor's on-disk cache does not key its kernels on the CPU capability: a run under
+# ATEN_CPU_CAPABILITY=default (make test-numerics) reused an AVX-512 run's kernels and failed to
+# build them (or crashed, under avx2). Each capability asked for compiles into a folder of its own.
+if os.environ.get("ATEN_CPU_CAPABILITY"):
+    folder = f"torchinductor_{os.getuid()}_{os.environ['ATEN_CPU_CAPABILITY']}"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), folder))
 
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
 
