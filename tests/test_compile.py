@@ -15,9 +15,7 @@ from lightning.pytorch import seed_everything
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.tasks.tiny import TinyModelSpec, make_tiny_checkpoint
 from tests.helpers import prompt_data, quiet_trainer
-
-# float32 rounding of fused kernels, with a margin over what was measured
-TOLERANCE = 1e-6
+from tests.tolerances import reordered_tolerance
 
 
 @pytest.fixture(scope="module")
@@ -54,5 +52,5 @@ def test_compiled_loss_passes_give_eager_losses(one_layer_llama, tmp_path):
     compiled = _first_losses(one_layer_llama, tmp_path / "compiled", compiled=True)
     assert eager["loss/value_avg"] > 0 and eager["policy/entropy_avg"] > 0
     for key, value in eager.items():
-        assert compiled[key] == pytest.approx(value, abs=TOLERANCE), key
+        assert compiled[key] == pytest.approx(value, abs=reordered_tolerance(value, terms=1.0)), key
     assert torch.compiler.is_compiling() is False  # nothing left in a compiling state

@@ -25,9 +25,7 @@ from lightning_ppo.ppo.microbatches import (
 from lightning_ppo.runs.errors import UsageError
 from tests.helpers import CountCharReward, free_port, spawn_forked
 from tests.test_trimming import _experience
-
-# float32 summation in other orders and shapes (measured below 1e-7 on this model)
-TOLERANCE = 1e-5
+from tests.tolerances import reordered_tolerance
 
 
 def _gradient(module: PPOLightningModule, plan) -> torch.Tensor:
@@ -57,7 +55,8 @@ def test_micro_batches_add_up_to_the_unsplit_minibatch(aggregation, split, tiny_
         assert all(m.input_ids.numel() <= 40 or len(m) == 1 for m, _ in plan)
         assert sum(m.input_ids.numel() for m, _ in plan) < exp.input_ids.numel()  # padding left out
     assert sum(share.tokens for _, share in plan) == pytest.approx(1.0)
-    torch.testing.assert_close(_gradient(module, plan), whole, rtol=0, atol=TOLERANCE)
+    # float32 summation in other orders and shapes (measured below 1e-7 on this model)
+    torch.testing.assert_close(_gradient(module, plan), whole, rtol=0, atol=reordered_tolerance(whole))
 
 
 def test_the_token_budget_is_checked():
@@ -165,10 +164,11 @@ def test_two_ranks_with_uneven_lengths_step_as_one_process_on_the_whole_minibatc
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for aggregation in AGGREGATIONS:
         whole = _gradient(_module(str(tiny_gpt2), aggregation), [(exp, Share())])
+        tolerance = reordered_tolerance(whole)
         for rank in ranks:
-            torch.testing.assert_close(rank[f"{aggregation} global"], whole, rtol=0, atol=TOLERANCE)
+            torch.testing.assert_close(rank[f"{aggregation} global"], whole, rtol=0, atol=tolerance)
         gap = (ranks[0][f"{aggregation} own"] - whole).abs().max()
-        assert gap > 100 * TOLERANCE, aggregation  # and it matters: each rank's own mean is another step
+        assert gap > 100 * tolerance, aggregation  # and it matters: each rank's own mean is another step
 
 
 @pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
@@ -186,12 +186,13 @@ def test_a_rank_whose_samples_were_all_dropped_does_not_scale_the_step(tiny_gpt2
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for aggregation in aggregations:
         whole = _gradient(_module(str(tiny_gpt2), aggregation), [(exp, Share())])
-        assert whole.abs().max() > 100 * TOLERANCE  # rank 1's samples do move the weights
+        tolerance = reordered_tolerance(whole)
+        assert whole.abs().max() > 100 * tolerance  # rank 1's samples do move the weights
         for rank in ranks:
-            torch.testing.assert_close(rank[f"{aggregation} global"], whole, rtol=0, atol=TOLERANCE)
+            torch.testing.assert_close(rank[f"{aggregation} global"], whole, rtol=0, atol=tolerance)
         own = ranks[0][f"{aggregation} own"]
         if aggregation == "constant":  # its policy term divides by rows, dropped or not; the
             # critic's and the entropy's token means are halved all the same
-            assert (own - whole).abs().max() > 100 * TOLERANCE
+            assert (own - whole).abs().max() > 100 * tolerance
         else:  # every term a token (response) mean: per rank, the whole step halved
-            torch.testing.assert_close(own, whole / 2, rtol=0, atol=TOLERANCE)
+            torch.testing.assert_close(own, whole / 2, rtol=0, atol=tolerance)

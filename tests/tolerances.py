@@ -59,3 +59,20 @@ class LargestLogit(Callback):
 
     def _record(self, module: torch.nn.Module, args: tuple, output: Tensor) -> None:
         self.value = max(self.value, magnitude(output))
+
+
+# Two float32 programs computing one quantity in another order (a padded and a trimmed micro-batch,
+# rows in groups, a compiled loss, another SIMD width) round each operation otherwise: up to one
+# step per rounded operation at the magnitude it works at, adding along the chain of operations. For
+# these tests' models (one or two layers, a forward and a backward: some sixteen rounded operations
+# from a weight to a loss or a gradient) that is at most 16 steps; measured at most 4.5 under the
+# AVX-512, AVX2 and scalar kernels (tests/test_compile_count.py's gradients, the largest).
+REORDERED_STEPS = 16
+
+
+def reordered_tolerance(values: float | Tensor, terms: float = 0.0) -> float:
+    """How far a float32 quantity computed in another order may be from ``values``:
+    :data:`REORDERED_STEPS` rounding steps at the magnitude of ``values`` or of the ``terms`` it was
+    summed from, the larger (a PPO loss sums ratio x whitened advantage, terms of size 1, to a mean
+    that may cancel to near 0)."""
+    return REORDERED_STEPS * torch.finfo(torch.float32).eps * max(magnitude(values), terms)
