@@ -34,6 +34,7 @@ from lightning_ppo.rollout.engines.server.weight_sync import (
     combine_workers,
     mismatch,
     sweep_leftovers,
+    unchecked,
     write_weights,
 )
 from lightning_ppo.rollout.sampling import hf_generation_config
@@ -81,8 +82,12 @@ def test_a_sync_that_moved_nothing_or_the_wrong_tensor_names_the_parameter():
     assert problem is not None and problem.startswith("parameter 'a.weight' holds sum"), problem
     swapped = mismatch(sums, _held({"a.weight": new["b.weight"], "b.weight": new["a.weight"]}), {})
     assert swapped is not None and "'a.weight'" in swapped
-    assert "no parameter for 'b.weight'" in mismatch(sums, _held({"a.weight": new["a.weight"]}), {})
-    assert "none of its 1 parameters" in mismatch(sums, _held({"other.weight": new["a.weight"]}), {})
+    # A tensor no parameter can be followed to (quantized, renamed) is never a refusal: said unchecked.
+    assert mismatch(sums, _held({"a.weight": new["a.weight"]}), {}) is None
+    assert "cannot follow 1 of the 2 written tensors (first 'b.weight')" in unchecked(
+        sums, _held({"a.weight": new["a.weight"]}), {}
+    )
+    assert "cannot follow 2 of the 2" in unchecked(sums, _held({"other.weight": new["a.weight"]}), {})
 
 
 def test_one_weight_moved_by_a_millionth_is_seen():

@@ -12,6 +12,7 @@ The trainer's side:
 - :mod:`.suppress`: how a request keeps ``generation.suppress_tokens`` from being sampled.
 - :mod:`.answers`: what a completion answer must hold (ids of the vocabulary, finite log-probs).
 - :mod:`.weight_sync`: weights written to a file, and the checksums that prove a sync arrived.
+- :mod:`.checksum`: one tensor's checksum, a bounded chunk at a time (it runs on the server too).
 - :mod:`.memory_sync`, :mod:`.weight_group`: weights sent in memory over a gloo group.
 
 The server's side (``lightning-ppo serve``):

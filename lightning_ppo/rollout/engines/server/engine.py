@@ -50,9 +50,11 @@ from lightning_ppo.rollout.engines.server.weight_sync import (
     combine_workers,
     mismatch,
     sweep_leftovers,
+    unchecked,
     write_weights,
 )
 from lightning_ppo.rollout.engines.weights import hf_weights
+from lightning_ppo.runs.warn import warn
 
 # What `lightning-ppo serve` passes vLLM as --worker-extension-cls (lightning_ppo.serve.EXTENSION).
 EXTENSION = f"{__package__}.worker_extension.WeightSyncExtension"
@@ -89,6 +91,7 @@ class VLLMServerEngine:
         self.tag = uuid.uuid4().hex[:12]
         self.requests_sent = [0] * len(self.servers)
         self.last_sync_seconds = 0.0
+        self.sync_notes: set[str] = set()  # what a verified sync could not check (weight_sync.unchecked)
         self._memory: MemorySync | None = None
         # This rank's requests in flight on one server: its share of generation.server_max_in_flight.
         self.max_in_flight = rank_share(config.server_max_in_flight, placement.world_size)
@@ -162,7 +165,12 @@ class VLLMServerEngine:
     def _verify(self, server: ServerClient, written: dict, held: list[Any], packed: dict) -> None:
         if not all(isinstance(answer, dict) for answer in held):
             raise server.error("weight sync", f"answered {str(held)[:200]!r}, not checksums")
-        problem = mismatch(written, combine_workers(held), packed)
+        sums = combine_workers(held)
+        problem = mismatch(written, sums, packed)
+        note = unchecked(written, sums, packed) if problem is None else None
+        if note is not None and note not in self.sync_notes:  # once a run, not at every verified sync
+            self.sync_notes.add(note)
+            warn(f"{server.url}: {note}")
         if problem is not None:
             raise server.error(
                 "weight sync",

@@ -11,6 +11,11 @@ would pass a sync that moved nothing (vllm#57022); a checksum of the weights hel
 The checksums (sum and sum of squares in float64) do not depend on how the engine lays a tensor
 out: GPT-2's transposed Conv1D weights, Llama's q/k/v fused into one ``qkv_proj``, a vocabulary
 padded with zero rows all sum alike. They would not see two values swapped inside one parameter.
+A mixture-of-experts layer that vLLM stacks (``experts.w13_weight``, ``w2_weight``) is checked as
+one whole: what the server's ``experts`` module holds against every tensor written under it. A
+tensor the server holds in another form (quantized, fp8) or under another name (a vision model's
+mapper) cannot be followed by its sum: :func:`unchecked` says so in one line, and such a sync is
+proven by the version the worker sets only once vLLM's load returned, never refused.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from lightning_ppo.rollout.engines.server.checksum import Checksum, checksum
 from lightning_ppo.runs.file_modes import open_mode
 
-Checksum = tuple[float, float]  # (sum, sum of squares) in float64
+__all__ = ["Checksum", "WrittenWeights", "checksum", "mismatch", "unchecked", "write_weights"]
+
 
 # Relative to sqrt(numel x sum of squares) (which bounds the sum of |values|). The values are exact in
 # float64 (float32/bf16 values and their squares), so two sums of them differ only by the rounding
@@ -46,11 +53,6 @@ class WrittenWeights:
     path: Path
     checksums: dict[str, Checksum]
     bytes: int
-
-
-def checksum(tensor: Tensor) -> Checksum:
-    values = tensor.detach().double()
-    return values.sum().item(), values.square().sum().item()
 
 
 # Then the writing machine's name, its process (:func:`_owner`), a random hex.
@@ -159,26 +161,76 @@ def combine_workers(answers: list[dict[str, list[float]]]) -> dict[str, list[flo
     return combined
 
 
+@dataclass(frozen=True)
+class _Groups:
+    """Which of the server's parameters are checked against which written tensors."""
+
+    single: dict[str, Checksum]  # a parameter by its own name, or fused (packed_modules_mapping)
+    stacked: dict[str, tuple[list[str], list[str]]]  # a module: its parameters, the tensors under it
+    unfollowed: list[str]  # written tensors no parameter's sum can be followed to
+
+
+def _groups(written: Mapping[str, Checksum], held: Mapping[str, list[float]], packed: Mapping) -> _Groups:
+    single = expected_checksums(written, held, packed)
+    covered = {part for name in single for part in _sources(name, written, packed)}
+    left = sorted(set(written) - covered)
+    stacked: dict[str, tuple[list[str], list[str]]] = {}
+    for name in sorted(set(held) - set(single)):
+        module = name.rpartition(".")[0]  # vLLM's `...mlp.experts`, holding every expert stacked
+        under = [tensor for tensor in left if module and tensor.startswith(f"{module}.")]
+        if under or module in stacked:
+            params, tensors = stacked.setdefault(module, ([], []))
+            params.append(name)
+            tensors.extend(t for t in under if t not in tensors)
+    grouped = {tensor for _, tensors in stacked.values() for tensor in tensors}
+    return _Groups(single, stacked, [tensor for tensor in left if tensor not in grouped])
+
+
+def unchecked(
+    written: Mapping[str, Checksum], held: Mapping[str, list[float]], packed: Mapping[str, list[str]]
+) -> str | None:
+    """One line on the written tensors whose sums no parameter of the server can be followed to
+    (held quantized, or renamed by the model's mapper), ``None`` where every one is checked."""
+    left = _groups(written, held, packed).unfollowed
+    if not left:
+        return None
+    return (
+        f"checksums cannot follow {len(left)} of the {len(written)} written tensors (first {left[0]!r}): "
+        "the server holds them quantized or under other names; verified for them: the server's load "
+        "returned and it holds this sync's weights version"
+    )
+
+
 def mismatch(
     written: Mapping[str, Checksum], held: Mapping[str, list[float]], packed: Mapping[str, list[str]]
 ) -> str | None:
-    """``None`` when every parameter the server holds sums as the trainer's weights do, else what
-    differs first (a name and both checksums). A sync that covered no parameter at all differs too."""
-    expected = expected_checksums(written, held, packed)
-    if not expected:
-        return f"none of its {len(held)} parameters matches a name of the {len(written)} written"
-    covered = {part for name in expected for part in _sources(name, written, packed)}
-    missing = sorted(set(written) - covered)
-    if missing:
-        return f"it holds no parameter for {missing[0]!r} ({len(missing)} written tensors unmatched)"
-    for name, (total, squares) in expected.items():
-        got_total, got_squares = held[name][0], held[name][1]
-        scale = math.sqrt(max(held[name][2], 1.0) * max(squares, got_squares)) + 1e-30
-        if abs(got_total - total) > _TOLERANCE * scale or abs(got_squares - squares) > _TOLERANCE * (
-            squares + 1e-30
-        ):
-            return (
-                f"parameter {name!r} holds sum {got_total:.9g} / sum of squares {got_squares:.9g}, "
-                f"the trainer's weights {total:.9g} / {squares:.9g}"
-            )
+    """``None`` when every parameter the server holds that the written tensors can be followed to
+    sums as they do (:func:`unchecked` names the rest), else what differs first (a name and both
+    checksums)."""
+    groups = _groups(written, held, packed)
+    wholes = {name: (total, squares, held[name][2]) for name, (total, squares) in groups.single.items()}
+    for module, (params, tensors) in groups.stacked.items():
+        total, squares = sum(written[t][0] for t in tensors), sum(written[t][1] for t in tensors)
+        got = [sum(held[p][i] for p in params) for i in range(3)]
+        label = f"{module}.{{{','.join(p.rpartition('.')[2] for p in params)}}}"
+        if not tensors or _differs((total, squares), got):
+            return _differ_line(label, (total, squares), got)
+    for name, (total, squares, numel) in wholes.items():
+        if _differs((total, squares), [held[name][0], held[name][1], numel]):
+            return _differ_line(repr(name), (total, squares), held[name])
     return None
+
+
+def _differs(expected: Checksum, got: list[float]) -> bool:
+    (total, squares), (got_total, got_squares, numel) = expected, got[:3]
+    scale = math.sqrt(max(numel, 1.0) * max(squares, got_squares)) + 1e-30
+    return abs(got_total - total) > _TOLERANCE * scale or abs(got_squares - squares) > _TOLERANCE * (
+        squares + 1e-30
+    )
+
+
+def _differ_line(label: str, expected: Checksum, got: list[float]) -> str:
+    return (
+        f"parameter {label} holds sum {got[0]:.9g} / sum of squares {got[1]:.9g}, "
+        f"the trainer's weights {expected[0]:.9g} / {expected[1]:.9g}"
+    )

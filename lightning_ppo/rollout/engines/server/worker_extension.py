@@ -23,17 +23,30 @@ from safetensors import safe_open
 
 
 def checksums(model: torch.nn.Module) -> dict[str, list[float]]:
-    """``name: [sum, sum of squares, numel]`` of every parameter, in float64.
+    """``name: [sum, sum of squares, numel]`` of every parameter, in float64, a bounded chunk at a
+    time (:mod:`.checksum`: the server's GPU has no room for a float64 copy of a large tensor).
 
     Both sums are unchanged by the ways an engine rearranges a checkpoint's tensor (transposed,
-    fused with its neighbours into one parameter, padded with zero rows), so the trainer can
-    compute the same numbers from its own tensors; see :func:`.weight_sync.expected_checksums`.
+    fused with its neighbours into one parameter, stacked with the other experts, padded with zero
+    rows), so the trainer can compute the same numbers from its own tensors; see
+    :func:`.weight_sync.mismatch`. A quantized layer's parameters (fp8, int8, packed int4: a
+    parameter that is not float16/bfloat16/float32) are left out, with their scales: their sums are
+    not the checkpoint's, and the trainer says it cannot check them (:func:`.weight_sync.unchecked`).
     """
+    from lightning_ppo.rollout.engines.server.checksum import checksum
+
+    params = list(model.named_parameters())
+    quantized = {name.rpartition(".")[0] for name, param in params if param.dtype not in _FLOATS}
     sums = {}
-    for name, param in model.named_parameters():
-        values = held_weight(model, name, param).detach().double()
-        sums[name] = [values.sum().item(), values.square().sum().item(), float(values.numel())]
+    for name, param in params:
+        if name.rpartition(".")[0] in quantized:
+            continue
+        weight = held_weight(model, name, param)
+        sums[name] = [*checksum(weight), float(weight.numel())]
     return sums
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @torch.no_grad()
