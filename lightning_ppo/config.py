@@ -85,7 +85,8 @@ class GenerationConfig:
         server_urls: The ``vllm_server`` engine's servers (``http://HOST:PORT``, as ``lightning-ppo
             serve`` prints it); each rank spreads its requests over all of them.
         server_max_in_flight: Requests in flight at once on each server, every rank's together
-            (each rank sends at most its share, this / ranks rounded up, to any one server); each
+            (each rank sends at most its share to any one server: this / ranks, the remainder
+            dealt out over the ranks, so the ranks together never exceed it); each
             request goes to the server with the fewest of its rank's in flight. The default, 256,
             is vLLM's default batch (``--max-num-seqs``) on most GPUs; set the servers' own where it
             differs (vLLM's default is 1024 on GPUs of 70 GiB or more but A100s, 128 on CPU).
@@ -98,7 +99,8 @@ class GenerationConfig:
             the same path on the servers' machines); ``null`` is the system's temporary folder.
         sync_transport: How the weights reach the servers: ``memory`` (broadcast over a gloo group
             of the trainer and the servers' workers, no disk) or ``file`` (a safetensors file in
-            ``sync_dir`` every server loads).
+            ``sync_dir`` every server loads) or ``nccl`` (vLLM's own NCCL weight transfer, GPU to GPU:
+            CUDA and vLLM on the trainer, servers started with ``lightning-ppo serve --nccl``).
         sync_address: Under ``memory``, the address the servers reach the trainer's rank 0 at (it
             listens on a free port there); ``null``: 127.0.0.1 when every server URL is on this
             machine, else this machine's name.
@@ -205,9 +207,9 @@ class GenerationConfig:
             self.server_max_in_flight,
         )
         _check(
-            self.sync_transport in ("memory", "file"),
+            self.sync_transport in ("memory", "file", "nccl"),
             "generation.sync_transport",
-            "'memory' or 'file'",
+            "'memory', 'file' or 'nccl'",
             self.sync_transport,
         )
 

@@ -43,6 +43,7 @@ from lightning_ppo.rollout.engines.server.client import GenerationServerError, S
 from lightning_ppo.rollout.engines.server.concurrent_calls import Stalled
 from lightning_ppo.rollout.engines.server.connections import Connections
 from lightning_ppo.rollout.engines.server.memory_sync import MemorySync, sync_address
+from lightning_ppo.rollout.engines.server.nccl_sync import NcclSync, nccl_refusal
 from lightning_ppo.rollout.engines.server.routing import Router, rank_share
 from lightning_ppo.rollout.engines.server.session import ServerSession
 from lightning_ppo.rollout.engines.server.suppress import Suppression, suppression
@@ -54,6 +55,7 @@ from lightning_ppo.rollout.engines.server.weight_sync import (
     write_weights,
 )
 from lightning_ppo.rollout.engines.weights import hf_weights
+from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.warn import warn
 
 # What `lightning-ppo serve` passes vLLM as --worker-extension-cls (lightning_ppo.serve.EXTENSION).
@@ -92,7 +94,10 @@ class VLLMServerEngine:
         self.requests_sent = [0] * len(self.servers)
         self.last_sync_seconds = 0.0
         self.sync_notes: set[str] = set()  # what a verified sync could not check (weight_sync.unchecked)
-        self._memory: MemorySync | None = None
+        self._memory: MemorySync | NcclSync | None = None
+        refusal = nccl_refusal() if config.sync_transport == "nccl" else None
+        if refusal is not None:
+            raise UsageError(refusal)
         # This rank's requests in flight on one server: its share of generation.server_max_in_flight.
         self.max_in_flight = rank_share(config.server_max_in_flight, placement.world_size)
         self.batch_requests = 1
@@ -214,12 +219,15 @@ class VLLMServerEngine:
         return described
 
     @property
-    def memory(self) -> MemorySync | None:
-        """The in-memory transport (``generation.sync_transport: memory``), once the servers are known."""
-        if self._memory is None and self.config.sync_transport == "memory" and self.described:
+    def memory(self) -> MemorySync | NcclSync | None:
+        """The in-memory transport (``generation.sync_transport``: ``memory``, our gloo group, or
+        ``nccl``, vLLM's own), once the servers are known; ``None`` for ``file``."""
+        transport = self.config.sync_transport
+        if self._memory is None and transport in ("memory", "nccl") and self.described:
             workers = [described["workers"] for described in self.described]
             address = sync_address(self.config.sync_address, self.config.server_urls)
-            self._memory = MemorySync(self.servers, workers, address, self.config.server_timeout)
+            kind = NcclSync if transport == "nccl" else MemorySync
+            self._memory = kind(self.servers, workers, address, self.config.server_timeout)
         return self._memory
 
     def _check_tokenizer(self, server: ServerClient) -> None:

@@ -175,6 +175,12 @@ class WeightSyncExtension:
         if group is not None:
             group.let_go()
 
+    def lppo_set_version(self, version: str) -> str:
+        """Hold weights ``version``: set by the trainer around vLLM's own weight transfer
+        (:mod:`.nccl_sync`), "" before it starts and the version once it finished."""
+        self.lppo_weights_version = version
+        return version
+
     def lppo_version(self) -> str:
         """The version of the weights loaded last ("" for the startup checkpoint's)."""
         return self.lppo_weights_version
