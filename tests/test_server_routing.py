@@ -6,6 +6,7 @@ them at once, and nothing is timed (benchmarks/servers.py --only routing times i
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from lightning_ppo import GenerationConfig
 from lightning_ppo.rollout.engines import Placement
 from lightning_ppo.rollout.engines.server import VLLMServerEngine
 from lightning_ppo.rollout.engines.server.client import GenerationServerError
+from lightning_ppo.rollout.engines.server.routing import rank_shares
 from lightning_ppo.rollout.sampling import hf_generation_config
 from lightning_ppo.runs.errors import UsageError
 from tests.test_server_engine import _Backlogged, _Quiet
@@ -194,6 +196,65 @@ def test_two_ranks_share_each_servers_limit(servers, tiny_digits):
     assert shapes == [(16, 2), (16, 2)], shapes
     assert floor.peaks == [8, 8], floor.peaks
     assert [engine.requests_sent for engine in engines] == [[8, 8], [8, 8]]
+
+
+def _ranks_sample(engines: list[VLLMServerEngine], prompts: int) -> list[object]:
+    """Each engine (a rank, on a thread of its own) samples ``prompts`` prompts at once; each rank's
+    shape, or its error."""
+    shapes: list[object] = []
+
+    def sample(engine: VLLMServerEngine) -> None:
+        try:
+            shapes.append(tuple(engine.generate(*_prompts(prompts)).response_ids.shape))
+        except Exception as err:  # noqa: BLE001  (said by the caller's assertion)
+            shapes.append(err)
+
+    threads = [threading.Thread(target=sample, args=(engine,)) for engine in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for engine in engines:
+        engine.close()
+    return shapes
+
+
+@pytest.mark.parametrize(
+    ("ranks", "limit"),
+    [(3, 8), (4, 2), (2, 1)],
+    ids=["3-ranks-limit-8", "4-ranks-limit-2", "2-ranks-limit-1"],
+)
+def test_ranks_that_do_not_divide_the_limit_hold_each_server_to_it(servers, tiny_digits, ranks, limit):
+    """2 servers, ``ranks`` ranks that do not divide ``server_max_in_flight`` or outnumber it: every
+    rank's requests on a server together are the limit, never more. The servers hold what they get
+    until one request more than the limit could have come (never, where the limit holds: they let
+    go at the hold's bound). Before, each rank sent limit / ranks rounded up to every server:
+    3 ranks at 8 held 9 on each, 4 ranks at 2 held 4, 2 ranks at 1 held 2."""
+    floor = Floor(2, ready=lambda floor, index: floor.arrived > 2 * limit, hold_s=1.0)
+    urls = servers(floor)
+    placements = [Placement(world_size=ranks, rank=rank) for rank in range(ranks)]
+    engines = [_many(tiny_digits, urls, placement, server_max_in_flight=limit) for placement in placements]
+    shapes = _ranks_sample(engines, 6)
+    assert shapes == [(6, 2)] * ranks, shapes
+    assert max(floor.peaks) == limit, floor.peaks
+    assert sum(sum(engine.requests_sent) for engine in engines) == 6 * ranks
+
+
+def test_every_servers_limit_is_dealt_out_whole_over_the_ranks():
+    """Limits 1-12, 1-9 ranks, 1-5 servers: each server's shares add up to its limit exactly, and
+    the ranks' totals differ by one at most; where there are fewer slots than ranks, every rank
+    still has one (those beyond the slots queued on a server: the only excess)."""
+    for limit, ranks, servers in itertools.product(range(1, 13), range(1, 10), range(1, 6)):
+        shares = [rank_shares(limit, ranks, rank, servers) for rank in range(ranks)]
+        totals = [sum(share) for share in shares]
+        on_each = [sum(share[server] for share in shares) for server in range(servers)]
+        case = (limit, ranks, servers, shares)
+        assert min(totals) >= 1, case
+        if limit * servers >= ranks:
+            assert on_each == [limit] * servers, case
+            assert max(totals) - min(totals) <= 1, case
+        else:
+            assert sum(on_each) == ranks and max(on_each) - min(on_each) <= 1, case
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, True])

@@ -44,7 +44,7 @@ from lightning_ppo.rollout.engines.server.concurrent_calls import Stalled
 from lightning_ppo.rollout.engines.server.connections import Connections
 from lightning_ppo.rollout.engines.server.memory_sync import MemorySync, sync_address
 from lightning_ppo.rollout.engines.server.nccl_sync import NcclSync, nccl_refusal
-from lightning_ppo.rollout.engines.server.routing import Router, rank_share
+from lightning_ppo.rollout.engines.server.routing import Router, rank_shares
 from lightning_ppo.rollout.engines.server.session import ServerSession
 from lightning_ppo.rollout.engines.server.suppress import Suppression, suppression
 from lightning_ppo.rollout.engines.server.weight_sync import (
@@ -98,8 +98,10 @@ class VLLMServerEngine:
         refusal = nccl_refusal() if config.sync_transport == "nccl" else None
         if refusal is not None:
             raise UsageError(refusal)
-        # This rank's requests in flight on one server: its share of generation.server_max_in_flight.
-        self.max_in_flight = rank_share(config.server_max_in_flight, placement.world_size)
+        # This rank's requests in flight on each server: its share of generation.server_max_in_flight.
+        self.shares = rank_shares(
+            config.server_max_in_flight, placement.world_size, placement.rank, len(self.servers)
+        )
         self.batch_requests = 1
         self.exact_requests = 0  # samples requested again under allowed_token_ids (_exact_again)
         self.bias_refused: set[int] = set()  # servers that refuse logit_bias (_post)
@@ -264,7 +266,7 @@ class VLLMServerEngine:
         groups = prompt_groups(prompts)
         seeds = group_seeds(groups)
         connections = self._connected()
-        router = Router(len(self.servers), self.max_in_flight, first=self.placement.rank)
+        router = Router(self.shares, first=self.placement.rank)
         calls = [
             partial(self._routed, router, connections, index, prompts[start], seed, count)
             for index, ((start, count), seed) in enumerate(zip(groups, seeds, strict=True))
@@ -311,6 +313,16 @@ class VLLMServerEngine:
                 if stale is not None:
                     stale.close()
             return self._connections
+
+    @property
+    def max_in_flight(self) -> int:
+        """The most requests this rank has in flight on any one server (its connections per server)."""
+        return max(self.shares)
+
+    @max_in_flight.setter
+    def max_in_flight(self, limit: int) -> None:
+        """The same share on every server (a benchmark's or a test's own limit)."""
+        self.shares = [limit] * len(self.servers)
 
     def close(self) -> None:
         """Closes the connections to the servers (a batch still out is cancelled); the next sync, or

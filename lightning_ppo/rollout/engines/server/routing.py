@@ -6,31 +6,40 @@ its requests longer, so it has fewer slots free and is sent fewer, and the other
 (verl's ``AsyncLLMServerManager`` picks the server it has sent the fewest requests so far, a count
 that never goes down as they are answered: even servers get even shares, a slow one too). A
 server whose requests all wait behind its batch is full at the limit (``generation.
-server_max_in_flight``, shared by the ranks: :func:`rank_share`); a batch runs at most ``limit``
-requests per server at once, so one that fits in every server's room goes out in one wave.
+server_max_in_flight``, shared by the ranks: :func:`rank_shares`); a batch runs at most its
+share of each server at once, so one that fits in every server's room goes out in one wave.
 
 Everything here runs on the engine's event loop (:mod:`.connections`), one batch at a time: no lock.
 """
 
 from __future__ import annotations
 
-import math
 
-
-def rank_share(limit: int, ranks: int) -> int:
-    """Requests one rank may have in flight on one server, so that every rank's together fill the
-    server's ``limit`` (rounded up: a share of 0 would send nothing)."""
-    return max(1, math.ceil(limit / ranks))
+def rank_shares(limit: int, ranks: int, rank: int, servers: int) -> list[int]:
+    """Requests ``rank`` may have in flight on each server, so that every rank's together are each
+    server's ``limit`` exactly, however many ranks: ``limit // ranks`` each, and each server's
+    ``limit % ranks`` slots left over dealt out in turn over all servers (server 0's to ranks 0, 1,
+    ..., server 1's to the next ones), so a rank gets at most one more than another in all. A
+    limit rounded up per rank would overfill every server (3 ranks at 8: 9 each; 4 ranks at 2: 4).
+    Only where the ranks outnumber every server's slots together is a rank left without any: it
+    gets one on server ``rank mod servers`` (a server queues it; a rank that sends nothing would
+    wait forever)."""
+    base, extra = divmod(limit, ranks)
+    shares = [base + int((rank - server * extra) % ranks < extra) for server in range(servers)]
+    if not any(shares):
+        shares[rank % servers] = 1
+    return shares
 
 
 class Router:
-    """Hands each request of a batch a server among ``servers``, at most ``limit`` in flight each.
+    """Hands each request of a batch a server, at most ``limits[server]`` in flight on each.
 
     Ties go to the server first after ``first`` (the rank: each rank starts its batch on another
     server, so a few requests from every rank do not all land on server 0)."""
 
-    def __init__(self, servers: int, limit: int, first: int = 0) -> None:
-        self.limit = limit
+    def __init__(self, limits: list[int], first: int = 0) -> None:
+        servers = len(limits)
+        self.limits = limits
         self.first = first % servers
         self.in_flight = [0] * servers
         self.peaks = [0] * servers
@@ -39,12 +48,13 @@ class Router:
 
     def take(self, request: int) -> int:
         """The server for ``request``, counted in flight there until :meth:`give_back`. The batch
-        runs at most ``limit`` x servers requests at once (:meth:`room`), so one has room."""
+        runs at most every server's limit together (:meth:`room`), so one has room."""
         servers = len(self.in_flight)
         order = [(self.first + step) % servers for step in range(servers)]
-        server = min(order, key=lambda index: self.in_flight[index])
-        if self.in_flight[server] >= self.limit:
+        free = [index for index in order if self.in_flight[index] < self.limits[index]]
+        if not free:
             raise RuntimeError(f"no server has room for request {request}: {self.in_flight} in flight")
+        server = min(free, key=lambda index: self.in_flight[index])
         self.in_flight[server] += 1
         self.peaks[server] = max(self.peaks[server], self.in_flight[server])
         self.sent[server] += 1
@@ -57,7 +67,7 @@ class Router:
 
     def room(self) -> int:
         """How many requests the batch may run at once."""
-        return self.limit * len(self.in_flight)
+        return sum(self.limits)
 
     def used(self) -> list[int]:
         """The servers sent a request of this batch."""
