@@ -70,9 +70,19 @@ def parser() -> argparse.ArgumentParser:
         "replace the served weights. Only on a machine and network no one else uses.",
     )
     parser.add_argument(
+        "--nccl",
+        action="store_true",
+        help="Open vLLM's NCCL weight transfer (--weight-transfer-config {\"backend\": \"nccl\"}) for "
+        "generation.sync_transport: nccl (GPUs only).",
+    )
+    parser.add_argument(
         "--print-command", action="store_true", help="Print the environment and command line; start nothing."
     )
     return parser
+
+
+# vLLM's weight-transfer engine on the NCCL backend: the routes generation.sync_transport: nccl drives.
+NCCL_FLAGS = ["--weight-transfer-config", '{"backend": "nccl"}']
 
 
 def server_command(policy: str, host: str, port: int, dtype: str, extra: list[str]) -> list[str]:
@@ -150,6 +160,8 @@ def main(argv: list[str]) -> None:
     args = parser().parse_args(ours)
     if not Path(args.policy).is_dir():
         raise MissingPathError(f"lightning-ppo serve --policy: no folder {args.policy}")
+    if args.nccl:
+        extra = [*NCCL_FLAGS, *extra]
     command = server_command(str(Path(args.policy).resolve()), args.host, args.port, args.dtype, extra)
     # Listening on every address: the trainer reaches it by this machine's name.
     url = f"http://{socket.gethostname() if args.host in ('0.0.0.0', '::', '') else args.host}:{args.port}"

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import http.server
 import json
+import shlex
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -183,3 +186,22 @@ def test_nccl_without_cuda_on_the_trainer_is_refused_in_one_line(tiny_gpt2):
         VLLMServerEngine(config, hf, Placement(), tokenizer, len(tokenizer))
     line = "generation.sync_transport: nccl needs CUDA on the trainer (vLLM's NCCL weight transfer); "
     assert str(raised.value) == nccl_refusal() == line + "use memory or file"
+
+
+def test_serve_with_nccl_opens_vllms_weight_transfer_routes(tmp_path):
+    run = [
+        sys.executable,
+        "-m",
+        "lightning_ppo.console",
+        "serve",
+        "--policy",
+        str(tmp_path),
+        "--print-command",
+    ]
+    printed = subprocess.run([*run, "--nccl"], capture_output=True, text=True)
+    assert printed.returncode == 0, printed.stderr
+    command = shlex.split(printed.stdout.splitlines()[0].removeprefix("VLLM_SERVER_DEV_MODE=1 "))
+    flag = command.index("--weight-transfer-config")
+    assert json.loads(command[flag + 1]) == {"backend": "nccl"}
+    plain = subprocess.run(run, capture_output=True, text=True)
+    assert "--weight-transfer-config" not in plain.stdout
