@@ -3,6 +3,10 @@ as TRL calls a reward and through a module's ``reward_fn`` by class path and by 
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
 import pytest
 import torch
 
@@ -11,7 +15,7 @@ from lightning_ppo.rewards import RewardCall, ScoreInputs
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.warn import LightningPPOWarning
 from lightning_ppo.tasks.math_answer import MathAnswerReward, gsm8k_answer, math_answer_reward
-from lightning_ppo.tasks.math_checkers import checkers
+from lightning_ppo.tasks.math_checkers import Checkers, checkers
 
 GSM8K_ANSWER = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -226,6 +230,36 @@ def test_a_worker_that_died_is_replaced():
     worker.process.kill()
     worker.process.wait()
     assert pool.check([("2", "2"), ("2", "3")], 5.0, 10.0) == [True, False]
+
+
+def test_a_worker_killed_mid_batch_costs_no_other_answer():
+    """A worker killed in the first round (the OOM killer, a crash) loses the answer it held then; the
+    second round checks that one and the rest on the live workers (a dead one's turn took an answer
+    and dropped it, scored 0.0 though right)."""
+    pool = Checkers(2)
+    try:
+        pool.check([("1", "1")], 5.0, 10.0)
+        right = r"\boxed{((((" + "+".join(["1"] * 72) + "))))}"  # about 1 s to check: a second round
+        threading.Timer(0.1, pool._workers[0].process.kill).start()
+        assert pool.check([("72", right)] * 3, 10.0, 120.0) == [True] * 3
+    finally:
+        pool.close()
+
+
+def test_a_ctrl_c_during_a_batch_leaves_the_next_batch_its_own_answers():
+    """A Ctrl-C stops a batch (in a notebook the process goes on to fit again): its workers are stopped,
+    so no reply of the interrupted batch is read as the next batch's (18 of 20 wrong answers scored
+    right before)."""
+    pool = Checkers(1)
+    try:
+        right = r"\boxed{" + "+".join(["1"] * 35) + "+37}"
+        ctrl_c = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+        ctrl_c.start()
+        with pytest.raises(KeyboardInterrupt):
+            pool.check([("72", right)] * 20000, 5.0, 600.0)
+        assert pool.check([("1", r"\boxed{2}")] * 20, 5.0, 60.0) == [False] * 20
+    finally:
+        pool.close()
 
 
 def test_in_this_process_with_no_workers():

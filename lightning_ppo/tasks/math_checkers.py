@@ -15,6 +15,9 @@ step for 21 minutes. Here:
 - All of it within ``batch_timeout`` seconds: at that deadline the workers are killed (an alarm
   does not interrupt a computation in C) and start again with the next batch. Starting them is not
   counted (a second or two, the first time).
+- A worker that ends mid-batch (killed, crashed) loses only the answer it held, which the second
+  round asks a live worker again; a Ctrl-C stops every worker, so that no answer of the interrupted
+  batch is read as one of the next.
 
 An answer not checked in time is ``None``; :class:`~lightning_ppo.tasks.math_answer.MathAnswerReward`
 scores it 0.0 and counts it. ``workers=0`` checks in the calling process instead, one answer after
@@ -56,13 +59,20 @@ class _Worker:
             bufsize=1,
         )
 
-    def ask(self, line: str) -> str | None:
-        """The worker's answer to ``line``; ``None`` if it ended (killed at a deadline, or crashed)."""
+    def send(self, line: str) -> bool:
+        """Hand the worker ``line``; False if it had ended before (its pipe broken or closed)."""
         try:
             self.process.stdin.write(line + "\n")  # type: ignore[union-attr]
             self.process.stdin.flush()  # type: ignore[union-attr]
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def receive(self) -> str | None:
+        """The worker's answer to what it was sent; ``None`` if it ended (killed at a deadline, crashed)."""
+        try:
             return self.process.stdout.readline() or None  # type: ignore[union-attr]
-        except (OSError, ValueError):  # a broken or closed pipe
+        except (OSError, ValueError):
             return None
 
     def alive(self) -> bool:
@@ -100,10 +110,17 @@ class Checkers:
             self._start()
             deadline = time.monotonic() + batch_timeout
             pending = list(range(len(pairs)))
-            for seconds in sorted({min(FIRST_ROUND_S, answer_timeout), answer_timeout}):
-                if pending and self._workers and time.monotonic() < deadline:
-                    self._round(pairs, pending, seconds, results, deadline)
-                    pending = [i for i in pending if results[i] is None]
+            try:
+                for seconds in sorted({min(FIRST_ROUND_S, answer_timeout), answer_timeout}):
+                    self._workers = [worker for worker in self._workers if worker.alive()]
+                    if pending and self._workers and time.monotonic() < deadline:
+                        self._round(pairs, pending, seconds, results, deadline)
+                        pending = [i for i in pending if results[i] is None]
+            except BaseException:
+                # A Ctrl-C (a notebook goes on to fit again): the feeding threads would go on asking
+                # these workers, and the next batch would read their answers as its own.
+                self._stop_all()
+                raise
         return results
 
     def _round(
@@ -126,8 +143,12 @@ class Checkers:
                 except queue.Empty:
                     return
                 truth, completion = pairs[index]
-                reply = worker.ask(json.dumps({"truth": truth, "completion": completion, "seconds": seconds}))
-                if reply is None:
+                asked = {"truth": truth, "completion": completion, "seconds": seconds}
+                if not worker.send(json.dumps(asked)):
+                    todo.put(index)  # never asked: a live worker takes it
+                    return
+                reply = worker.receive()
+                if reply is None:  # it ended on this answer, perhaps because of it: not in this round again
                     return
                 results[index] = json.loads(reply)["correct"]
 
