@@ -7,6 +7,7 @@ finds first on its ``PYTHONPATH``. Each server is stopped by its test."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import subprocess
@@ -18,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from lightning_ppo.rollout.engines.server import local_server
 from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
 from lightning_ppo.rollout.engines.server.local_server import LocalServer
+from lightning_ppo.rollout.engines.server.session import ServerSession
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.server_keys import key_file, server_key
 from lightning_ppo.serve import server_key as server_key_for
@@ -160,6 +163,31 @@ def test_a_second_serve_on_a_busy_port_leaves_the_running_servers_key_alone(keys
     ), second.stderr
     assert path.read_text() == key
     assert ServerClient(server.url, 30).rpc("lppo_version") == "none"
+
+
+def test_a_server_restarted_at_its_address_is_reached_with_its_new_key(keys, serve, monkeypatch):
+    """A server restarted by ``serve`` at the same address while a trainer runs writes a new key:
+    the trainer's next call (a stdlib call and a pooled one) carries it, once the old one is refused,
+    so the run hears what happened (the version check: restarted), not that a key file is stale.
+    Before, the client kept the key it had read first: 401 naming a file that held the right key."""
+    first = serve()
+    client, pooled = ServerClient(first.url, 30), ServerClient(first.url, 30)
+    assert client.rpc("lppo_version") == pooled.rpc("lppo_version") == "none"  # each holds the key now
+    old_key = key_file(first.url).read_text()
+    first.stop()
+    monkeypatch.setattr(local_server, "free_port", lambda: first.port)
+    second = serve()
+    assert second.url == first.url and key_file(second.url).read_text() != old_key
+    assert client.rpc("lppo_version") == "none"
+    session = ServerSession(pooled, 1)
+
+    async def call() -> object:
+        try:
+            return await session.post("/collective_rpc", {"method": "lppo_version", "args": []}, 30)
+        finally:
+            await session.close()
+
+    assert asyncio.run(call()) == {"results": ["none"]}
 
 
 def test_vllm_api_key_is_enough_where_no_home_folder_can_be_named(monkeypatch):

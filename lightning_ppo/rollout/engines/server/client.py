@@ -91,6 +91,18 @@ class ServerClient:
             self._file_key = key
         return key
 
+    def key_changed(self, sent: str | None) -> bool:
+        """After a 401 to a call that carried the key ``sent``: the key file read again, and true
+        where it now holds another key: a server restarted at this address by ``lightning-ppo
+        serve`` wrote its new one while this run held the old. The call goes again once with it
+        (the run then hears what happened, from the version check: restarted), rather than be
+        refused as a stale file's. Compared with the key the call sent, not the one held now:
+        another call of a batch may have read the new one meanwhile."""
+        if environment_key() is not None:
+            return False
+        self._file_key = None
+        return self.key().value not in (None, sent)
+
     def auth_headers(self) -> dict[str, str]:
         """The bearer token of :meth:`key`, where there is one."""
         key = self.key().value
@@ -109,10 +121,15 @@ class ServerClient:
         except json.JSONDecodeError:
             raise self.error(route, not_json(body)) from None
 
-    def _call(self, request: urllib.request.Request, route: str, timeout: float) -> Any:
+    def _call(self, request: urllib.request.Request, route: str, timeout: float, again: bool = True) -> Any:
         try:  # the whole exchange within the timeout, not each read (a trickling server)
             body = exchange(request, timeout)
         except ErrorStatus as err:
+            sent = request.get_header("Authorization", "").removeprefix("Bearer ") or None
+            if err.status == 401 and again and self.key_changed(sent):
+                for name, value in self.auth_headers().items():
+                    request.add_header(name, value)
+                return self._call(request, route, timeout, again=False)
             raise self.error(route, self.refused(err.status, err.body)) from None
         except TimeoutError:
             raise self.error(route, no_answer(timeout)) from None

@@ -46,11 +46,24 @@ class ServerSession:
     async def post(self, route: str, body: dict[str, Any], timeout: float) -> Any:
         """The JSON answer to ``body`` at ``route``; ``timeout``: how long the socket may stay silent
         (a completion waits behind its batch's others: the batch is bounded as a whole)."""
+        sent = self.client.key().value
+        status, answer = await self._call(route, body, timeout, sent)
+        if status == 401 and self.client.key_changed(sent):  # a server restarted here: its new key
+            status, answer = await self._call(route, body, timeout, self.client.key().value)
+        if status >= 400:
+            raise self.client.error(route, self.client.refused(status, answer))
+        return self.client.answer(route, answer)
+
+    async def _call(
+        self, route: str, body: dict[str, Any], timeout: float, key: str | None
+    ) -> tuple[int, bytes]:
+        """One call's status and body (``key``: its bearer token), what went wrong on the way said as
+        the client says it."""
         data = json.dumps(body).encode()
-        headers = {"Content-Type": "application/json", **self.client.auth_headers()}
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         limits = aiohttp.ClientTimeout(total=None, sock_connect=self.client.timeout, sock_read=timeout)
         try:
-            status, answer = await self._exchange(self.client.url + route, data, headers, limits)
+            return await self._exchange(self.client.url + route, data, headers, limits)
         except aiohttp.ConnectionTimeoutError:
             raise self.client.error(route, no_answer(self.client.timeout)) from None
         except asyncio.TimeoutError:  # the socket silent for ``timeout`` (aiohttp's SocketTimeoutError)
@@ -61,9 +74,6 @@ class ServerSession:
             raise self.client.error(route, broke_off(err)) from None
         except (aiohttp.ClientError, OSError) as err:  # reset mid-call
             raise self.client.error(route, unreachable(err)) from None
-        if status >= 400:
-            raise self.client.error(route, self.client.refused(status, answer))
-        return self.client.answer(route, answer)
 
     async def _exchange(
         self, url: str, data: bytes, headers: dict[str, str], limits: aiohttp.ClientTimeout
