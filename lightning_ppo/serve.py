@@ -37,7 +37,13 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from lightning_ppo.runs.errors import VLLM_INSTALL_HINT, MissingPathError, UsageError
-from lightning_ppo.runs.server_keys import API_KEY_VARIABLE, environment_key, forget_keys, new_key
+from lightning_ppo.runs.server_keys import (
+    API_KEY_VARIABLE,
+    claim_address,
+    environment_key,
+    forget_keys,
+    new_key,
+)
 
 log = logging.getLogger(__name__)
 EXTENSION = "lightning_ppo.rollout.engines.server.worker_extension.WeightSyncExtension"
@@ -72,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nccl",
         action="store_true",
-        help="Open vLLM's NCCL weight transfer (--weight-transfer-config {\"backend\": \"nccl\"}) for "
+        help='Open vLLM\'s NCCL weight transfer (--weight-transfer-config {"backend": "nccl"}) for '
         "generation.sync_transport: nccl (GPUs only).",
     )
     parser.add_argument(
@@ -173,6 +179,7 @@ def main(argv: list[str]) -> None:
         return
     if find_spec("vllm") is None:
         raise UsageError(f"lightning-ppo serve needs the vllm package: {VLLM_INSTALL_HINT}")
+    claim_address(args.host, args.port)  # one serve at a time here, from now until its server exits
     check_port_free(args.host, args.port)  # before the key file: a running server's is left alone
     key, where = server_key(args.host, args.port, args.no_api_key)
     log.info(

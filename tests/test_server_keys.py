@@ -12,6 +12,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -188,6 +189,47 @@ def test_a_server_restarted_at_its_address_is_reached_with_its_new_key(keys, ser
             await session.close()
 
     assert asyncio.run(call()) == {"results": ["none"]}
+
+
+def test_a_second_serve_while_the_first_starts_leaves_its_key_alone(keys, tmp_path):
+    """Two ``serve`` at one address, the second while the first's server starts (vLLM binds its
+    port only once imported: seconds): the second is refused in one line and the first's key file
+    is left alone. Before, both found the port free, the second's key replaced the first's, the
+    second's server failed to bind, and the running one refused the trainer's key (5 of 6 pairs
+    started at once with the plain fake server)."""
+    shim = tmp_path / "slow" / "vllm" / "entrypoints" / "openai"
+    shim.mkdir(parents=True)
+    for folder in (shim, shim.parent, shim.parent.parent):
+        (folder / "__init__.py").write_text("")
+    started = tmp_path / "started"  # the first server's shim says when it runs, then waits to bind
+    (shim / "api_server.py").write_text(
+        "import pathlib, time\n"
+        f"pathlib.Path({str(started)!r}).touch()\n"
+        "time.sleep(8)  # vLLM's imports, before it binds its port\n"
+        "from tests.fake_vllm_server import main\n\nmain()\n"
+    )
+    (tmp_path / "policy").mkdir()
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'slow'}:{ROOT}"}
+    port = local_server.free_port()
+    command = [sys.executable, "-m", "lightning_ppo.console", "serve", "--policy", str(tmp_path / "policy")]
+    command += ["--port", str(port)]
+    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):  # at most 60 s
+            if started.exists() or first.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert started.exists() and first.poll() is None
+        key = key_file(f"http://127.0.0.1:{port}").read_text()
+        second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2 and second.stderr.strip() == (
+            f"lightning-ppo serve: error: lightning-ppo serve --port {port}: 127.0.0.1:{port} is in use "
+            "(a server already runs there?)"
+        ), second.stderr
+        assert key_file(f"http://127.0.0.1:{port}").read_text() == key
+    finally:
+        first.kill()
+        first.wait(30)
 
 
 def test_vllm_api_key_is_enough_where_no_home_folder_can_be_named(monkeypatch):

@@ -13,6 +13,7 @@ or in a log. Light: ``lightning-ppo serve`` imports it before it becomes the ser
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import secrets
@@ -107,6 +108,33 @@ def new_key(host: str, port: int) -> tuple[str, list[Path]]:
             out.write(key + "\n")
         os.replace(temporary, path)
     return key, paths
+
+
+def claim_address(host: str, port: int) -> None:
+    """Refuse a second ``lightning-ppo serve`` at ``host``:``port`` while the first runs or starts:
+    an exclusive lock on ``<folder>/<name>.lock``, held by a descriptor the server inherits (kept
+    open through ``exec``), so the kernel drops it only when the server exits. A port found free
+    is no proof: vLLM binds it only once imported, seconds later, and a second ``serve`` meanwhile
+    would write its key over the first's. Nothing to keep apart where no key file is written or
+    removed (``VLLM_API_KEY`` set and no key folder can be named)."""
+    try:
+        folder = _private_folder()
+    except UsageError:
+        if environment_key() is not None:
+            return
+        raise
+    path = folder / (key_names(host, port)[0].removesuffix(".key") + ".lock")
+    try:
+        descriptor = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    except OSError as err:
+        raise UsageError(f"the server lock file {path} cannot be opened: {err.strerror}") from None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        taken = f"{host}:{port} is in use (a server already runs there?)"  # as serve's check of the port
+        raise UsageError(f"lightning-ppo serve --port {port}: {taken}") from None
+    os.set_inheritable(descriptor, True)
 
 
 def forget_keys(host: str, port: int) -> None:
