@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,6 +261,31 @@ def test_a_ctrl_c_during_a_batch_leaves_the_next_batch_its_own_answers():
         assert pool.check([("1", r"\boxed{2}")] * 20, 5.0, 60.0) == [False] * 20
     finally:
         pool.close()
+
+
+def _checker_processes() -> list[int]:
+    """The live (not zombie) math-checker processes this process started."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == os.getpid() and b"math_reading.py" in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_ctrl_c_while_the_workers_start_leaves_none_running():
+    """A Ctrl-C while the workers start (a second or two: sympy's import) stops those started."""
+    pool, others = Checkers(2), set(_checker_processes())  # other tests' pools live on
+    ctrl_c = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    ctrl_c.start()
+    with pytest.raises(KeyboardInterrupt):
+        pool.check([("1", "1")], 5.0, 10.0)
+    assert set(_checker_processes()) - others == set()  # two before
 
 
 def test_in_this_process_with_no_workers():

@@ -179,8 +179,13 @@ class Checkers:
         for thread in waits:
             thread.start()
         started = time.monotonic()
-        for thread in waits:
-            thread.join(max(0.0, START_TIMEOUT_S - (time.monotonic() - started)))
+        try:
+            for thread in waits:
+                thread.join(max(0.0, START_TIMEOUT_S - (time.monotonic() - started)))
+        except BaseException:  # a Ctrl-C: none of them is in the pool yet, so nothing else stops them
+            for worker in new:
+                worker.stop()
+            raise
         if not all(ready):
             for worker in new:
                 worker.stop()
