@@ -25,7 +25,7 @@ from lightning_ppo.rollout.engines.server.client import GenerationServerError, S
 from lightning_ppo.rollout.engines.server.local_server import LocalServer
 from lightning_ppo.rollout.engines.server.session import ServerSession
 from lightning_ppo.runs.errors import UsageError
-from lightning_ppo.runs.server_keys import key_file, server_key
+from lightning_ppo.runs.server_keys import claim_address, key_file, server_key
 from lightning_ppo.serve import server_key as server_key_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,3 +247,19 @@ def test_vllm_api_key_is_enough_where_no_home_folder_can_be_named(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY")
     with pytest.raises(UsageError, match="no home folder to keep server keys in: set XDG_CACHE_HOME"):
         server_key("http://127.0.0.1:8000")
+
+
+def test_serve_with_vllm_api_key_starts_where_no_home_folder_can_be_named(monkeypatch):
+    """The server's side of the same container: ``serve`` with VLLM_API_KEY (or --no-api-key) writes
+    no key file, so it needs no key folder. Before, removing an earlier key file named the folder
+    and refused in one line telling the user to set VLLM_API_KEY, which was set."""
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    monkeypatch.setenv("VLLM_API_KEY", "k3y")
+    claim_address("127.0.0.1", 8000)
+    assert server_key_for("127.0.0.1", 8000, keyless=False)[0] == {}
+    assert server_key_for("127.0.0.1", 8000, keyless=True)[0] == {}

@@ -139,9 +139,14 @@ def claim_address(host: str, port: int) -> None:
 
 def forget_keys(host: str, port: int) -> None:
     """Removes the key files of a server on ``host``:``port`` (a server started there with a key of
-    the user's, or none, leaves no earlier server's key for the trainer to send)."""
+    the user's, or none, leaves no earlier server's key for the trainer to send). Where no key
+    folder can be named (no home folder), no key file can be there either."""
+    try:
+        folder = key_folder()
+    except UsageError:
+        return
     for name in key_names(host, port):
-        (key_folder() / name).unlink(missing_ok=True)
+        (folder / name).unlink(missing_ok=True)
 
 
 def _private_folder() -> Path:
