@@ -308,3 +308,15 @@ def test_settings_that_cannot_work_are_one_line(settings, named):
     with pytest.raises(UsageError) as err:
         MathAnswerReward(**settings)
     assert str(err.value) == f"MathAnswerReward {named}"
+
+
+def test_a_module_in_the_working_folder_does_not_shadow_the_checkers_libraries(tmp_path, monkeypatch):
+    """The workers start with `python -c`, whose import path began with the working folder: a
+    user's json.py there was imported in place of the library's (the workers failed to start)."""
+    (tmp_path / "json.py").write_text("raise ImportError('the json.py of the working folder')\n")
+    monkeypatch.chdir(tmp_path)
+    pool = Checkers(1)
+    try:
+        assert pool.check([("72", "72"), ("72", "73")], 5.0, 10.0) == [True, False]
+    finally:
+        pool.close()

@@ -43,7 +43,11 @@ from lightning_ppo.tasks.math_reading import is_correct
 FIRST_ROUND_S = 0.25
 START_TIMEOUT_S = 120.0  # workers that do not say they are ready by then: an error
 _SCRIPT = Path(__file__).with_name("math_reading.py")
-_RUN = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
+# `python -c` puts the working folder first on the import path: a user's json.py or sympy.py there
+# would be imported in place of the library's. It leaves the path before anything is imported.
+_RUN = "import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; import runpy; " + (
+    "runpy.run_path(sys.argv[1], run_name='__main__')"
+)
 
 
 class _Worker:
