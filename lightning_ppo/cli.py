@@ -39,6 +39,7 @@ from lightning_ppo.runs.quiet import silence_intended_warnings
 from lightning_ppo.runs.run_length import check_step_limit
 from lightning_ppo.runs.typos import suggestion
 from lightning_ppo.runs.writable import check_configured_folders, class_configs
+from lightning_ppo.selfcheck.command import selfcheck_main
 from lightning_ppo.serve import main as serve_main
 from lightning_ppo.tasks.tiny import ARCHS, DEFAULT_ALPHABET, TinyModelSpec, make_tiny_checkpoint
 from lightning_ppo.watch.plot import DEFAULT_KEYS, plot_run
@@ -51,7 +52,8 @@ DESCRIPTION = (
     "`lightning-ppo export CHECKPOINT --out DIR` writes the trained policy in Hugging Face format; "
     "`lightning-ppo plot RUN_DIR` draws a run's curves to a PNG; "
     "`lightning-ppo samples RUN_DIR` prints its latest sampled completions; "
-    "`lightning-ppo serve --policy DIR` starts a vLLM generation server (generation.engine: vllm_server). "
+    "`lightning-ppo serve --policy DIR` starts a vLLM generation server (generation.engine: vllm_server); "
+    "`lightning-ppo selfcheck` checks that training reaches a known optimum with your Trainer settings. "
     "A mistake in the configuration or inputs is reported in one line (exit status 2); "
     f"{TRACEBACK_ENV}=1 shows its traceback."
 )
@@ -193,18 +195,29 @@ def main(args: list[str] | None = None) -> PPOLightningCLI | int | None:
 
     Called in-process with ``args``, it returns the CLI (``cli.trainer``, ``cli.model``) for inspection.
     """
+    _prepare()
+    with ctrl_c_exits(), usage_errors_exit():
+        cli = _run(args)
+    if args is not None or not isinstance(cli, PPOLightningCLI):  # a subcommand's exit status, or None
+        return cli
+    # The console script passes our return value to sys.exit: Ctrl-C (saved and stopped) exits 130.
+    savers = [cb for cb in cli.trainer.callbacks if isinstance(cb, PPOCheckpoint)]
+    return 130 if any(saver.interrupt.requested for saver in savers) else None
+
+
+def _prepare() -> None:
     import_from_working_directory()
     # Tiny and cached checkpoints load in milliseconds; HF's per-load progress bars are only noise.
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()  # prompt files load in a moment; the bars only push logs away
     silence_intended_warnings()
-    with ctrl_c_exits(), usage_errors_exit():
-        cli = _run(args)
-    if args is not None or cli is None:
-        return cli
-    # The console script passes our return value to sys.exit: Ctrl-C (saved and stopped) exits 130.
-    savers = [cb for cb in cli.trainer.callbacks if isinstance(cb, PPOCheckpoint)]
-    return 130 if any(saver.interrupt.requested for saver in savers) else None
+
+
+def fit_in_process(args: list[str]) -> PPOLightningCLI | int | None:
+    """``main(args)`` without its exits: a usage error (or a run stopped on purpose) is raised, not
+    reported. ``lightning_ppo.selfcheck.selfcheck`` fits through it."""
+    _prepare()
+    return _run(args)
 
 
 def import_from_working_directory() -> None:
@@ -220,7 +233,7 @@ def import_from_working_directory() -> None:
         sys.path.insert(0, cwd)
 
 
-def _run(args: list[str] | None) -> PPOLightningCLI | None:
+def _run(args: list[str] | None) -> PPOLightningCLI | int | None:
     """Dispatch to a subcommand; ``fit`` (and LightningCLI's others) run through LightningCLI."""
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] == "make-tiny":
@@ -235,6 +248,8 @@ def _run(args: list[str] | None) -> PPOLightningCLI | None:
     if argv and argv[0] == "serve":
         serve_main(argv[1:])
         return None
+    if argv and argv[0] == "selfcheck":  # fits through _run: a run it stops is its FAIL, not exit 2
+        return selfcheck_main(argv[1:], fit=_run)
     if argv and argv[0] == "export":
         exported = export_main(argv[1:])
         print(f"wrote {exported.describe()} to {exported.out}")

@@ -1,0 +1,175 @@
+"""The selfcheck's single-turn task: a tiny policy, two prompts, a reward over a few tokens.
+
+The policy is a random 2-layer GPT-2 over a three-character vocabulary (``x``, ``y``, ``z``) and its
+stop token; the padding and BOS tokens are suppressed, so a response of at most three tokens is one
+of 40, all listed (:mod:`lightning_ppo.selfcheck.responses`). Its weights are drawn wider than
+GPT-2's default so that the reference is far from uniform and differs from one prefix to the next
+(a log-prob read one token off then reads another number, not the same near-uniform one).
+
+The reward ``count(prompt's character) / 3 + offset(prompt)`` gives the prompt ``y`` half a point
+more whatever the policy says: the return of a prefix depends on the prompt, so GAE needs a critic
+that tells the prompts apart (or GRPO/RLOO a group baseline of the same prompt); the count makes it
+depend on every token. At ``beta`` 0.3 the optimum's mean reward sits between the reference's and
+the greedy answer's, far from both (``docs/selfcheck.md``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from torch import Tensor
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from lightning_ppo.data import PromptDataModule
+from lightning_ppo.rewards import RewardFunction, ScoreInputs
+from lightning_ppo.runs.file_modes import save_pretrained
+from lightning_ppo.tasks.tiny import PAD, build_char_tokenizer
+
+# written last into a built checkpoint folder: another rank that sees it may load the folder
+_READY = "selfcheck-task.json"
+
+
+def prompt_char_score(prompt: str, completion: str, length: int, offsets: dict[str, float]) -> float:
+    """The task's reward: the share of ``length`` positions holding the prompt's character, plus the
+    prompt's offset."""
+    return completion.count(prompt) / length + offsets.get(prompt, 0.0)
+
+
+class PromptCharReward(RewardFunction):
+    """:func:`prompt_char_score` of each completion, as the run's reward.
+
+    Args:
+        length: The response length budget (``generation.max_new_tokens``).
+        offsets: A constant added to each prompt's reward.
+    """
+
+    def __init__(self, length: int = 3, offsets: dict[str, float] | None = None) -> None:
+        self.length, self.offsets = length, dict(offsets or {})
+
+    def __call__(self, prompts: list[str], completions: list[str], batch: ScoreInputs) -> Tensor:
+        scores = [
+            prompt_char_score(p, c, self.length, self.offsets)
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+        return torch.tensor(scores, dtype=torch.float32)
+
+
+class SelfcheckPrompts(PromptDataModule):
+    """The task's prompts in turn (``x y x y ...``), unshuffled: every batch of an even size holds as
+    many of each, on every rank together, so ``objective/scores`` varies only by the responses.
+
+    Args:
+        task_prompts: The prompts, cycled.
+        iterations: Batches each rank gets (one epoch); the rows are made for every rank's.
+        shuffle: Off: shuffled, a batch would hold the prompts in random proportions, and their
+            different rewards would add to the noise of its mean.
+        **kwargs: Everything ``PromptDataModule`` takes (``batch_size``, ...).
+    """
+
+    def __init__(
+        self, task_prompts: list[str], iterations: int, shuffle: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(shuffle=shuffle, **kwargs)
+        self.task_prompts, self.iterations = list(task_prompts), iterations
+
+    def load_dataset(self) -> datasets.Dataset:
+        world = self.trainer.world_size if self.trainer is not None else 1
+        rows = self.iterations * self.batch_size * world
+        return datasets.Dataset.from_dict(
+            {"prompt": [self.task_prompts[i % len(self.task_prompts)] for i in range(rows)]}
+        )
+
+
+@dataclass(frozen=True)
+class SelfcheckTask:
+    """The task and its tiny policy.
+
+    Attributes:
+        alphabet: The characters of the vocabulary (each a token), besides pad, EOS and BOS.
+        prompts: The prompts, drawn equally often.
+        offsets: Each prompt's constant in the reward.
+        max_new_tokens: The longest response.
+        beta: The KL coefficient ``ppo.kl_coef`` the optimum is computed at.
+        n_layer, n_embd, n_head: The GPT-2's size.
+        init_range: The std its weights are drawn with (GPT-2's default is 0.02).
+        seed: The seed its weights are drawn with.
+    """
+
+    alphabet: str = "xyz"
+    prompts: tuple[str, ...] = ("x", "y")
+    offsets: dict[str, float] = field(default_factory=lambda: {"y": 0.5})
+    max_new_tokens: int = 3
+    beta: float = 0.3
+    n_layer: int = 2
+    n_embd: int = 32
+    n_head: int = 2
+    init_range: float = 0.1
+    seed: int = 0
+
+    def key(self) -> str:
+        """A short hash of every field: the folder name of this task's checkpoint."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+    def suppressed(self) -> list[str]:
+        """The tokens sampling never draws: every special token but the stop token."""
+        return [PAD, "<bos>"]
+
+    def reward(self) -> PromptCharReward:
+        return PromptCharReward(self.max_new_tokens, self.offsets)
+
+    def build(self) -> tuple[GPT2LMHeadModel, PreTrainedTokenizerFast]:
+        """The random policy and its tokenizer (in memory)."""
+        tokenizer = build_char_tokenizer(self.alphabet)
+        torch.manual_seed(self.seed)
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            n_layer=self.n_layer,
+            n_embd=self.n_embd,
+            n_head=self.n_head,
+            n_positions=8 + self.max_new_tokens,
+            initializer_range=self.init_range,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        return GPT2LMHeadModel(config).eval(), tokenizer
+
+    def checkpoint(self, root: Path, builds: bool = True, timeout: float = 600.0) -> Path:
+        """The policy's folder under ``root``, named by :meth:`key`: built there once (into a temporary
+        folder renamed into place, so no rank ever reads half of it), or, with ``builds`` false (a
+        rank other than 0), waited for."""
+        out = root / f"policy-{self.key()}"
+        if builds and not (out / _READY).exists():
+            root.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".policy-", dir=root))
+            model, tokenizer = self.build()
+            save_pretrained(model, staging)
+            tokenizer.save_pretrained(staging)
+            (staging / _READY).write_text(json.dumps(asdict(self), sort_keys=True))
+            try:
+                os.rename(staging, out)
+            except OSError:  # built meanwhile by another process: theirs is the same
+                shutil.rmtree(staging, ignore_errors=True)
+        deadline = time.monotonic() + timeout
+        while not (out / _READY).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the selfcheck policy {out} was not built within {timeout:.0f} s by rank 0"
+                )
+            time.sleep(0.5)
+        return out
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """The prompt's token ids as the data module makes them (the tokenizer's special tokens added)."""
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
