@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install quickstart test test-numerics test-vllm test-oldest gpu-check lint tiny clean bench bench-engines docs
+.PHONY: install quickstart test test-numerics test-selfcheck test-vllm test-oldest gpu-check lint tiny clean bench bench-engines docs
 
 # Install CPU torch 2.13.0 first when no torch is present: an unpinned torch would pull CUDA wheels.
 $(STAMP): pyproject.toml
@@ -32,12 +32,21 @@ quickstart: tiny
 # The whole suite on one pytest-xdist worker per core, each torch on one thread (workers share the
 # cores); tests marked `ranks` (several processes each) run alone (tests/conftest.py). The slowest
 # tests are printed at the end. TESTS=tests/test_functional.py runs one file the same way. The whole
-# suite is followed by `make test-numerics`.
+# suite is followed by `make test-numerics`. The selfcheck's matrix (tests marked `selfcheck`) is
+# left to `make test-selfcheck`.
 TESTS   ?=
 WORKERS ?= auto
 test: $(STAMP)
-	OMP_NUM_THREADS=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 $(TESTS)
+	OMP_NUM_THREADS=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 \
+		-m "not selfcheck" $(TESTS)
 	$(if $(TESTS),,$(MAKE) --no-print-directory test-numerics)
+
+# `lightning-ppo selfcheck` on every setup it must pass (the estimators, LoRA, max_staleness, DDP and
+# FSDP2 on 2 CPU ranks) and on the bugs it must fail (docs/selfcheck.md), each a real training run of
+# 10-50 s on one thread.
+test-selfcheck: $(STAMP)
+	OMP_NUM_THREADS=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=5 \
+		-m selfcheck tests/test_selfcheck.py
 
 # The tests that compare two computations within a tolerance (compiled and eager decoding, every
 # precision, trimmed micro-batches, the functional maths) once more on the kernels of an x86-64 CPU
