@@ -42,11 +42,11 @@ test: $(STAMP)
 	$(if $(TESTS),,$(MAKE) --no-print-directory test-numerics)
 
 # `lightning-ppo selfcheck` on every setup it must pass (the estimators, LoRA, max_staleness, DDP and
-# FSDP2 on 2 CPU ranks) and on the bugs it must fail (docs/selfcheck.md), each a real training run of
-# 10-50 s on one thread.
+# FSDP2 on 2 CPU ranks, gpu-check's bf16-mixed stage on the CPU) and on the bugs it must fail
+# (docs/selfcheck.md), each a real training run of 10-80 s on one thread.
 test-selfcheck: $(STAMP)
 	OMP_NUM_THREADS=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=5 \
-		-m selfcheck tests/test_selfcheck.py
+		-m selfcheck tests/test_selfcheck.py tests/test_bench_smoke.py
 
 # The tests that compare two computations within a tolerance (compiled and eager decoding, every
 # precision, trimmed micro-batches, the functional maths) once more on the kernels of an x86-64 CPU

@@ -23,7 +23,9 @@ too little is left:
    the floor; each row's iteration and generation against the floor's (issue 43's targets: 0.8x, 0.5x);
 6. decoding alone (``benchmarks.decoding``, where it exists): ms per step against length;
 7. ``fit-end``: the whole process's peak host RSS, read from outside, of lightning_ppo and the floor at
-   64 x 32 (``benchmarks.fit_end_memory``; the target: at most 1.2x the floor's).
+   64 x 32 (``benchmarks.fit_end_memory``; the target: at most 1.2x the floor's);
+8. ``selfcheck``: ``lightning-ppo selfcheck`` on the device under bf16-mixed: does training land on the
+   exact KL-regularised optimum there (docs/selfcheck.md)? Its gaps in the row's note; FAILED on a FAIL.
 
 ``--stages`` picks and orders them (a short lease: the rows that matter first).
 
@@ -77,6 +79,7 @@ STAGE_SHARES = {
     "bench-256x256": 0.3,
     "decoding": 0.15,
     "fit-end": 0.2,
+    "selfcheck": 0.15,
 }
 # The GSM8K recipe (configs/gsm8k_ppo.yaml): batch 64, ~200-token prompts, 1 epoch x 4 minibatches
 RECIPE = ["--configs", "qwen2.5-0.5b", "--batch-size", "64", "--prompt-length", "200"]
@@ -479,6 +482,8 @@ def run_stage(stage: str, out: Path, allowed: float, args: argparse.Namespace) -
         return bench(out, stage, allowed, VARIABLE_VARIANTS, extra, group="variable")
     if stage == "fit-end":
         return fit_end(out, allowed, args.accelerator)
+    if stage == "selfcheck":
+        return selfcheck(out, allowed, args.accelerator)
     long = ["--iterations", "2", "--batch-size", "256", "--response-length", "256"]
     return bench(out, stage, allowed, LONG_256_VARIANTS, [*long, *device])
 
@@ -511,6 +516,31 @@ def decoding(out: Path, allowed: float, accelerator: str) -> list[Line]:
     failure = run_logged(command, log, allowed)
     status = "ok" if failure is None else "FAILED"
     return [Line("decoding", "benchmarks.decoding", "bf16-mixed", status, note=failure or f"table in {log}")]
+
+
+def selfcheck(out: Path, allowed: float, accelerator: str) -> list[Line]:
+    """``lightning-ppo selfcheck`` on ``accelerator`` under bf16-mixed: its verdict and gaps (its
+    ``selfcheck.json``), the run's seconds in the note."""
+    folder, log = out / "selfcheck", out / "selfcheck.log"
+    (folder / "selfcheck.json").unlink(missing_ok=True)  # a last check's must not pass for this one's
+    command = [sys.executable, "-m", "lightning_ppo.cli", "selfcheck", "--out", str(folder), "--no-plot"]
+    command += ["--trainer.accelerator", accelerator, "--trainer.precision", "bf16-mixed"]
+    failure = run_logged(command, log, allowed)
+    if not (folder / "selfcheck.json").exists():
+        return [
+            Line("selfcheck", "lightning-ppo selfcheck", "bf16-mixed", "FAILED", note=failure or "no result")
+        ]
+    r = json.loads((folder / "selfcheck.json").read_text())
+    if r["stopped"] is not None:
+        return [Line("selfcheck", r["setup"], "bf16-mixed", "FAILED", note=f"stopped: {r['stopped'][:120]}")]
+    gaps = ", ".join(
+        f"{name} {r[name]['exact']:.4f} -> {r[name]['reached']:.4f} ({r[name]['gap']:+.4f}, "
+        f"band [{r[name]['low']:+.4f}, {r[name]['high']:+.4f}])"
+        for name in ("reward", "kl", "objective")
+    )
+    verdict = "PASS" if r["passed"] else "FAIL"
+    note = f"{verdict} in {r['seconds']:.0f} s: {gaps}"
+    return [Line("selfcheck", r["setup"], "bf16-mixed", "ok" if r["passed"] else "FAILED", note=note)]
 
 
 def fit_end(out: Path, allowed: float, accelerator: str) -> list[Line]:

@@ -186,3 +186,18 @@ def test_gpu_check_fit_end_stage_runs_its_cpu_trial(tmp_path):
         assert row["status"] == "ok" and row["rss_mib"] > 100
         assert re.match(r"\d\.\d\dx the floor's peak RSS", row["note"])
     assert rows[0]["note"].startswith("1.00x")
+
+
+@pytest.mark.selfcheck
+def test_gpu_check_selfcheck_stage_runs_its_cpu_trial(tmp_path):
+    # the stage's command and row on the CPU, bf16-mixed as on the GPU (the selfcheck a real process)
+    from benchmarks import gpu_check
+
+    argv = ["--accelerator", "cpu", "--stages", "selfcheck", "--out", str(tmp_path), "--budget", "600"]
+    assert gpu_check.main(argv) == 0  # a FAIL would be a FAILED row and exit status 1
+    rows = json.loads((tmp_path / "gpu-check.json").read_text())
+    (row,) = rows
+    assert (row["stage"], row["precision"], row["status"]) == ("selfcheck", "bf16-mixed", "ok")
+    assert row["what"].startswith("cpu x 1, SingleDevice, bf16-mixed, engine hf, gae")
+    objective = json.loads((tmp_path / "selfcheck" / "selfcheck.json").read_text())["objective"]
+    assert objective["low"] <= objective["gap"] <= objective["high"]

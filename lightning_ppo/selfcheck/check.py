@@ -28,8 +28,10 @@ def run_selfcheck(
         if not is_first_rank():
             return None
         setup = " ".join(settings.overrides) or "defaults"
-        return SelfcheckResult(
-            setup, None, None, None, None, 0, 0, None, time.perf_counter() - started, None, None, str(err)
+        seconds = time.perf_counter() - started
+        return kept(
+            settings,
+            SelfcheckResult(setup, None, None, None, None, 0, 0, None, seconds, None, None, str(err)),
         )
     if outcome is None:
         return None
@@ -44,7 +46,7 @@ def run_selfcheck(
         plot = plot_selfcheck(
             outcome.metrics, listed, optimum, checks, window, settings.out / "selfcheck.png"
         )
-    return SelfcheckResult(
+    result = SelfcheckResult(
         setup=describe(outcome),
         optimum=optimum,
         reward=checks[0],
@@ -57,6 +59,13 @@ def run_selfcheck(
         metrics=outcome.metrics,
         plot=plot,
     )
+    return kept(settings, result)
+
+
+def kept(settings: RunSettings, result: SelfcheckResult) -> SelfcheckResult:
+    """``result``, written to ``OUT/selfcheck.json`` too (for scripts and CI: ``make gpu-check`` reads it)."""
+    (settings.out / "selfcheck.json").write_text(result.to_json())
+    return result
 
 
 def describe(outcome: FitOutcome) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lightning_ppo.selfcheck.exact import TiltedOptimum
@@ -47,6 +48,16 @@ class SelfcheckResult:
     def passed(self) -> bool:
         checks = (self.reward, self.kl, self.objective)
         return self.stopped is None and all(check is not None and check.passed for check in checks)
+
+    def to_json(self) -> str:
+        """Every field (paths as text), with ``passed`` and each check's ``gap`` and ``passed``."""
+        fields = asdict(self)
+        for name in ("reward", "kl", "objective"):
+            check = getattr(self, name)
+            if check is not None:
+                fields[name].update(gap=check.gap, passed=check.passed)
+        fields["passed"] = self.passed
+        return json.dumps(fields, indent=1, default=str)
 
     def lines(self) -> list[str]:
         """What the command prints."""

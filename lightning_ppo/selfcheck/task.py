@@ -1,8 +1,9 @@
 """The selfcheck's single-turn task: a tiny policy, two prompts, a reward over a few tokens.
 
-The policy is a random 2-layer GPT-2 over a three-character vocabulary (``x``, ``y``, ``z``) and its
-stop token; the padding and BOS tokens are suppressed, so a response of at most three tokens is one
-of 40, all listed (:mod:`lightning_ppo.selfcheck.responses`). Its weights are drawn wider than
+The policy is a random 2-layer GPT-2 (32 wide, one head of 32: vLLM's CPU attention has kernels
+from 32) over a three-character vocabulary (``x``, ``y``, ``z``) and its stop token, which also
+pads; the other special tokens are suppressed, so a response of at most three tokens is one of 40,
+all listed (:mod:`lightning_ppo.selfcheck.responses`). Its weights are drawn wider than
 GPT-2's default so that the reference is far from uniform and differs from one prefix to the next
 (a log-prob read one token off then reads another number, not the same near-uniform one).
 
@@ -37,6 +38,7 @@ from lightning_ppo.tasks.tiny import PAD, build_char_tokenizer
 
 # written last into a built checkpoint folder: another rank that sees it may load the folder
 _READY = "selfcheck-task.json"
+_BUILD = 2  # raised whenever build() makes another checkpoint from the same fields
 
 
 def prompt_char_score(prompt: str, completion: str, length: int, offsets: dict[str, float]) -> float:
@@ -112,16 +114,18 @@ class SelfcheckTask:
     beta: float = 0.3
     n_layer: int = 2
     n_embd: int = 32
-    n_head: int = 2
+    n_head: int = 1
     init_range: float = 0.1
     seed: int = 0
 
     def key(self) -> str:
-        """A short hash of every field: the folder name of this task's checkpoint."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        """A short hash of every field and of how :meth:`build` builds: the name of this task's
+        checkpoint folder (a folder an older build wrote is never taken for this one's)."""
+        fields = {**asdict(self), "build": _BUILD}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
     def suppressed(self) -> list[str]:
-        """The tokens sampling never draws: every special token but the stop token."""
+        """The tokens sampling never draws: every special token but the stop token (which pads)."""
         return [PAD, "<bos>"]
 
     def reward(self) -> PromptCharReward:
@@ -130,6 +134,9 @@ class SelfcheckTask:
     def build(self) -> tuple[GPT2LMHeadModel, PreTrainedTokenizerFast]:
         """The random policy and its tokenizer (in memory)."""
         tokenizer = build_char_tokenizer(self.alphabet)
+        # Padding with the stop token, as many Hugging Face models do: a mask read from `ids != pad`
+        # instead of from the lengths would then drop every response's stop token.
+        tokenizer.pad_token = tokenizer.eos_token
         torch.manual_seed(self.seed)
         config = GPT2Config(
             vocab_size=len(tokenizer),
