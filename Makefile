@@ -87,7 +87,8 @@ $(VLLM_STAMP): pyproject.toml
 VLLM_WORKERS ?= 2
 test-vllm: $(VLLM_STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 WANDB_MODE=offline $(VLLM_VENV)/bin/python -m pytest -q -n $(VLLM_WORKERS) \
-		--dist loadfile --durations=5 tests/test_vllm_engine.py tests/test_engines.py tests/test_vllm_server.py
+		--dist loadfile --durations=5 tests/test_vllm_engine.py tests/test_engines.py tests/test_vllm_server.py \
+		tests/test_selfcheck_vllm.py
 
 # The oldest supported versions: an environment of their own with the pyproject's lower bounds
 # pinned (constraints-oldest.txt: torch, lightning, transformers, peft, datasets, ...) and a fast

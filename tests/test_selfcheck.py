@@ -28,6 +28,7 @@ from tests.helpers import cli_process, cli_usage_error
 BUG = "tests.selfcheck_bugs."
 ESTIMATOR = "--model.init_args.ppo.advantage_estimator"
 GROUPS = ("--model.init_args.ppo.num_generations", "4")
+K3 = ("--model.init_args.ppo.kl_estimator", "k3")
 
 
 def test_the_tilted_optimum_of_two_responses_by_hand():
@@ -151,12 +152,17 @@ def test_a_correct_setup_passes(tmp_path, options, settings):
 @pytest.mark.parametrize(
     "options",
     [
-        pytest.param(("--model.init_args.ppo.kl_estimator", "k3"), id="k3 in the reward"),
+        pytest.param(K3, id="k3 in the reward"),
         pytest.param(("--model.init_args.generation.top_k", "2"), id="top_k 2"),
+        pytest.param(
+            (ESTIMATOR, "grpo", *GROUPS, "--model.init_args.ppo.kl_placement", "loss", *K3),
+            id="grpo with k3 in the loss (configs/grpo.yaml)",
+        ),
     ],
 )
 def test_a_setting_that_optimises_another_objective_fails(tmp_path, options):
-    result = selfcheck(tmp_path / "run", *options, draw=False)
+    settings = {"batch_size": 16} if "grpo" in options else {}
+    result = selfcheck(tmp_path / "run", *options, draw=False, **settings)
     assert not result.passed, "\n".join(result.lines())
 
 
