@@ -29,7 +29,7 @@ from pathlib import Path
 from lightning.pytorch import Callback
 
 from lightning_ppo.selfcheck import selfcheck
-from lightning_ppo.selfcheck.optimum import ListedTask, distance_of_policy, list_task
+from lightning_ppo.selfcheck.optimum import ListedEpisodes, ListedTask, list_task
 from lightning_ppo.selfcheck.task import SelfcheckTask
 from lightning_ppo.watch.plot import read_metrics
 
@@ -73,6 +73,23 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict, bool]] = {
     "bug: KL with the wrong sign": ((BUG, "tests.selfcheck_bugs.WrongSignKL"), {}, False),
     "bug: reference is the policy": ((BUG, "tests.selfcheck_bugs.ReferenceIsPolicy"), {}, False),
     "bug: log-probs shifted by one": ((BUG, "tests.selfcheck_bugs.LogprobsShiftedByOne"), {}, False),
+    "two turns, gae": ((), {"turns": 2}, False),
+    "two turns, rloo": ((ESTIMATOR, "rloo", *GROUPS), {"batch_size": 16, "turns": 2}, False),
+    "two turns, bug: KL with the wrong sign": (
+        (BUG, "tests.selfcheck_bugs.WrongSignKL"),
+        {"turns": 2},
+        False,
+    ),
+    "two turns, bug: reference is the policy": (
+        (BUG, "tests.selfcheck_bugs.ReferenceIsPolicy"),
+        {"turns": 2},
+        False,
+    ),
+    "two turns, bug: log-probs shifted by one": (
+        (BUG, "tests.selfcheck_bugs.LogprobsShiftedByOne"),
+        {"turns": 2},
+        False,
+    ),
 }
 HEADER = (
     "| setup | seed | E[r]: exact -> reached (gap) | KL: exact -> reached (gap) | objective gap [band] "
@@ -81,22 +98,33 @@ HEADER = (
 
 
 class ExactDistance(Callback):
-    """Logs the trained policy's exact ``KL(pi || pi*)`` after every iteration (the task listed once)."""
+    """Logs the trained policy's exact ``KL(pi || pi*)`` after every iteration (the task listed once).
 
-    def __init__(self) -> None:
-        self.listed: ListedTask | None = None
+    Args:
+        turns: The task's (``SelfcheckTask.turns``).
+    """
+
+    def __init__(self, turns: int = 1) -> None:
+        self.turns = turns
+        self.listed: ListedTask | ListedEpisodes | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.listed is None:
-            self.listed = list_task(pl_module, SelfcheckTask(beta=pl_module.ppo.kl_coef))
-        distance = distance_of_policy(self.listed, pl_module.policy, pl_module.ppo.kl_coef)
+            self.listed = list_task(pl_module, task_of(self.turns))
+        distance = self.listed.distance(pl_module.policy, pl_module.ppo.kl_coef)
         pl_module.log(DISTANCE, distance, on_step=True, batch_size=1)
+
+
+def task_of(turns: int, seed: int = 0) -> SelfcheckTask:
+    return SelfcheckTask(seed=seed) if turns == 1 else SelfcheckTask.two_turns(seed=seed)
 
 
 def in_process(out: Path, seed: int, args: tuple[str, ...], kwargs: dict) -> tuple[dict, str]:
     """The selfcheck in this process: its result, and the mean distance over its plateau."""
-    callback = f"--trainer.callbacks+={CALLBACK}"
-    result = selfcheck(out, *args, callback, task=SelfcheckTask(seed=seed), draw=False, **kwargs)
+    turns = kwargs.pop("turns", 1)
+    callback = json.dumps({"class_path": CALLBACK, "init_args": {"turns": turns}})
+    task = task_of(turns, seed)
+    result = selfcheck(out, *args, f"--trainer.callbacks+={callback}", task=task, draw=False, **kwargs)
     if result.stopped is not None:
         return json.loads(result.to_json()), "n/a"
     distances = read_metrics(result.metrics)[1][DISTANCE][1][-result.iterations :]
@@ -113,9 +141,10 @@ def on_ranks(out: Path, seed: int, args: tuple[str, ...]) -> tuple[dict, str]:
     return json.loads((out / "selfcheck.json").read_text()), "n/a"
 
 
-def row(name: str, seed: int, root: Path, lr: float | None) -> str:
+def row(name: str, seed: int, root: Path, lr: float | None, iterations: int | None = None) -> str:
     args, kwargs, ranks = VARIANTS[name]
-    kwargs = {**kwargs, "lr": lr} if lr is not None else kwargs
+    given = {"lr": lr, "iterations": iterations}
+    kwargs = {**kwargs, **{k: v for k, v in given.items() if v is not None}}  # a copy: "turns" is taken out
     out = root / f"{name.replace(' ', '_').replace(':', '').replace(',', '')}-{seed}"
     shutil.rmtree(out, ignore_errors=True)
     started = time.perf_counter()
@@ -138,12 +167,13 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--lr", type=float, default=None, help="the learning rate (default the selfcheck's)")
+    parser.add_argument("--iterations", type=int, default=None, help="(default the selfcheck's)")
     ns = parser.parse_args()
     print(HEADER, flush=True)
     with tempfile.TemporaryDirectory(prefix="selfcheck-calibration-") as root:
         for name in ns.variants:
             for seed in ns.seeds:
-                print(row(name, seed, Path(root), ns.lr), flush=True)
+                print(row(name, seed, Path(root), ns.lr, ns.iterations), flush=True)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ import torch
 from lightning_ppo.cli import main
 from lightning_ppo.selfcheck import selfcheck
 from lightning_ppo.selfcheck.exact import kl_to_optimum, tilted_optimum
-from lightning_ppo.selfcheck.responses import ResponseSpace
-from lightning_ppo.selfcheck.run import RunSettings
+from lightning_ppo.selfcheck.induction import TwoTurns
+from lightning_ppo.selfcheck.responses import ResponseSpace, float64_copy
 from lightning_ppo.selfcheck.task import SelfcheckTask
 from lightning_ppo.selfcheck.verdict import Plateau, judge
 from lightning_ppo.watch.plot import read_metrics
@@ -57,13 +57,40 @@ def test_any_policy_falls_short_of_the_optimum_by_beta_times_its_kl_to_it():
     assert float(objective) == pytest.approx(optimum.objective - float(shortfall), abs=1e-12)
 
 
+def test_two_turns_any_policy_falls_short_of_the_induction_by_beta_times_its_kl_to_it():
+    # random references, rewards and transitions: the soft Bellman optimum's identity, by brute force
+    generator = torch.Generator().manual_seed(0)
+
+    def logits(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).log_softmax(-1)
+
+    episodes = TwoTurns(
+        ref1=logits(2, 5),
+        r1=torch.rand(2, 5, generator=generator, dtype=torch.float64),
+        transition=logits(2, 5, 3).exp(),
+        ref2=logits(2, 5, 3, 5),
+        r2=torch.rand(2, 5, 3, 5, generator=generator, dtype=torch.float64),
+    )
+    beta = 0.4
+    policy1, policy2 = logits(2, 5), logits(2, 5, 3, 5)
+    prob, reward, log_ratio = episodes.episodes(policy1, policy2)
+    objective = float((prob * (reward - beta * log_ratio)).flatten(1).sum(1).mean())
+    optimum = episodes.optimum(beta)
+    assert objective == pytest.approx(
+        optimum.objective - beta * episodes.distance(policy1, policy2, beta), abs=1e-12
+    )
+    assert episodes.distance(*episodes.soft_policy(beta)[:2], beta) == pytest.approx(0.0, abs=1e-12)
+    # the maximum is the optimum's own reward less beta times its KL, in the run's units
+    assert optimum.objective == pytest.approx(optimum.reward - beta * optimum.kl, abs=1e-12)
+
+
 def test_every_response_is_listed_once_and_their_probabilities_sum_to_one(tmp_path):
     task = SelfcheckTask()
     model, tokenizer = task.build()
     space = ResponseSpace((3, 4, 5), tokenizer.eos_token_id, max_new_tokens=3, temperature=0.7)
     responses = space.responses()
     assert len(responses) == 1 + 3 + 9 + 27 == len({r.token_ids for r in responses})
-    logprobs = space.logprobs(model, [3])
+    logprobs = space.logprobs(float64_copy(model), [3])
     assert float(logprobs.exp().sum()) == pytest.approx(1.0, abs=1e-12)
     # each one is the sum of its tokens' log-probs, read here by hand for one ended response
     with torch.no_grad():
@@ -132,6 +159,13 @@ def test_an_injected_bug_fails(tmp_path, bug):
 
 
 @pytest.mark.selfcheck
+@pytest.mark.parametrize("bug", [None, "WrongSignKL", "ReferenceIsPolicy"])
+def test_two_turns_with_an_environment_between_pass_and_their_bugs_fail(tmp_path, bug):
+    args = ["selfcheck", "--turns", "2", "--out", str(tmp_path / "run"), "--no-plot"]
+    assert main(args + (["--model.class_path", BUG + bug] if bug else [])) == (1 if bug else 0)
+
+
+@pytest.mark.selfcheck
 @pytest.mark.parametrize(
     "options, settings",
     [
@@ -182,4 +216,4 @@ def test_two_cpu_ranks_pass_through_lightnings_launcher(tmp_path, strategy):
     done = cli_process(args, timeout=600, OMP_NUM_THREADS="1")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     _, series = read_metrics(tmp_path / "run" / "csv" / "version_0" / "metrics.csv")
-    assert series["episode"][1][-1] == RunSettings("unused").iterations * 64
+    assert series["episode"][1][-1] == SelfcheckTask().iterations * 64

@@ -6,8 +6,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lightning_ppo.distributed.sharding import is_sharded
 from lightning_ppo.runs.errors import RunStopped
-from lightning_ppo.selfcheck.optimum import distance_of_policy, list_task, optimum_of
+from lightning_ppo.selfcheck.optimum import list_task
 from lightning_ppo.selfcheck.plot import plot_selfcheck
 from lightning_ppo.selfcheck.result import SelfcheckResult
 from lightning_ppo.selfcheck.run import FitOutcome, RunSettings, is_first_rank, run_fit
@@ -38,7 +39,7 @@ def run_selfcheck(
     window = window or max(settings.iterations // 3, 4)
     module = outcome.module
     listed = list_task(module, settings.task)
-    optimum = optimum_of(listed, float(module.ppo.kl_coef))
+    optimum = listed.optimum(float(module.ppo.kl_coef))
     plateau = Plateau.read(outcome.metrics, window)
     checks = judge(optimum, plateau)
     plot = None
@@ -54,7 +55,7 @@ def run_selfcheck(
         objective=checks[2],
         iterations=plateau.iterations,
         responses=plateau.responses,
-        policy_distance=distance_of_policy(listed, module.policy, optimum.beta),
+        policy_distance=None if is_sharded(module) else listed.distance(module.policy, optimum.beta),
         seconds=time.perf_counter() - started,
         metrics=outcome.metrics,
         plot=plot,
@@ -79,6 +80,8 @@ def describe(outcome: FitOutcome) -> str:
         f"engine {generation.engine}",
         ppo.advantage_estimator,
     ]
+    if module.episode_runner is not None:
+        words.append("episodes")
     if ppo.max_staleness:
         words.append(f"max_staleness {ppo.max_staleness}")
     if module.hparams.get("lora") is not None:

@@ -30,12 +30,26 @@ def parser() -> argparse.ArgumentParser:
         exit_on_error=False,
     )
     parser.add_argument("--out", default=str(_DEFAULTS.out), help="the run's folder (default %(default)s)")
-    parser.add_argument("--iterations", type=int, default=_DEFAULTS.iterations, help="PPO iterations")
+    parser.add_argument(
+        "--iterations", type=int, default=None, help="PPO iterations (default 120, 200 for --turns 2)"
+    )
     parser.add_argument(
         "--batch-size", type=int, default=_DEFAULTS.batch_size, help="prompts per batch per rank"
     )
     parser.add_argument("--lr", type=float, default=_DEFAULTS.lr, help="AdamW's learning rate")
-    parser.add_argument("--beta", type=float, default=SelfcheckTask.beta, help="the KL coefficient")
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="1: one reply per prompt; 2: two replies and an environment's random hint between (an episode)",
+    )
+    parser.add_argument(
+        "--beta",
+        type=float,
+        default=None,
+        help="the KL coefficient (default the task's: 0.3, 0.5 for --turns 2)",
+    )
     parser.add_argument(
         "--seed", type=int, default=SelfcheckTask.seed, help="the policy's and the run's seed"
     )
@@ -51,12 +65,15 @@ def selfcheck_main(argv: list[str], fit: Callable[[list[str]], Any]) -> int:
         ns, overrides = parser().parse_known_args(argv)
     except argparse.ArgumentError as err:
         raise UsageError(f"selfcheck: {err}") from err
-    if ns.beta <= 0:
+    if ns.beta is not None and ns.beta <= 0:
         raise UsageError(f"selfcheck: --beta must be > 0, got {ns.beta}")
-    if ns.window is not None and not 2 <= ns.window <= ns.iterations:
-        raise UsageError(f"selfcheck: --window must be in [2, --iterations], got {ns.window}")
-    task = replace(SelfcheckTask(), beta=ns.beta, seed=ns.seed)
+    task = SelfcheckTask() if ns.turns == 1 else SelfcheckTask.two_turns()
+    task = replace(task, seed=ns.seed, **({} if ns.beta is None else {"beta": ns.beta}))
     settings = RunSettings(ns.out, ns.iterations, ns.batch_size, ns.lr, task, overrides)
+    if ns.window is not None and not 2 <= ns.window <= settings.iterations:
+        raise UsageError(
+            f"selfcheck: --window must be in [2, --iterations {settings.iterations}], got {ns.window}"
+        )
     result = run_selfcheck(settings, fit, ns.window, draw=not ns.no_plot)
     if result is None:  # a rank other than 0: it trained, rank 0 judges
         return PASS_STATUS

@@ -35,6 +35,9 @@ class TiltedOptimum:
         reference_reward: ``E_x E_{pi_ref}[r]``, where training starts.
         greedy_reward: ``E_x max_y r``, where ``beta -> 0`` (or a KL term that pushes away) ends.
         objective: ``beta E_x log Z(x)``, the objective's maximum.
+        objective_std: The std of one response's ``r - beta log pi*/pi_ref`` within its prompt: 0
+            in one turn (it is ``beta log Z(x)`` for every response); in episodes, what the
+            environment's randomness leaves.
     """
 
     beta: float
@@ -45,6 +48,7 @@ class TiltedOptimum:
     reference_reward: float
     greedy_reward: float
     objective: float
+    objective_std: float = 0.0
 
 
 def tilted_optimum(

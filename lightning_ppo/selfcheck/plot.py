@@ -15,15 +15,15 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from lightning_ppo.selfcheck.exact import TiltedOptimum, tilted_optimum
-from lightning_ppo.selfcheck.optimum import ListedTask
+from lightning_ppo.selfcheck.exact import TiltedOptimum
+from lightning_ppo.selfcheck.optimum import ListedEpisodes, ListedTask
 from lightning_ppo.selfcheck.verdict import KL, SCORES, Check
 from lightning_ppo.watch.plot import moving_average, read_metrics
 
 
 def plot_selfcheck(
     metrics: Path,
-    listed: ListedTask,
+    listed: ListedTask | ListedEpisodes,
     optimum: TiltedOptimum,
     checks: tuple[Check, Check, Check],
     window: int,
@@ -64,9 +64,9 @@ def _draw_against(ax, steps: list[float], values: list[float], check: Check, win
     ax.set_xlabel("PPO iteration")
 
 
-def _draw_frontier(ax, series, listed: ListedTask, optimum: TiltedOptimum) -> None:
+def _draw_frontier(ax, series, listed: ListedTask | ListedEpisodes, optimum: TiltedOptimum) -> None:
     betas = torch.logspace(-2, 1, 60).tolist()
-    curve = [tilted_optimum(listed.ref_logprobs, listed.rewards, b) for b in betas]
+    curve = [listed.optimum(b) for b in betas]
     ax.plot(
         [c.kl for c in curve], [c.reward for c in curve], color="black", linewidth=1.0, label="exact frontier"
     )

@@ -52,10 +52,10 @@ class ResponseSpace:
             out.append(Response(full, ended=False))
         return out
 
-    def logprobs(self, model: nn.Module, prompt_ids: list[int]) -> Tensor:
-        """(N,) float64 log-prob of each of :meth:`responses` after ``prompt_ids`` under ``model``
-        (a causal LM; a float64 copy of it runs, the model itself is left as it is)."""
-        exact = copy.deepcopy(model).double().eval()
+    def logprobs(self, exact: nn.Module, prompt_ids: list[int]) -> Tensor:
+        """(N,) float64 log-prob of each of :meth:`responses` after ``prompt_ids`` (any context: a
+        prompt, or a prompt and the turns so far) under ``exact``, a causal LM in float64
+        (:func:`float64_copy`)."""
         longest = list(itertools.product(self.tokens, repeat=self.max_new_tokens))
         ids = torch.tensor([list(prompt_ids) + list(seq) for seq in longest], dtype=torch.long)
         with torch.no_grad():
@@ -76,3 +76,8 @@ class ResponseSpace:
             logp = sum(float(row[t, token]) for t, token in enumerate(response.token_ids))
             values.append(logp)
         return torch.tensor(values, dtype=torch.float64)
+
+
+def float64_copy(model: nn.Module) -> nn.Module:
+    """A float64 copy of ``model`` in eval mode, on its device; the model itself is left as it is."""
+    return copy.deepcopy(model).double().eval()

@@ -28,6 +28,8 @@ _OWNED = {
     "--model.init_args.reference": "the reference is the selfcheck's initial policy",
     "--model.init_args.reward_fn": "the reward is the task's",
     "--model.init_args.reward_model": "the reward is the task's",
+    "--model.init_args.environment": "the environment is the task's (use --turns)",
+    "--model.init_args.episode.max_turns": "the task's episodes have their own length (use --turns)",
     "--model.init_args.ppo.kl_coef": "use --beta",
     "--model.init_args.ppo.kl_target": "the optimum is computed at a fixed beta",
     "--model.init_args.generation.max_new_tokens": "every response of the task's length is listed",
@@ -50,7 +52,7 @@ class RunSettings:
 
     Attributes:
         out: The folder of the run: its policy, config, logs and plot.
-        iterations: PPO iterations (rollout batches).
+        iterations: PPO iterations (rollout batches); ``None``: the task's (120 for one turn, 200 for two).
         batch_size: Prompts per batch on each rank (``data.batch_size``); even, so each batch holds as
             many of each prompt.
         lr: AdamW's learning rate (no weight decay: it would pull the weights, not the objective).
@@ -58,7 +60,7 @@ class RunSettings:
     """
 
     out: Path
-    iterations: int = 120
+    iterations: int | None = None
     batch_size: int = 64
     lr: float = 3e-3
     task: SelfcheckTask = field(default_factory=SelfcheckTask)
@@ -66,6 +68,7 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
+        self.iterations = self.iterations or self.task.iterations
         if self.iterations < 8:
             raise UsageError(f"--iterations must be >= 8, got {self.iterations}")
         if self.batch_size < 2 or self.batch_size % len(self.task.prompts):
@@ -118,10 +121,7 @@ def config(settings: RunSettings, policy: Path) -> dict[str, Any]:
             "class_path": "lightning_ppo.PPOLightningModule",
             "init_args": {
                 "policy": str(policy),
-                "reward_fn": {
-                    "class_path": "lightning_ppo.selfcheck.task.PromptCharReward",
-                    "init_args": {"length": task.max_new_tokens, "offsets": dict(task.offsets)},
-                },
+                **scoring(task),
                 "ppo": {"kl_coef": task.beta, "missing_eos_penalty": None},
                 "generation": {
                     "max_new_tokens": task.max_new_tokens,
@@ -143,6 +143,22 @@ def config(settings: RunSettings, policy: Path) -> dict[str, Any]:
                 "max_prompt_length": 8,
             },
         },
+    }
+
+
+def scoring(task: SelfcheckTask) -> dict[str, Any]:
+    """What scores the task: the reward of one turn, or the hint environment over two."""
+    if task.turns == 1:
+        reward = {"length": task.max_new_tokens, "offsets": dict(task.offsets)}
+        return {
+            "reward_fn": {"class_path": "lightning_ppo.selfcheck.task.PromptCharReward", "init_args": reward}
+        }
+    return {
+        "environment": {
+            "class_path": "lightning_ppo.selfcheck.hint.HintEnvironment",
+            "init_args": {"length": task.max_new_tokens},
+        },
+        "episode": {"max_turns": 2, "max_tokens": task.budget},
     }
 
 

@@ -10,14 +10,16 @@ far from the optimum the optimiser may leave the policy, on average over the pla
 
 * reward: ``|gap| <= Z sigma_r / sqrt(n) + sigma_r sqrt(2 eps)``
 * KL: ``|gap| <= Z sigma_k / sqrt(n) + eps + sigma_r sqrt(2 eps) / beta``
-* objective: ``-beta eps - Z beta sqrt(2 eps / n) <= gap <= Z beta sqrt(2 eps / n)``
+* objective: ``-beta eps - Z s_J / sqrt(n) <= gap <= Z s_J / sqrt(n)``,
+  ``s_J = sqrt(2 eps beta^2 + sigma_J^2)``
 
 ``sigma_r`` and ``sigma_k`` are one response's std of the reward and of ``log pi*/pi_ref`` under the
 optimum (exact), so the first terms are ``Z`` standard errors of sampling noise; the second terms
 are the most a policy ``eps`` nats from the optimum moves each mean (to second order). The objective
 is exact: ``J(pi) = J* - beta KL(pi || pi*)``, never above ``J*``, and one response's
-``r - beta log pi/pi_ref`` varies by only ``beta sqrt(2 KL(pi || pi*))``; a run whose logged
-objective exceeds the maximum measured its KL wrong.
+``r - beta log pi/pi_ref`` varies by only ``beta sqrt(2 KL(pi || pi*))`` (plus, in episodes,
+``sigma_J``: what the environment's randomness moves it by under the optimum, exact); a run whose
+logged objective exceeds the maximum measured its KL wrong.
 """
 
 from __future__ import annotations
@@ -131,7 +133,9 @@ def judge(
     shift = optimum.reward_std * math.sqrt(2 * epsilon)  # the most a policy eps nats off moves E[r]
     reward = z * optimum.reward_std / root_n + shift
     kl = z * optimum.kl_std / root_n + epsilon + shift / beta
-    noise = z * beta * math.sqrt(2 * epsilon) / root_n  # of the objective near the optimum
+    # one response's objective varies by beta sqrt(2 eps) near the optimum, beside what the
+    # environment's randomness adds in episodes (0 in one turn)
+    noise = z * math.sqrt(2 * epsilon * beta**2 + optimum.objective_std**2) / root_n
     objective = plateau.objective(beta)
     return (
         Check(SCORES, optimum.reward, _mean(plateau.scores), _spread(plateau.scores), -reward, reward),
