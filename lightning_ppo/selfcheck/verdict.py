@@ -33,8 +33,9 @@ from lightning_ppo.watch.plot import read_metrics
 
 Z = 4.0  # standard errors of sampling noise: a correct run fails by chance about once in 16 000
 # Nats of KL(pi || pi*) the optimiser may leave on average over the plateau (beta x it of the
-# objective). Measured on correct setups (benchmarks/selfcheck_calibration.py): 0.004-0.015, and
-# 0.025-0.028 with a shared critic, whose value loss also moves the policy's weights.
+# objective). Measured on correct setups (benchmarks/selfcheck_calibration.py): 0.004-0.015; 0.025-0.029
+# with a shared critic (its value loss also moves the policy's weights), LoRA or temperature 0.7;
+# 0.030-0.040 in two turns.
 EPSILON = 0.05
 SCORES, KL, EPISODE, KL_COEF = "objective/scores", "objective/kl", "episode", "kl_coef"
 OBJECTIVE = "objective"  # objective/scores - beta objective/kl, per iteration
