@@ -1,10 +1,10 @@
 """Train the selfcheck task as a user trains: a config file and ``lightning-ppo fit`` on it, in-process.
 
 The selfcheck writes its config to ``OUT/selfcheck.yaml`` (``lightning-ppo fit --config`` runs it
-again as it is) and passes the user's ``--trainer.*``, ``--model.*`` and ``--data.*`` options after
-it, so the Trainer, strategy, precision, engine and estimator are the user's own, parsed and checked
-by the same LightningCLI. ``fit`` is the CLI's in-process entry point (``lightning_ppo.cli.main``),
-handed in by the caller.
+again as it is) and passes the user's ``--trainer.*`` and ``--model.*`` options after it, so the
+Trainer, strategy, precision, engine and estimator are the user's own, parsed and checked by the same
+LightningCLI. ``fit`` is the CLI's in-process entry point (``lightning_ppo.cli.fit_in_process``, or
+the command's own dispatch), handed in by the caller.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ _OWNED = {
     "--model.init_args.reward_model": "the reward is the task's",
     "--model.init_args.environment": "the environment is the task's (use --turns)",
     "--model.init_args.episode.max_turns": "the task's episodes have their own length (use --turns)",
+    "--model.init_args.episode.max_tokens": "every episode of the task's length is listed",
+    "--model.init_args.ppo.missing_eos_penalty": "the reward is the task's",
     "--model.init_args.ppo.kl_coef": "use --beta",
     "--model.init_args.ppo.kl_target": "the optimum is computed at a fixed beta",
     "--model.init_args.generation.max_new_tokens": "every response of the task's length is listed",
@@ -38,7 +40,7 @@ _OWNED = {
     "--trainer.max_epochs": "use --iterations",
     "--trainer.limit_train_batches": "use --iterations",
     "--trainer.logger": "the verdict reads the run's CSV log",
-    "--trainer.callbacks": "the selfcheck's decays the learning rate (add one with --trainer.callbacks+=...)",
+    "--trainer.callbacks": "the selfcheck's own decays the learning rate (append: --trainer.callbacks+=...)",
     "--model.init_args.lr_scheduler": "the selfcheck decays the learning rate itself",
     "--trainer.default_root_dir": "use --out",
     "--config": "the selfcheck writes its own (OUT/selfcheck.yaml)",
@@ -70,14 +72,14 @@ class RunSettings:
         self.out = Path(self.out)
         self.iterations = self.iterations or self.task.iterations
         if self.iterations < 8:
-            raise UsageError(f"--iterations must be >= 8, got {self.iterations}")
+            raise UsageError(f"selfcheck: --iterations must be >= 8, got {self.iterations}")
         if self.batch_size < 2 or self.batch_size % len(self.task.prompts):
             raise UsageError(
-                f"--batch-size must be a multiple of the task's {len(self.task.prompts)} prompts, "
+                f"selfcheck: --batch-size must be a multiple of the task's {len(self.task.prompts)} prompts, "
                 f"got {self.batch_size}"
             )
         if not self.lr > 0:
-            raise UsageError(f"--lr must be > 0, got {self.lr}")
+            raise UsageError(f"selfcheck: --lr must be > 0, got {self.lr}")
         check_overrides(self.overrides)
 
 

@@ -37,7 +37,7 @@ Z = 4.0  # standard errors of sampling noise: a correct run fails by chance abou
 # with a shared critic (its value loss also moves the policy's weights), LoRA or temperature 0.7;
 # 0.030-0.040 in two turns.
 EPSILON = 0.05
-SCORES, KL, EPISODE, KL_COEF = "objective/scores", "objective/kl", "episode", "kl_coef"
+SCORES, KL, EPISODE = "objective/scores", "objective/kl", "episode"
 OBJECTIVE = "objective"  # objective/scores - beta objective/kl, per iteration
 
 
@@ -89,7 +89,6 @@ class Plateau:
     responses: int
     scores: tuple[float, ...]
     kl: tuple[float, ...]
-    kl_coef: tuple[float, ...]  # the coefficients logged over the whole run, distinct
 
     @property
     def iterations(self) -> int:
@@ -109,7 +108,6 @@ class Plateau:
             responses=int(round(episodes[-1] - before)),
             scores=tuple(series[SCORES][1][-window:]),
             kl=tuple(series[KL][1][-window:]),
-            kl_coef=tuple(sorted(set(series.get(KL_COEF, ([], []))[1]))),
         )
 
     def objective(self, beta: float) -> tuple[float, ...]:
