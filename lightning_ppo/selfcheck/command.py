@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -77,5 +78,5 @@ def selfcheck_main(argv: list[str], fit: Callable[[list[str]], Any]) -> int:
     result = run_selfcheck(settings, fit, ns.window, draw=not ns.no_plot)
     if result is None:  # a rank other than 0: it trained, rank 0 judges
         return PASS_STATUS
-    print("\n".join(result.lines()))
+    sys.stdout.write("\n".join(result.lines()) + "\n")  # the verdict is the command's output
     return PASS_STATUS if result.passed else FAIL_STATUS

@@ -31,7 +31,7 @@ import signal
 import sys
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 MAX_ANSWER_CHARS = 1000  # a longer box, tag or math span is no answer: it is not even parsed
 
@@ -283,11 +283,17 @@ def serve() -> None:
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its timeout and parse warnings
     answers, sys.stdout = sys.stdout, sys.stderr  # a stray print must not come between two answers
     is_correct("1", "1")  # sympy's and math-verify's first use, before the first batch
-    print(json.dumps({"ready": True}), file=answers, flush=True)
+    _answer(answers, {"ready": True})
     while line := sys.stdin.readline():  # until the trainer closes the pipe (or is gone)
         request = json.loads(line)
         check = functools.partial(is_correct, request["completion"], request["truth"])
-        print(json.dumps({"correct": within(request["seconds"], check)}), file=answers, flush=True)
+        _answer(answers, {"correct": within(request["seconds"], check)})
+
+
+def _answer(answers: TextIO, message: dict[str, bool | None]) -> None:
+    """One line of the worker's protocol to the trainer, sent at once."""
+    answers.write(json.dumps(message) + "\n")
+    answers.flush()
 
 
 if __name__ == "__main__":
