@@ -352,17 +352,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             return
         forwards = self.rollout_forwards(rollout)
         kl_coef = self.kl_ctl.value
-        exp = make_experience(
-            rollout,
-            forwards.logprobs,
-            forwards.ref_logprobs,
-            forwards.values,
-            scores.shaped,
-            kl_coef,
-            self.ppo,
-            engine_is_weights(self.generation_config, rollout, forwards.logprobs, self.ppo.max_staleness),
-            self.sum_over_ranks,
-        )
+        exp = self.experience(rollout, forwards, scores.shaped, kl_coef)
         stats, stepped = self.ppo_update(exp)
         self.iteration += 1
         self.episodes += len(batch) * self.trainer.world_size
@@ -398,6 +388,20 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.log_stats(logged, len(batch))
         shown = completions if sampled.episodes is None else sampled.episodes.transcripts
         self.last_samples = Samples(batch.prompts, shown, host.scores, host.kl, self.scorer.columns)
+
+    def experience(self, rollout: Rollout, forwards: RolloutForwards, scores: Tensor, kl_coef: float) -> Experience:
+        """The rollout's per-token rewards, advantages and returns; whitened over every rank's tokens."""
+        return make_experience(
+            rollout,
+            forwards.logprobs,
+            forwards.ref_logprobs,
+            forwards.values,
+            scores,
+            kl_coef,
+            self.ppo,
+            engine_is_weights(self.generation_config, rollout, forwards.logprobs, self.ppo.max_staleness),
+            self.sum_over_ranks,
+        )
 
     def policy_answers(
         self, prompts: list[str], completions: list[str], episodes: EpisodeRecord | None
@@ -772,7 +776,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             loss = loss - weighted(self.ppo.entropy_coef * entropy, share.tokens)
             stats["policy/entropy_avg"] = entropy.detach()
         if self.ppo.kl_placement == "loss":
-            kl = aggregate(F.kl_penalty(logprobs, mb.ref_logprobs, self.ppo.kl_estimator), mask)
+            # masked inside: a suppressed pad token's log-prob is -inf on padding (F.masked_log_ratio)
+            kl = aggregate(F.kl_penalty(logprobs, mb.ref_logprobs, self.ppo.kl_estimator, mask), mask)
             loss = loss + weighted((self.kl_ctl.value if kl_coef is None else kl_coef) * kl, policy_share)
             stats["loss/kl_avg"] = kl.detach()
         if values is not None:

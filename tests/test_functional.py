@@ -194,3 +194,35 @@ def test_suppressed_tokens_leave_the_distribution_and_its_entropy():
     assert torch.allclose(entropy, -(renormalised.exp() * renormalised).sum(-1), atol=1e-6)
     entropy.sum().backward()  # 0 x -inf must not turn the gradient into NaN
     assert torch.isfinite(logits.grad).all() and (logits.grad[..., suppressed] == 0).all()
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_a_minus_inf_log_prob_on_padding_leaves_the_kl_and_policy_gradients_finite(estimator):
+    """A suppressed pad token's log-prob is -inf on padding: the KL term and the clipped surrogate
+    are 0 there and their gradients are those of the real tokens alone (0 x inf was NaN)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5, requires_grad=True)
+    tokens = torch.tensor([[1, 2, 0], [3, 0, 0]])  # 0: the suppressed pad token
+    mask = tokens != 0
+    logprobs = F.logprobs_from_logits(logits, tokens, 1.0, [0])
+    assert torch.isinf(logprobs[~mask]).all()
+    ref = torch.randn(2, 3).masked_fill(~mask, 0.0)
+    old = logprobs.detach() + 0.1  # padding: -inf, as a log-prob read under the same mask
+    advantages = torch.tensor([[1.0, -2.0, 3.0], [0.5, 4.0, -1.0]])
+    kl = F.kl_penalty(logprobs, ref, estimator, mask)
+    assert (kl[~mask] == 0).all()
+    pg = F.policy_loss(logprobs, old, advantages, mask, 0.2)
+    (kl.sum() + pg.loss).backward()
+    assert torch.isfinite(logits.grad).all() and (logits.grad[~mask] == 0).all()
+    # the same numbers from the real tokens alone, one at a time
+    expected = torch.zeros_like(logits)
+    for row, col in mask.nonzero().tolist():
+        one = logits[row, col].detach().clone().requires_grad_(True)
+        lp = F.logprobs_from_logits(one[None], tokens[row, col][None], 1.0, [0])
+        term = F.kl_penalty(lp, ref[row, col][None], estimator).sum()
+        ratio = torch.exp(lp - old[row, col])
+        a = advantages[row, col]
+        surrogate = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)).sum() / mask.sum()
+        (term + surrogate).backward()
+        expected[row, col] = one.grad
+    assert torch.allclose(logits.grad, expected, atol=1e-6)

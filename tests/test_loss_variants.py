@@ -87,3 +87,42 @@ def test_a_run_trains_with_each_aggregation(aggregation, tiny_digits, tmp_path):
         module, datamodule=DigitsDataModule(num_prompts=32, batch_size=8, max_prompt_length=16)
     )
     assert any(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters(), strict=True))
+
+
+class PaddingSeen(PPOLightningModule):
+    """Records whether a loss pass had padding in its responses (the positions the bug was at)."""
+
+    padded_passes = 0
+
+    def ppo_loss(self, mb, *args):
+        PaddingSeen.padded_passes += int((~mb.response_mask).any())
+        return super().ppo_loss(mb, *args)
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])  # k1 is refused in the loss
+def test_a_suppressed_pad_token_gives_finite_gradients_with_the_kl_in_the_loss(
+    estimator, tiny_digits, tmp_path
+):
+    """The pad token suppressed (pad != eos): its log-prob at padding positions is -inf, and the KL
+    term's gradient there was 0 x inf = NaN in every step (the run stopped after 3 skipped steps)."""
+    torch.manual_seed(0)
+    PaddingSeen.padded_passes = 0
+    module = PaddingSeen(
+        policy=str(tiny_digits),
+        reward_fn=DigitsReward(),
+        ppo=PPOConfig(
+            advantage_estimator="grpo", num_generations=2, kl_placement="loss", kl_estimator=estimator
+        ),
+        generation=GenerationConfig(max_new_tokens=12, suppress_tokens=["<pad>"]),
+    )
+    assert module.tokenizer.pad_token_id in module.suppressed_ids
+    assert module.tokenizer.pad_token_id != module.stop_token_id
+    before = [p.detach().clone() for p in module.policy.parameters()]
+    trainer = quiet_trainer(tmp_path, iterations=2)
+    trainer.fit(module, datamodule=DigitsDataModule(num_prompts=32, batch_size=8, max_prompt_length=16))
+    assert PaddingSeen.padded_passes > 0  # the loss did see padding
+    metrics = trainer.callback_metrics
+    assert metrics["train/skipped_updates"] == 0 and module.consecutive_skips == 0
+    assert math.isfinite(metrics["loss/kl_avg"]) and math.isfinite(metrics["loss/policy_avg"])
+    assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters(), strict=True))

@@ -196,13 +196,19 @@ def suppress(logits: Tensor, suppressed: Sequence[int], value: float) -> Tensor:
     return logits.index_fill(-1, index, value)
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k1") -> Tensor:
+def kl_penalty(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    estimator: KLEstimator = "k1",
+    mask: Tensor | TokenMask | None = None,
+) -> Tensor:
     """Per-token estimate of KL(policy || reference) from sampled-token log-probs.
 
     ``k1`` = logp - ref (unbiased, can be negative), ``k2`` = 0.5 (logp - ref)^2,
     ``k3`` = exp(ref - logp) - 1 - (ref - logp) (unbiased and non-negative, Schulman's estimator).
+    With ``mask``, 0 on padding, with gradient 0 there (:func:`masked_log_ratio`).
     """
-    log_ratio = logprobs - ref_logprobs
+    log_ratio = logprobs - ref_logprobs if mask is None else masked_log_ratio(logprobs, ref_logprobs, mask)
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
@@ -210,6 +216,19 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = 
     if estimator == "k3":
         return torch.expm1(-log_ratio) + log_ratio
     raise ValueError(f"kl_estimator must be one of 'k1', 'k2', 'k3', got {estimator!r}")
+
+
+def masked_log_ratio(logprobs: Tensor, other: Tensor, mask: Tensor | TokenMask) -> Tensor:
+    """``logprobs - other`` on real tokens, 0 on padding, selected before any other op reads it.
+
+    Padding may hold a log-prob of -inf: the pad token, when it is suppressed, has logit -inf. A
+    later mask that multiplies or zeroes the *result* (k3's ``exp(-x) + x``, k2's ``x^2``) gives a
+    forward 0 there but a backward 0 x inf = NaN: the gradient of a select is 0 on the side not
+    taken, and only a select of the *input* keeps the non-finite value out of every derivative.
+    """
+    mask = mask.mask if isinstance(mask, TokenMask) else mask.bool()
+    difference = logprobs - other
+    return torch.where(mask, difference, torch.zeros_like(difference))
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
@@ -310,7 +329,8 @@ def policy_loss(
     tokens where the clipped term was the larger one, ``ratio`` the mean of r.
     """
     low, high = clip_range if isinstance(clip_range, tuple) else (clip_range, clip_range)
-    log_ratio = logprobs - old_logprobs
+    tokens = TokenMask.of(mask)
+    log_ratio = masked_log_ratio(logprobs, old_logprobs, tokens)
     ratio = torch.exp(log_ratio)
     negated = -advantages  # once for both terms
     unclipped = negated * ratio
@@ -320,7 +340,6 @@ def policy_loss(
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
     if is_weights is not None:
         per_token = per_token * is_weights
-    tokens = TokenMask.of(mask)
     loss = aggregate(per_token, tokens)
     with torch.no_grad():
         return PolicyLossOutput(
