@@ -197,17 +197,25 @@ def auth_headers() -> dict[str, str]:
 
 
 def _message(body: bytes) -> str:
-    """The error message of a vLLM error answer (``{"error": {"message": ...}}`` or ``{"detail": ...}``)."""
+    """The error message of a vLLM error answer (``{"error": {"message": ...}}`` or ``{"detail": ...}``),
+    on one line: a traceback or a proxy's HTML page runs over many, and the run's error is one."""
     try:
         answer = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return body[:300].decode(errors="replace")
+        return one_line(body[:4000].decode(errors="replace"), 300)
     if isinstance(answer, dict):
         error = answer.get("error")
         if isinstance(error, dict) and "message" in error:
-            return str(error["message"])[:500]
+            return one_line(str(error["message"]), 500)
         if "detail" in answer:
-            return str(answer["detail"])[:500]
+            return one_line(str(answer["detail"]), 500)
         if error:
-            return str(error)[:500]
-    return str(answer)[:300]
+            return one_line(str(error), 500)
+    return one_line(str(answer), 300)
+
+
+def one_line(text: str, limit: int) -> str:
+    """``text`` with every run of white space (line ends, tabs) one space, cut to ``limit``
+    characters with an ellipsis where it was longer."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
