@@ -389,7 +389,9 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         shown = completions if sampled.episodes is None else sampled.episodes.transcripts
         self.last_samples = Samples(batch.prompts, shown, host.scores, host.kl, self.scorer.columns)
 
-    def experience(self, rollout: Rollout, forwards: RolloutForwards, scores: Tensor, kl_coef: float) -> Experience:
+    def experience(
+        self, rollout: Rollout, forwards: RolloutForwards, scores: Tensor, kl_coef: float
+    ) -> Experience:
         """The rollout's per-token rewards, advantages and returns; whitened over every rank's tokens."""
         return make_experience(
             rollout,
