@@ -33,6 +33,7 @@ from lightning_ppo.distributed.sharding import (
     shard_if_model_parallel,
     uses_model_parallel,
 )
+from lightning_ppo.dropped_episodes import dropped_episodes, policy_answers, score_kept
 from lightning_ppo.models.loading import load_tokenizer
 from lightning_ppo.models.placement import LoadsWhereItRuns, keep_through_teardown
 from lightning_ppo.models.roles import LoraSettings, Roles
@@ -87,7 +88,6 @@ from lightning_ppo.runs.resume import check_resumable
 from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.scoring import ACCURACY_COLUMN, Scorer, answer_accuracy
 from lightning_ppo.watch.diversity import Diversity
-from lightning_ppo.watch.every_rank import BatchAnswers
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
 from lightning_ppo.watch.metrics import HostView, TrailingMean, experience_metrics, score_metrics
 from lightning_ppo.watch.samples import Samples
@@ -342,11 +342,11 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             return
         batch, rollout = sampled.batch, sampled.rollout
         completions = self.decode_responses(rollout)
-        failed = self.dropped_episodes(sampled)  # the environment's: never scored
+        failed = dropped_episodes(sampled, self.device)  # the environment's: never scored
         if sampled.episodes is not None and self.nothing_to_learn(failed):
             self._skip_iteration(len(batch), sampled.episodes)
             return
-        scores = self.shape_scores(self.score_kept(batch, rollout, completions, failed), rollout, failed)
+        scores = self.shape_scores(score_kept(self, batch, rollout, completions, failed), rollout, failed)
         if self.nothing_to_learn(scores.dropped):
             self._skip_iteration(len(batch))
             return
@@ -370,7 +370,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             )
         if sampled.episodes is not None:  # the runner's counts of this batch, not of one sampled since
             stats.update(sampled.episodes.stats.metrics(reduce))
-        answers = self.policy_answers(batch.prompts, completions, sampled.episodes)  # every rank's: they warn
+        answers = policy_answers(self._trainer, batch.prompts, completions, sampled.episodes)  # every rank's
         diversity = Diversity.of(answers.prompts, answers.completions)  # text, on the host: no device read
         stats.update(diversity.on(self.device))
         # the iteration's one host read: what the host decides on and what it logs; the guardrails
@@ -404,20 +404,6 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             engine_is_weights(self.generation_config, rollout, forwards.logprobs, self.ppo.max_staleness),
             self.sum_over_ranks,
         )
-
-    def policy_answers(
-        self, prompts: list[str], completions: list[str], episodes: EpisodeRecord | None
-    ) -> BatchAnswers:
-        """Every rank's answers as the diversity checks and the guardrails read them: the policy's own
-        words (an episode's replies: ``EpisodeRunner.own_words``), none from a dropped episode."""
-        if episodes is not None:
-            kept = [
-                (prompt, words)
-                for prompt, words in zip(prompts, episodes.words, strict=True)
-                if words is not None
-            ]
-            prompts, completions = [prompt for prompt, _ in kept], [words for _, words in kept]
-        return BatchAnswers.gathered(self._trainer, prompts, completions)
 
     def heed_guardrails(self, completions: list[str], host: HostView, diversity: Diversity) -> None:
         """The guardrails' one-time warnings (lightning_ppo.watch.guardrails), spoken by rank 0."""
@@ -494,36 +480,6 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         counts = {name: float(value) for name, value in episodes.stats.metrics(self.sum_over_ranks).items()}
         self.log_dict(counts, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=False)
 
-    def dropped_episodes(self, sampled: Sampled) -> Tensor:
-        """(B,) the episodes their environment dropped (``episode.on_error: drop``, or a NaN/inf turn
-        reward under ``ppo.on_bad_reward: drop``); all False without an environment."""
-        if sampled.episodes is None:
-            return torch.zeros(len(sampled.batch), dtype=torch.bool, device=self.device)
-        return sampled.episodes.stats.failed.to(self.device)
-
-    def score_kept(self, batch: PromptBatch, rollout: Rollout, completions: list[str], failed: Tensor) -> Any:
-        """:meth:`score` of the rows not ``failed``, in order: a dropped episode is never shown to the
-        rewards (nor, by :meth:`shape_scores`, to the score moments)."""
-        if not failed.any():
-            return self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
-        rows = (~failed).nonzero().squeeze(1).tolist()
-        if not rows and not is_sharded(self):  # nothing of this rank's to score (another rank's is kept)
-            self.scorer.columns = {}
-            return []
-        # Under FSDP2 a sharded reward model's forwards are every rank's: a rank none of whose
-        # episodes was kept scores its first one, and the score is ignored.
-        shown = rows or [0]
-        inputs = ScoreInputs(
-            {name: [values[i] for i in shown] for name, values in batch.extras.items()},
-            rollout.rows(torch.tensor(shown, dtype=torch.long, device=failed.device)),
-            None if batch.messages is None else [batch.messages[i] for i in shown],
-        )
-        scores = self.score([batch.prompts[i] for i in shown], [completions[i] for i in shown], inputs)
-        # the sample tables' columns, in the batch's rows (None for a dropped episode)
-        columns = self.scorer.columns.items() if rows else ()
-        self.scorer.columns = {name: _in_rows(values, rows, len(failed)) for name, values in columns}
-        return scores if rows else scores[:0]
-
     def sample(self, batch: PromptBatch) -> Sampled | None:
         """The rollout to train on: this batch's, sampled now with the weights that train on it
         (``ppo.max_staleness`` 0), or the oldest batch's, sampled ahead while earlier updates ran
@@ -589,7 +545,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
         A dropped sample keeps shaped score 0 and its response mask is cleared, so it contributes
         to no loss and no statistic. The raw scores stay as they were, for logging. ``failed``: (B,)
-        episodes their environment dropped; ``scores`` are then the other rows' (:meth:`score_kept`),
+        episodes their environment dropped; ``scores`` are then the other rows' (``score_kept``),
         and a failed row's raw score is NaN.
         """
         drop = self.ppo.on_bad_reward == "drop"  # rows no reward scored are dropped in any case
@@ -862,14 +818,6 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             checkpoint.get(PENDING_KEY), self._trainer, self.ppo.max_staleness, saved_copies
         )
         self._resumed_at = self.iteration
-
-
-def _in_rows(values: list[Any], rows: list[int], size: int) -> list[Any]:
-    """``values`` of ``rows`` placed in a list of ``size`` (``None`` elsewhere)."""
-    placed: list[Any] = [None] * size
-    for row, value in zip(rows, values, strict=True):
-        placed[row] = value
-    return placed
 
 
 # The settings a checkpoint written before an option existed ran with: that option's default.
