@@ -31,10 +31,12 @@ def dropped_episodes(sampled: Sampled, device: torch.device) -> Tensor:
 def score_kept(
     module: Any, batch: PromptBatch, rollout: Rollout, completions: list[str], failed: Tensor
 ) -> Any:
-    """``module.score`` of the rows not ``failed``, in order (a user's override included); the
+    """``module.call_score`` of the rows not ``failed``, in order (a user's override included); the
     sample tables' columns (``module.scorer.columns``) put back in the batch's rows."""
     if not failed.any():
-        return module.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
+        return module.call_score(
+            batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages)
+        )
     rows = (~failed).nonzero().squeeze(1).tolist()
     if not rows and not is_sharded(module):  # nothing of this rank's to score (another rank's is kept)
         module.scorer.columns = {}
@@ -47,7 +49,7 @@ def score_kept(
         rollout.rows(torch.tensor(shown, dtype=torch.long, device=failed.device)),
         None if batch.messages is None else [batch.messages[i] for i in shown],
     )
-    scores = module.score([batch.prompts[i] for i in shown], [completions[i] for i in shown], inputs)
+    scores = module.call_score([batch.prompts[i] for i in shown], [completions[i] for i in shown], inputs)
     # the sample tables' columns, in the batch's rows (None for a dropped episode)
     columns = module.scorer.columns.items() if rows else ()
     module.scorer.columns = {name: _in_rows(values, rows, len(failed)) for name, values in columns}

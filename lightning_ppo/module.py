@@ -86,6 +86,7 @@ from lightning_ppo.runs.preflight import check_precision, check_sequence_fits, r
 from lightning_ppo.runs.quiet import silence_intended_warnings
 from lightning_ppo.runs.resume import check_resumable
 from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resume
+from lightning_ppo.runs.stop_iteration import StopIterationIsAnError, no_silent_stop
 from lightning_ppo.scoring import ACCURACY_COLUMN, Scorer, answer_accuracy
 from lightning_ppo.watch.diversity import Diversity
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
@@ -335,6 +336,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.load_weights(self.trainer.strategy.root_device)
 
     # ----------------------------------------------------------------- the PPO iteration
+    @no_silent_stop  # Lightning takes a step's StopIteration for the end of the data
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         self.ppo.check_batch_size(len(batch))
         sampled = self.sample(batch)
@@ -414,6 +416,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.guardrails.lr = lr
         self.guardrails.heed(IterationView.of(self.iteration, completions, host, self.kl_ctl, diversity))
 
+    @no_silent_stop
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Greedy (or sampled, ``generation.eval_do_sample``) responses to held-out prompts, scored."""
         with gathered_for_generation(self.policy, self.generation_config.gather_for_generation):
@@ -422,7 +425,9 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
                 self.policy, batch.prompt_ids, batch.prompt_mask, self.hf_eval_generation, cache
             )
         completions = self.decode_responses(rollout)
-        scores = self.score(batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages))
+        scores = self.call_score(
+            batch.prompts, completions, ScoreInputs(batch.extras, rollout, batch.messages)
+        )
         scores = check_scores(scores, len(batch), self.reward_label, self.device, allow_nonfinite=True)
         finite = torch.isfinite(scores)
         self.log("eval/scores", scores[finite].mean(), batch_size=int(finite.sum()), sync_dist=True)
@@ -539,6 +544,14 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
                 and, for conversational data, the prompts' messages (``batch.messages``).
         """
         return self.scorer.score(self, prompts, completions, batch)
+
+    def call_score(
+        self, prompts: list[str], completions: list[str], batch: ScoreInputs
+    ) -> Tensor | list[float]:
+        """:meth:`score`, where a ``StopIteration`` (an override's ``next()`` over no match) is an error
+        naming it, not the end of the data Lightning would take it for (runs/stop_iteration)."""
+        with StopIterationIsAnError(f"{type(self).__name__}.score"):
+            return self.score(prompts, completions, batch)
 
     def shape_scores(self, scores: Any, rollout: Rollout, failed: Tensor | None = None) -> ShapedScores:
         """Validate, drop non-finite scores (if configured), clip and normalise.
