@@ -4,17 +4,23 @@ broadcasts recorded in place of NCCL (which needs GPUs: tests/test_gpu.py sends 
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
+import os
 import shlex
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 from transformers import AutoTokenizer
 
 from lightning_ppo import GenerationConfig
@@ -34,6 +40,11 @@ class Record:
     fail: str = ""  # a route answered with HTTP 500
     hang: str = ""  # a route never answered (until the test ends)
     release: threading.Event = field(default_factory=threading.Event)
+    # At /init_weight_transfer_engine: another process's bind of the store's port (True: it got the
+    # port), and the key "owner" read from the store there, as a worker joins it
+    took_port: list[bool] = field(default_factory=list)
+    join_store: bool = False
+    owner: str = ""
 
 
 class _Server(http.server.BaseHTTPRequestHandler):
@@ -42,6 +53,8 @@ class _Server(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         self.record.calls.append((self.path, body))
+        if self.path == "/init_weight_transfer_engine":
+            self._rendezvous(body["init_info"])
         if self.path == self.record.hang:
             self.record.release.wait(60)
             return
@@ -51,6 +64,18 @@ class _Server(http.server.BaseHTTPRequestHandler):
             self._reply({"results": [body["args"][0] if body["args"] else {}]})
         else:
             self._reply({})
+
+    def _rendezvous(self, init: dict) -> None:
+        address, port = init["master_address"], init["master_port"]
+        with socket.socket() as other:
+            try:
+                other.bind((address, port))
+                self.record.took_port.append(True)
+            except OSError:  # EADDRINUSE: the store holds it
+                self.record.took_port.append(False)
+        if self.record.join_store:
+            store = TCPStore(address, port, is_master=False, timeout=timedelta(seconds=30))
+            self.record.owner = store.get("owner").decode()
 
     def _reply(self, answer: dict, status: int = 200) -> None:
         data = json.dumps(answer).encode()
@@ -65,8 +90,14 @@ class _Server(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def servers() -> Iterator[list[tuple[str, Record]]]:
+    with _serving(2) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def _serving(count: int) -> Iterator[list[tuple[str, Record]]]:
     started = []
-    for _ in range(2):
+    for _ in range(count):
         record = Record()
         handler = type("Server", (_Server,), {"record": record})
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -83,14 +114,17 @@ def servers() -> Iterator[list[tuple[str, Record]]]:
 
 
 class Recorded:
-    """Rank 0's end of the group: what it was opened with, each tensor it broadcast."""
+    """Rank 0's end of the group: what it was opened with (the address and port its store's socket
+    listens on, still listening), each tensor it broadcast."""
 
     def __init__(self) -> None:
         self.opened: list[tuple[str, int, int]] = []
         self.sent: list[torch.Tensor] = []
         self.closed = 0
 
-    def open(self, address: str, port: int, world: int) -> None:
+    def open(self, listener: socket.socket, world: int, timeout: float) -> None:
+        assert listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)  # still listening
+        address, port = listener.getsockname()[:2]
         self.opened.append((address, port, world))
 
     def send(self, tensor: torch.Tensor) -> None:
@@ -205,3 +239,115 @@ def test_serve_with_nccl_opens_vllms_weight_transfer_routes(tmp_path):
     assert json.loads(command[flag + 1]) == {"backend": "nccl"}
     plain = subprocess.run(run, capture_output=True, text=True)
     assert "--weight-transfer-config" not in plain.stdout
+
+
+class Storing(Recorded):
+    """Rank 0's end serving a real rendezvous store on the socket it is handed, as vLLM's
+    ``StatelessProcessGroup.create(listen_socket=...)`` does, with its ``owner`` key set."""
+
+    def __init__(self, owner: str) -> None:
+        super().__init__()
+        self.owner = owner
+        self.store: TCPStore | None = None
+
+    def open(self, listener: socket.socket, world: int, timeout: float) -> None:
+        super().open(listener, world, timeout)
+        address, port = listener.getsockname()[:2]
+        self.store = TCPStore(
+            address,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout),
+            master_listen_fd=os.dup(listener.fileno()),
+        )
+        self.store.set("owner", self.owner)
+
+    def close(self) -> None:
+        super().close()
+        self.store = None
+
+
+def test_no_other_process_can_take_the_stores_port_between_its_choice_and_the_store(servers):
+    """The port the servers are given is held by rank 0's listening socket from the moment it is
+    chosen until the store serves on it. Before, it was a free port probed (bound and closed) and
+    bound again by the store later: another process binding it meanwhile (here each server, as it
+    is told the port) got it, and the group's rendezvous went to that process or failed."""
+    broadcaster = Storing("run")
+    sync = _sync([url for url, _ in servers], broadcaster)
+    sync.load(iter(WEIGHTS), torch.float32, False, "run/1")
+    sync.close()
+    ((_, port, _),) = broadcaster.opened
+    for _, record in servers:
+        assert record.took_port == [False]
+        assert record.calls[0][1]["init_info"]["master_port"] == port
+
+
+def test_two_syncs_started_at_once_on_one_host_each_reach_their_own_store():
+    """Two trainers' first syncs at once on one machine (two runs, or two notebooks): each server
+    joins the store of the sync that told it its port, which serves on the socket that chose it."""
+    with _serving(4) as started:
+        for _, record in started:
+            record.join_store = True
+        broadcasters = [Storing("first"), Storing("second")]
+        syncs = [
+            NcclSync([ServerClient(url, 30) for url, _ in pair], [1, 1], "127.0.0.1", 30, broadcaster)
+            for pair, broadcaster in zip([started[:2], started[2:]], broadcasters, strict=True)
+        ]
+        barrier = threading.Barrier(2, timeout=30)
+
+        def load(sync: NcclSync) -> None:
+            barrier.wait()
+            sync.load(iter(WEIGHTS), torch.float32, verify=False, version="run/1")
+
+        threads = [threading.Thread(target=load, args=(sync,)) for sync in syncs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads)
+        assert [record.owner for _, record in started] == ["first", "first", "second", "second"]
+        assert broadcasters[0].opened[0][1] != broadcasters[1].opened[0][1]
+        for sync in syncs:
+            sync.close()
+
+
+def _nccl_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("lppo-nccl")]
+
+
+def test_the_group_is_closed_as_the_engine_closes_and_the_next_fit_opens_another(
+    servers, tiny_gpt2, monkeypatch
+):
+    """The engine closes as each fit ends (returns or raises: CloseEngine): every server is asked to
+    shut its end of the NCCL group down, rank 0 destroys its own and the calls' threads end; the next
+    fit's first sync opens a new group. Before, the group (NCCL's communicator, its store's port,
+    the threads) was kept after the fit for as long as the process ran."""
+    from lightning_ppo.rollout.engines.server import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "nccl_refusal", lambda: None)  # this machine has no CUDA
+    urls = [url for url, _ in servers]
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_gpt2))
+    config = GenerationConfig(max_new_tokens=4, engine="vllm_server", server_urls=urls, sync_transport="nccl")
+    hf = hf_generation_config(config, None, tokenizer.pad_token_id)
+    engine = VLLMServerEngine(config, hf, Placement(), tokenizer, len(tokenizer))
+    broadcaster = Recorded()
+    sync = engine._memory = NcclSync(engine.servers, [1, 2], "127.0.0.1", 5.0, broadcaster, bucket_bytes=20)
+    sync.load(iter(WEIGHTS), torch.float32, verify=False, version="run/1")
+    assert _nccl_threads() and broadcaster.closed == 0
+    engine.close()  # the fit ends
+    assert broadcaster.closed == 1 and not sync.joined
+    for _, record in servers:
+        assert record.calls[-1] == ("/shutdown_weight_transfer_engine", {})
+    for _ in range(100):  # at most 10 s
+        if not _nccl_threads():
+            break
+        time.sleep(0.1)
+    assert not _nccl_threads()
+    sync.load(iter(WEIGHTS), torch.float32, verify=False, version="run/2")  # the next fit
+    assert len(broadcaster.opened) == 2
+    for _, record in servers:
+        routes = [route for route, _ in record.calls]
+        assert routes.count("/init_weight_transfer_engine") == 2
+    engine.close()
+    assert broadcaster.closed == 2

@@ -326,12 +326,16 @@ class VLLMServerEngine:
 
     def close(self) -> None:
         """Closes the connections to the servers (a batch still out is cancelled); the next sync, or
-        a batch asked for on the main thread, opens them again. Called as each fit ends
-        (:mod:`lightning_ppo.rollout.fit_callbacks`), on the fit's thread while a job may still run."""
+        a batch asked for on the main thread, opens them again; the NCCL weights group
+        (``sync_transport: nccl``) is shut down on both sides, the next sync opens another. Called as
+        each fit ends (:mod:`lightning_ppo.rollout.fit_callbacks`), on the fit's thread while a job
+        may still run."""
         with self._connections_lock:
             connections, self._connections, self._closed = self._connections, None, True
         if connections is not None:
             connections.close()
+        if isinstance(self._memory, NcclSync):  # NCCL's communicator and store: the next fit opens anew
+            self._memory.close()
 
     def _version(self, syncs: int) -> str:
         return f"{self.tag}/{syncs}"

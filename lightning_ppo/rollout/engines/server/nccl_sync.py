@@ -6,7 +6,10 @@ Servers started with ``--weight-transfer-config '{"backend": "nccl"}'`` (``light
 
 1. once, ``/init_weight_transfer_engine`` to each server (its workers at ranks ``1 + the workers of
    the servers before it``, of one NCCL group of the trainer and every worker), while rank 0 opens
-   its end of the group (rank 0; the workers block in the rendezvous until it does);
+   its end of the group (rank 0; the workers block in the rendezvous until it does). The
+   rendezvous store's port is one the system hands rank 0's socket on ``sync_address``, held from
+   then on and served by the store itself: no free port probed, closed and bound again (another
+   process, or another sync, could take it in between);
 2. each sync, ``/start_weight_update``; then per bucket of tensors, ``/update_weights`` with their
    names, dtypes and shapes to every server while rank 0 broadcasts them one by one (both sides
    meet inside the same NCCL calls); then ``/finish_weight_update`` with the weights' version. The
@@ -16,12 +19,16 @@ Servers started with ``--weight-transfer-config '{"backend": "nccl"}'`` (``light
 Every call is bounded by ``generation.server_timeout``; a failure of any phase on any server stops
 the sync at once in one line naming the phase and the server (an ``/update_weights`` refused before
 the broadcast is seen before the next tensor goes). The group is then dropped: the next sync opens
-a new one. The data path is :class:`VLLMBroadcaster` (vLLM's ``PyNcclCommunicator``), which needs
-CUDA and vLLM in the trainer's environment.
+a new one. When the engine closes (each ``fit`` ends, however it ends) the servers are asked to
+shut their end down (``/shutdown_weight_transfer_engine``) and rank 0 destroys its own: a second
+``fit`` in the process opens a new group. The data path is :class:`VLLMBroadcaster` (vLLM's
+``PyNcclCommunicator``), which needs CUDA and vLLM in the trainer's environment.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import socket
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,30 +39,51 @@ from torch import Tensor
 
 from lightning_ppo.rollout.engines.server.checksum import Checksum, checksum
 from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
+from lightning_ppo.rollout.engines.server.weight_group import listening_socket
 
 BUCKET_BYTES = 1 << 30  # tensors described by one /update_weights call
+SHUTDOWN_SECONDS = 10.0  # at most, for a server to let go of its end as a fit ends (a courtesy)
 _FIELD = "generation.sync_transport: nccl"
 
 
 class Broadcaster(Protocol):
-    """Rank 0's end of the NCCL group: opened once, one broadcast per tensor."""
+    """Rank 0's end of the NCCL group: opened once, its rendezvous store served on ``listener`` (a
+    socket listening on rank 0's address, whose port the servers were given; closed by the caller
+    after, so an implementation serves on a duplicate), one broadcast per tensor."""
 
-    def open(self, address: str, port: int, world: int) -> None: ...
+    def open(self, listener: socket.socket, world: int, timeout: float) -> None: ...
     def send(self, tensor: Tensor) -> None: ...
     def close(self) -> None: ...
 
 
 class VLLMBroadcaster:
-    """vLLM's own communicator (``nccl_common.trainer_init``), on this process's CUDA device."""
+    """vLLM's own communicator on this process's CUDA device, as ``nccl_common.trainer_init`` opens
+    it, but with the rendezvous store served on the socket it is handed (vLLM's
+    ``StatelessProcessGroup.create(listen_socket=...)``) rather than one bound again by port."""
 
     def __init__(self) -> None:
         self.group: Any = None
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
-    def open(self, address: str, port: int, world: int) -> None:
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+    def open(self, listener: socket.socket, world: int, timeout: float) -> None:
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+        from vllm.utils.nccl import unpinned_nccl_env
 
-        self.group = trainer_init({"master_address": address, "master_port": port, "world_size": world})
+        host, port = listener.getsockname()[:2]
+        # vLLM's store takes over (detaches) the socket it is handed: a duplicate, ours closed after
+        served = socket.socket(listener.family, listener.type, fileno=os.dup(listener.fileno()))
+        try:
+            rendezvous = StatelessProcessGroup.create(
+                host, port, 0, world, store_timeout=max(1, math.ceil(timeout)), listen_socket=served
+            )
+        finally:
+            served.close()  # a no-op where the store took it
+        with unpinned_nccl_env():
+            group = PyNcclCommunicator(rendezvous, device=self.device)
+        if not group.available or group.disabled:  # no NCCL library: its broadcasts would do nothing
+            raise RuntimeError("vLLM's PyNcclCommunicator found no usable NCCL library")
+        self.group = group
 
     def send(self, tensor: Tensor) -> None:
         self.group.broadcast(tensor.to(self.device).contiguous(), src=0, stream=torch.cuda.current_stream())
@@ -94,7 +122,7 @@ class NcclSync:
         self.broadcaster = broadcaster if broadcaster is not None else VLLMBroadcaster()
         self.bucket_bytes = bucket_bytes
         self.joined = False
-        self._calls = ThreadPoolExecutor(max_workers=max(len(servers), 1), thread_name_prefix="lppo-nccl")
+        self._pool: ThreadPoolExecutor | None = None  # the calls to the servers; made by _calls
 
     def load(
         self, weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype, verify: bool, version: str
@@ -112,28 +140,46 @@ class NcclSync:
             self._each("set version", lambda s: s.rpc_all("lppo_set_version", version))
             held = [s.rpc_all("lppo_checksums") if verify else [] for s in self.servers]
         except BaseException:
-            self.close()  # a group stopped part way is unusable: the next sync opens another
+            # A group stopped part way is unusable: the next sync opens another. Rank 0's end only: a
+            # worker may still wait in the broadcast, and a call to it would queue behind that wait.
+            self._drop()
             raise
         return sums, held
 
     def _init(self) -> None:
         world = 1 + sum(self.workers)
-        port = _free_port(self.address)
-        firsts = [1 + sum(self.workers[:i]) for i in range(len(self.servers))]
-        calls = [
-            self._calls.submit(self._phase, "init_weight_transfer_engine", server, _init_call(
-                self.address, port, first, world, self.timeout))
-            for server, first in zip(self.servers, firsts, strict=True)
-        ]  # fmt: skip
-        try:
-            self.broadcaster.open(self.address, port, world)
-        except Exception as err:
+        try:  # the store's port: the system's choice, held from here until the store serves on it
+            listener = listening_socket(self.address)
+        except OSError as err:  # not an address of this machine, or a name that does not resolve
             raise GenerationServerError(
-                f"weight sync ({_FIELD}), phase init_weight_transfer_engine: rank 0 "
-                f"at {self.address}:{port} could not open the NCCL group: {type(err).__name__}: {err}"
+                f"generation.sync_address {self.address}: rank 0 cannot listen there ({err}); give an "
+                "address of this machine that the servers reach it at"
             ) from None
+        with listener:
+            port = listener.getsockname()[1]
+            firsts = [1 + sum(self.workers[:i]) for i in range(len(self.servers))]
+            calls = [
+                self._calls().submit(self._phase, "init_weight_transfer_engine", server, _init_call(
+                    self.address, port, first, world, self.timeout))
+                for server, first in zip(self.servers, firsts, strict=True)
+            ]  # fmt: skip
+            try:
+                self.broadcaster.open(listener, world, self.timeout)
+            except Exception as err:
+                _raise_done(calls)  # a server that refused its init: its line, not the wait's end
+                raise GenerationServerError(
+                    f"weight sync ({_FIELD}), phase init_weight_transfer_engine: rank 0 "
+                    f"at {self.address}:{port} could not open the NCCL group: {type(err).__name__}: {err}"
+                ) from None
         _wait(calls)
         self.joined = True
+
+    def _calls(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=max(len(self.servers), 1), thread_name_prefix="lppo-nccl"
+            )
+        return self._pool
 
     def _send_all(self, weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype, verify: bool) -> dict:
         sums, bucket, size = {}, [], 0
@@ -157,8 +203,8 @@ class NcclSync:
             "shapes": [list(t.shape) for _, t in bucket],
         }
         calls = [
-            self._calls.submit(self._phase, "update_weights", server,
-                               lambda s: s.post("/update_weights", {"update_info": info}))
+            self._calls().submit(self._phase, "update_weights", server,
+                                 lambda s: s.post("/update_weights", {"update_info": info}))
             for server in self.servers
         ]  # fmt: skip
         for _, tensor in bucket:
@@ -167,7 +213,7 @@ class NcclSync:
         _wait(calls)
 
     def _each(self, phase: str, call: Any) -> None:
-        _wait([self._calls.submit(self._phase, phase, server, call) for server in self.servers])
+        _wait([self._calls().submit(self._phase, phase, server, call) for server in self.servers])
 
     @staticmethod
     def _phase(phase: str, server: ServerClient, call: Any) -> Any:
@@ -179,7 +225,26 @@ class NcclSync:
             ) from None
 
     def close(self) -> None:
-        """Drop the NCCL group (the servers keep theirs until the next init replaces it)."""
+        """The engine closes (a fit ended, however it ended): every server is asked to shut its end
+        of the group down, then rank 0 destroys its own and the calls' threads end. Where the group
+        was dropped already (a failed sync), only what is left. A server that does not answer within
+        :data:`SHUTDOWN_SECONDS` keeps its end until the next init replaces it: not an error, the fit
+        is over and the next sync opens a new group either way."""
+        if self.joined:
+            bound = min(self.timeout, SHUTDOWN_SECONDS)
+            shutdowns = [
+                self._calls().submit(server.post, "/shutdown_weight_transfer_engine", None, bound)
+                for server in self.servers
+            ]
+            for shutdown in shutdowns:
+                shutdown.exception()  # waited for (each bounded), never raised
+        self._drop()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)  # a call still out is bounded by its timeout
+
+    def _drop(self) -> None:
+        """Rank 0's end of the group destroyed (the servers keep theirs until the next init)."""
         self.joined = False
         self.broadcaster.close()
 
@@ -206,9 +271,3 @@ def _wait(calls: list[Future]) -> None:
     _raise_done(calls)
     for call in pending:
         call.result()
-
-
-def _free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((address if address not in ("localhost",) else "127.0.0.1", 0))
-        return int(probe.getsockname()[1])
