@@ -84,7 +84,7 @@ from lightning_ppo.runs.ctrl_c import training_started
 from lightning_ppo.runs.errors import RunStopped, UsageError
 from lightning_ppo.runs.preflight import check_precision, check_sequence_fits, response_budget
 from lightning_ppo.runs.quiet import silence_intended_warnings
-from lightning_ppo.runs.resume import check_resumable
+from lightning_ppo.runs.resume import check_resumable, say_restored_rates
 from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.runs.stop_iteration import StopIterationIsAnError, no_silent_stop
 from lightning_ppo.scoring import ACCURACY_COLUMN, Scorer, answer_accuracy
@@ -308,6 +308,8 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     def on_train_start(self) -> None:
         check_training_plan(self.trainer, self.ppo)
+        if self.trainer.ckpt_path is not None:  # the optimizer state is the checkpoint's now
+            say_restored_rates(self._configured_lrs, self.trainer.optimizers[0].param_groups, self.lr_fields)
         training_started()  # a Ctrl-C from now on may find checkpoints written (lightning_ppo.runs.ctrl_c)
 
     def on_fit_end(self) -> None:
@@ -795,6 +797,14 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         """Whether the critic has a param group of its own (lightning_ppo.ppo.param_groups)."""
         return self.critic_settings is not None or self.ppo.critic_max_grad_norm is not None
 
+    @property
+    def lr_fields(self) -> list[str]:
+        """The config field of each param group's learning rate."""
+        policy = "model.optimizer.init_args.lr"
+        if not self.per_role_groups:
+            return [policy]
+        return [policy, policy if self.critic_settings is None else "model.critic_optimizer.init_args.lr"]
+
     def configure_optimizers(self) -> Any:
         params: list[Any] = [p for p in self.parameters() if p.requires_grad]
         if self.per_role_groups:
@@ -806,6 +816,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         if self.per_role_groups:
             check_role_groups(optimizer, self.critic_settings)
         prefer_fused(optimizer)
+        self._configured_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # before a resume
         if self.scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}

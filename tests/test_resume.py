@@ -191,3 +191,45 @@ def test_an_option_newer_than_the_checkpoint_left_at_its_default_is_no_change():
     changed = {**now, "generation": {**now["generation"], "server_max_in_flight": 64}}
     with pytest.warns(UserWarning, match=r"server_max_in_flight: None in the checkpoint, 64 now"):
         check_resumable({"hyper_parameters": older}, changed, {}, defaults)
+
+
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_a_learning_rate_changed_on_resume_is_the_checkpoints_and_said_once(scheduled, tiny_digits, tmp_path):
+    """Lightning restores the optimizer state, its lr included (and a scheduler's base rate): the
+    config's new rate was silently not used. It still is not (as in Lightning), but said in one line."""
+    import warnings
+
+    def fit(lr: float, epochs: int, ckpt_path=None) -> tuple[pl.Trainer, list[str]]:
+        torch.manual_seed(0)
+        module = PPOLightningModule(
+            policy=str(tiny_digits),
+            reward_fn=DigitsReward(),
+            optimizer=partial(torch.optim.AdamW, lr=lr),
+            lr_scheduler=partial(torch.optim.lr_scheduler.LinearLR, total_iters=100) if scheduled else None,
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_epochs=epochs,
+            limit_train_batches=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        data = DigitsDataModule(num_prompts=32, batch_size=8, max_prompt_length=16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return trainer, [str(w.message) for w in caught if "init_args.lr: " in str(w.message)]
+
+    first, said = fit(1e-3, epochs=1)
+    assert said == []
+    first.save_checkpoint(tmp_path / "one.ckpt")
+    resumed, said = fit(5e-4, epochs=2, ckpt_path=tmp_path / "one.ckpt")
+    assert len(said) == 1 and "\n" not in said[0]
+    assert "model.optimizer.init_args.lr: 0.0005 in the config, 0.001 in the checkpoint" in said[0]
+    group = resumed.optimizers[0].param_groups[0]
+    assert group.get("initial_lr", group["lr"]) == 1e-3  # Lightning's behaviour, kept
+    _, said = fit(1e-3, epochs=2, ckpt_path=tmp_path / "one.ckpt")
+    assert said == []  # the same rate: nothing to say

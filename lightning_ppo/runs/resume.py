@@ -128,3 +128,26 @@ def check_param_groups(saved: Mapping[str, Any], now: Mapping[str, Any]) -> None
         "model.ppo.critic_max_grad_norm set gives the critic its own): resume with the checkpoint's "
         "settings of these two, or start a new run from its exported policy"
     )
+
+
+def say_restored_rates(configured: list[float], groups: list[dict[str, Any]], fields: list[str]) -> None:
+    """Warn, in one line, of each learning rate the config sets that the resumed optimizer does not
+    train at: Lightning restores the optimizer state, param groups' ``lr`` included (a scheduler's
+    base rate, ``initial_lr``, too), over what ``configure_optimizers`` built. That is kept, as a
+    Lightning user expects; what is said is that the config's new rate is not the one used.
+
+    ``configured``: each group's rate as built; ``groups``: the param groups as restored;
+    ``fields``: the config field of each group's rate.
+    """
+    changed: dict[str, str] = {}
+    for field, now, group in zip(fields, configured, groups, strict=True):
+        saved = float(group.get("initial_lr", group["lr"]))
+        if saved != now:
+            changed.setdefault(field, f"{field}: {now:g} in the config, {saved:g} in the checkpoint")
+    if changed:
+        warn(
+            "resuming restores the checkpoint's optimizer state, its learning rate included, as "
+            f"Lightning does: {'; '.join(changed.values())}; the run goes on at the checkpoint's rate "
+            "(to train at another, start a new run from the exported policy, or set the param groups' "
+            "lr in a callback's on_train_start)"
+        )
