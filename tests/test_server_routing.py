@@ -261,3 +261,26 @@ def test_every_servers_limit_is_dealt_out_whole_over_the_ranks():
 def test_the_limit_per_server_is_checked(value):
     with pytest.raises(UsageError, match=r"generation.server_max_in_flight must be an integer >= 1"):
         GenerationConfig(engine="vllm_server", server_urls=["http://h:1"], server_max_in_flight=value)
+
+
+def test_a_batch_reads_each_servers_key_once(servers, tiny_digits, tmp_path, monkeypatch):
+    """32 prompts on 4 servers, twice, with no key anywhere (an open server): each server's key is
+    looked for once a batch, 8 lookups (a key file named and opened each time), where each request
+    looked for it before: 64. A request refused with 401 still reads it again
+    (test_server_keys::test_a_server_restarted_at_its_address_is_reached_with_its_new_key)."""
+    from lightning_ppo.rollout.engines.server import client
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    looked: list[str] = []
+    real = client.server_key
+    monkeypatch.setattr(client, "server_key", lambda url: looked.append(url) or real(url))
+    floor = Floor(4)
+    urls = servers(floor)
+    engine = _many(tiny_digits, urls, Placement())
+    engine.max_in_flight = 8
+    for _ in range(2):
+        assert engine.generate(*_prompts(32)).response_ids.shape == (32, 2)
+    engine.close()
+    assert sum(floor.answered) == 64
+    assert sorted(looked) == sorted(urls * 2)

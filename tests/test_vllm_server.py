@@ -317,9 +317,9 @@ def _suppressing(policy: Path, url: str) -> tuple[VLLMServerEngine, torch.nn.Mod
 
 
 def _exact_as_before(engine: VLLMServerEngine) -> VLLMServerEngine:
-    """``engine`` sending every request as allowed_token_ids, as every request went before."""
-    request = engine._request
-    engine._request = lambda model, prompt, seed, n=1, exact=False: request(model, prompt, seed, n, True)
+    """``engine`` sending every request as allowed_token_ids, as every request went before (as to a
+    server that refused logit_bias)."""
+    engine.bias_refused.update(range(len(engine.servers)))
     return engine
 
 

@@ -52,6 +52,8 @@ class Connections:
     ) -> list[Any]:
         """Every call's result, in order (:class:`~.batch.Batch`), at most ``in_flight`` at once: one
         server's limit by default; a batch routed over several servers runs more (:mod:`.routing`)."""
+        for session in self.sessions:  # each reads its key once, at the batch's first request
+            session.new_batch()
         return Batch(calls, in_flight or self.limit, self.loop).wait(stall_timeout)
 
     def close(self) -> None:

@@ -4,14 +4,22 @@ Every request of a batch to one server goes through one aiohttp session on the e
 loop (:mod:`.connections`): keep-alive connections, at most the in-flight cap of them,
 where each request had a socket and an OS thread of its own. What goes wrong is said word for
 word as :class:`~.client.ServerClient` says it, naming the server's URL and route once.
+
+The trainer's CPU per request is what a batch of a thousand costs on one loaded core: the key is
+read once a batch (:meth:`ServerSession.new_batch`; it was a key file's lookup per request where
+none exists), and a kept-alive connection is told apart by the connector (:class:`_NotingReuse`),
+not by an aiohttp trace, which built its objects and fired its signals at every step of every
+request (docs/servers.md, *Routing over several servers*: the CPU per batch).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import os
 import urllib.request
+import weakref
 from typing import Any
 from urllib.parse import urlparse
 
@@ -42,26 +50,40 @@ class ServerSession:
         self.limit = limit
         self.session: aiohttp.ClientSession | None = None
         self.proxy = _proxy(client.url)
+        self.key: str | None = None  # the batch's bearer token (new_batch)
+        self.key_read = False
+        self.limits: dict[float, aiohttp.ClientTimeout] = {}  # a socket's silence: its limits
 
-    async def post(self, route: str, body: dict[str, Any], timeout: float) -> Any:
-        """The JSON answer to ``body`` at ``route``; ``timeout``: how long the socket may stay silent
-        (a completion waits behind its batch's others: the batch is bounded as a whole)."""
-        sent = self.client.key().value
-        status, answer = await self._call(route, body, timeout, sent)
+    def new_batch(self) -> None:
+        """The server's key (:meth:`~.client.ServerClient.key`: ``VLLM_API_KEY``, else its key file)
+        is read again at the next request, for the batch about to go out: once a batch, not once a
+        request; a request refused with 401 reads it again (:meth:`post`)."""
+        self.key_read = False
+
+    async def post(self, route: str, body: dict[str, Any] | bytes, timeout: float) -> Any:
+        """The JSON answer to ``body`` (or its JSON, encoded) at ``route``; ``timeout``: how long the
+        socket may stay silent (a completion waits behind its batch's others: the batch is bounded
+        as a whole)."""
+        if not self.key_read:
+            self.key, self.key_read = self.client.key().value, True
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        sent = self.key
+        status, answer = await self._call(route, data, timeout, sent)
         if status == 401 and self.client.key_changed(sent):  # a server restarted here: its new key
-            status, answer = await self._call(route, body, timeout, self.client.key().value)
+            self.key = self.client.key().value  # the batch's next requests carry it too
+            status, answer = await self._call(route, data, timeout, self.key)
         if status >= 400:
             raise self.client.error(route, self.client.refused(status, answer))
         return self.client.answer(route, answer)
 
-    async def _call(
-        self, route: str, body: dict[str, Any], timeout: float, key: str | None
-    ) -> tuple[int, bytes]:
+    async def _call(self, route: str, data: bytes, timeout: float, key: str | None) -> tuple[int, bytes]:
         """One call's status and body (``key``: its bearer token), what went wrong on the way said as
         the client says it."""
-        data = json.dumps(body).encode()
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-        limits = aiohttp.ClientTimeout(total=None, sock_connect=self.client.timeout, sock_read=timeout)
+        limits = self.limits.get(timeout)
+        if limits is None:  # one per timeout: a batch's requests share theirs
+            limits = aiohttp.ClientTimeout(total=None, sock_connect=self.client.timeout, sock_read=timeout)
+            self.limits = {timeout: limits}
         try:
             return await self._exchange(self.client.url + route, data, headers, limits)
         except aiohttp.ConnectionTimeoutError:
@@ -86,15 +108,11 @@ class ServerSession:
         that closes without an answer is an error at once."""
         tries = 0
         while True:
-            reused: list[bool] = []  # noted by the session's trace (_noting_reuse)
+            reused: list[bool] = []  # noted by the connector (_NotingReuse), in this task
+            REUSED.set(reused)
             try:
                 response = await self._session().post(
-                    url,
-                    data=data,
-                    headers=headers,
-                    timeout=limits,
-                    proxy=self.proxy,
-                    trace_request_ctx=reused,
+                    url, data=data, headers=headers, timeout=limits, proxy=self.proxy
                 )
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
                 tries += 1
@@ -112,11 +130,9 @@ class ServerSession:
 
     def _session(self) -> aiohttp.ClientSession:
         if self.session is None:
-            connector = aiohttp.TCPConnector(limit=self.limit, keepalive_timeout=KEEP_ALIVE_S)
+            connector = _NotingReuse(limit=self.limit, keepalive_timeout=KEEP_ALIVE_S)
             unbounded = aiohttp.ClientTimeout(total=None)  # each call says its own limits
-            self.session = aiohttp.ClientSession(
-                connector=connector, timeout=unbounded, trace_configs=[_noting_reuse()]
-            )
+            self.session = aiohttp.ClientSession(connector=connector, timeout=unbounded)
         return self.session
 
 
@@ -138,12 +154,27 @@ def _proxy(url: str) -> str | None:
     return urllib.request.getproxies().get(parts.scheme)
 
 
-def _noting_reuse() -> aiohttp.TraceConfig:
-    """Notes in a request's ``trace_request_ctx`` (a list) that it went out on a kept-alive connection."""
+# Where a request notes that it went out on a kept-alive connection (a list: :class:`_NotingReuse`
+# appends to it). Set by the request's own task: aiohttp's connect runs in the caller's task.
+REUSED: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("lppo_reused", default=None)
 
-    async def reused(session: Any, context: Any, params: Any) -> None:
-        context.trace_request_ctx.append(True)
 
-    config = aiohttp.TraceConfig()
-    config.on_connection_reuseconn.append(reused)
-    return config
+class _NotingReuse(aiohttp.TCPConnector):
+    """A connector that notes in :data:`REUSED` each connection it hands out a second time or more
+    (taken from its pool of kept-alive ones): the connections it handed out are known by identity,
+    at most ``limit`` of them alive at once."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.handed: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
+        connection = await super().connect(req, traces, timeout)
+        protocol = connection.protocol
+        if protocol in self.handed:
+            noted = REUSED.get()
+            if noted is not None:
+                noted.append(True)
+        elif protocol is not None:
+            self.handed.add(protocol)
+        return connection
