@@ -263,3 +263,28 @@ def test_serve_with_vllm_api_key_starts_where_no_home_folder_can_be_named(monkey
     claim_address("127.0.0.1", 8000)
     assert server_key_for("127.0.0.1", 8000, keyless=False)[0] == {}
     assert server_key_for("127.0.0.1", 8000, keyless=True)[0] == {}
+
+
+def test_a_local_server_that_never_started_leaves_the_running_servers_key_file(
+    keys, serve, monkeypatch, tmp_path
+):
+    """A ``LocalServer`` given the port of a running server (its free port taken meanwhile): its
+    ``serve`` is refused and exits, ``wait_ready`` says so (before, the running server's /health
+    answered and it was taken for this one's), and ``stop`` leaves the running server's key file
+    alone (before, it removed it: the trainer then had no key for that server). A server that did
+    start removes its own key file when stopped."""
+    running = serve()
+    path = key_file(running.url)
+    key = path.read_text()
+    monkeypatch.setattr(local_server, "free_port", lambda: running.port)
+    env = {"PYTHONPATH": f"{tmp_path / 'shim'}:{ROOT}"}
+    late = LocalServer(tmp_path / "policy", tmp_path / "late.log", env=env, start_timeout=120)
+    try:
+        with pytest.raises(RuntimeError, match=f"the server for {running.url} exited"):
+            late.wait_ready()
+    finally:
+        late.stop()
+    assert path.read_text() == key
+    assert ServerClient(running.url, 30).rpc("lppo_version") == "none"
+    running.stop()
+    assert not path.exists()

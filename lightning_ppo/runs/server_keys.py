@@ -123,7 +123,7 @@ def claim_address(host: str, port: int) -> None:
         if environment_key() is not None:
             return
         raise
-    path = folder / (key_names(host, port)[0].removesuffix(".key") + ".lock")
+    path = folder / lock_file(host, port).name
     try:
         descriptor = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     except OSError as err:
@@ -135,6 +135,12 @@ def claim_address(host: str, port: int) -> None:
         taken = f"{host}:{port} is in use (a server already runs there?)"  # as serve's check of the port
         raise UsageError(f"lightning-ppo serve --port {port}: {taken}") from None
     os.set_inheritable(descriptor, True)
+
+
+def lock_file(host: str, port: int) -> Path:
+    """The lock :func:`claim_address` takes for ``host``:``port``, held open by the server that runs
+    there (what tells a ``LocalServer`` whether its own ``serve`` wrote the key file)."""
+    return key_folder() / (key_names(host, port)[0].removesuffix(".key") + ".lock")
 
 
 def forget_keys(host: str, port: int) -> None:

@@ -8,7 +8,12 @@ It listens on 127.0.0.1 only, on a free port, with the API key ``serve`` makes w
 ``VLLM_API_KEY`` is unset (the trainer in this process reads it from the key file ``serve``
 writes); :meth:`wait_ready` polls ``/health`` for at most ``start_timeout`` seconds; :meth:`stop`
 kills its whole process group (the API server, its engine core and worker), so nothing outlives
-it, and removes its key file.
+it, and removes its key file: only the one its own ``serve`` wrote. The free port is chosen before
+the server binds it, so another server may take it meanwhile; this one's ``serve`` is then refused
+and exits, and the key file at that address is the other server's. Which one wrote it is told by
+the address's lock (``runs.server_keys.claim_address``), which the ``serve`` that runs there holds
+open: a server is ready only once its own process holds it, and the key file it wrote then is
+the only one :meth:`stop` removes (same file, same key).
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from lightning_ppo.rollout.engines.server.client import ServerClient
-from lightning_ppo.runs.server_keys import forget_keys
+from lightning_ppo.runs.errors import UsageError
+from lightning_ppo.runs.server_keys import key_file, lock_file
 
 
 def free_port() -> int:
@@ -58,6 +65,7 @@ class LocalServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log) if log is not None else Path(os.devnull)
         self.start_timeout = start_timeout
+        self.key_written: KeyFile | None = None  # the key file this server's serve wrote (_note_key)
         environment = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {})}
         command = [sys.executable, "-m", "lightning_ppo.console", "serve", "--policy", str(policy)]
         command += ["--port", str(self.port), "--dtype", dtype, *serve_args, "--", *vllm_args]
@@ -80,10 +88,12 @@ class LocalServer:
                 raise RuntimeError(f"the server for {self.url} exited: {self._log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return self
+                    answered = answer.status == 200
             except OSError:
-                time.sleep(1)
+                answered = False
+            if answered and self._note_key():  # the answer is this server's, not one on a taken port
+                return self
+            time.sleep(1 if not answered else 0.2)
         self.stop()
         raise TimeoutError(
             f"{self.url} did not answer /health in {self.start_timeout:g} s: {self._log_tail()}"
@@ -101,11 +111,27 @@ class LocalServer:
         )
 
     def stop(self) -> None:
-        """SIGKILL to the server's process group; waits for the server to be gone."""
+        """SIGKILL to the server's process group; waits for the server to be gone. Its key file is
+        removed (a dead server's key guards nothing) where this server's ``serve`` wrote it and it
+        was not written again since; another server's, at a port it took, is left alone."""
         if self.process.poll() is None:
+            self._note_key()
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=60)
-        forget_keys("127.0.0.1", self.port)  # a dead server's key guards nothing
+        if self.key_written is not None and KeyFile.read(key_file(self.url)) == self.key_written:
+            key_file(self.url).unlink(missing_ok=True)
+
+    def _note_key(self) -> bool:
+        """Whether this server's own process holds its address's lock (``None``, where that cannot
+        be told, counts as yes); if so, the key file its ``serve`` wrote is noted for :meth:`stop`."""
+        try:
+            lock, key = lock_file("127.0.0.1", self.port), key_file(self.url)
+        except UsageError:  # no key folder (no home; VLLM_API_KEY set): no lock and no key file
+            return True
+        if _holds_open(self.process.pid, lock) is False:
+            return False
+        self.key_written = KeyFile.read(key)
+        return True
 
     def _log_tail(self) -> str:
         try:
@@ -118,3 +144,42 @@ class LocalServer:
 
     def __exit__(self, kind: type | None, error: BaseException | None, trace: TracebackType | None) -> None:
         self.stop()
+
+
+@dataclass(frozen=True)
+class KeyFile:
+    """A key file as it is now: the file itself (device and inode, a replaced file is another one)
+    and the key it holds."""
+
+    device: int
+    inode: int
+    key: str
+
+    @staticmethod
+    def read(path: Path) -> KeyFile | None:
+        try:
+            with open(path) as file:
+                info = os.fstat(file.fileno())
+                return KeyFile(info.st_dev, info.st_ino, file.read())
+        except OSError:
+            return None
+
+
+def _holds_open(pid: int, path: Path) -> bool | None:
+    """Whether process ``pid`` has ``path`` open (Linux: ``/proc/PID/fd``); ``None`` where this
+    system cannot tell."""
+    if not Path("/proc/self/fd").is_dir():
+        return None
+    try:
+        wanted = os.stat(path)
+        descriptors = list(Path("/proc", str(pid), "fd").iterdir())
+    except OSError:  # no lock file yet, or the process is gone
+        return False
+    for descriptor in descriptors:
+        try:
+            held = os.stat(descriptor)  # the file the descriptor is open on
+        except OSError:  # closed as it was listed
+            continue
+        if (held.st_dev, held.st_ino) == (wanted.st_dev, wanted.st_ino):
+            return True
+    return False
