@@ -12,6 +12,9 @@ from lightning_ppo.watch.plot import find_metrics_csv, moving_average, read_metr
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Each test trains for tens of seconds: `make test-learning` runs them (CI does), `make test` does not.
+pytestmark = pytest.mark.learning
+
 # (config, extra overrides): every estimator on the same task, 64 sequences per iteration
 RUNS = {
     "gae": ("quickstart.yaml", ["--model.init_args.ppo.kl_coef", "0.02"]),

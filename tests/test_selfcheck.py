@@ -121,6 +121,7 @@ def test_the_bands_are_sampling_noise_plus_what_the_allowance_moves():
     assert not judge(optimum, claims_more, epsilon=0.02, z=4.0)[2].passed
 
 
+@pytest.mark.selfcheck
 def test_a_correct_setup_lands_on_the_exact_optimum(tmp_path):
     result = selfcheck(tmp_path / "run", draw=False)
     assert result.passed, "\n".join(result.lines())
@@ -129,6 +130,7 @@ def test_a_correct_setup_lands_on_the_exact_optimum(tmp_path):
     assert result.policy_distance < 0.05
 
 
+@pytest.mark.selfcheck
 def test_a_kl_term_with_the_wrong_sign_fails_through_the_command(tmp_path):
     args = [
         "selfcheck",
