@@ -8,7 +8,8 @@ offline). Stages, each given a share of ``--budget`` seconds and skipped, saying
 too little is left:
 
 1. side by side (tiny models, untimed): the GPU-only tests (``tests/test_gpu.py``: every model family
-   under every precision, LoRA), and the quickstart on ``cuda`` as configured (fp32,
+   under every precision, LoRA; ``tests/test_nccl_gpu.py``: a sync over NCCL, on two GPUs with vLLM),
+   and the quickstart on ``cuda`` as configured (fp32,
    ``--quickstart-iterations``) beside every other example config for a few iterations in bf16-mixed;
 2. the GSM8K recipe's shapes (``configs/gsm8k_ppo.yaml``): a random-weight model of Qwen2.5-0.5B's
    config, 64 prompts of 200 tokens, responses of 256 and then 512 tokens, one PPO epoch over 4
@@ -26,6 +27,9 @@ too little is left:
    64 x 32 (``benchmarks.fit_end_memory``; the target: at most 1.2x the floor's);
 8. ``selfcheck``: ``lightning-ppo selfcheck`` on the device under bf16-mixed: does training land on the
    exact KL-regularised optimum there (docs/selfcheck.md)? Its gaps in the row's note; FAILED on a FAIL.
+9. ``sync``: one weight sync of a 0.5B policy into a vLLM server, vLLM's NCCL transfer against ours
+   (``benchmarks.sync_transports``: seconds per sync, the first apart); one skipped row where this
+   interpreter has no vLLM, and the NCCL row skipped on one GPU.
 
 ``--stages`` picks and orders them (a short lease: the rows that matter first).
 
@@ -80,13 +84,14 @@ STAGE_SHARES = {
     "decoding": 0.15,
     "fit-end": 0.2,
     "selfcheck": 0.15,
+    "sync": 0.25,
 }
 # The GSM8K recipe (configs/gsm8k_ppo.yaml): batch 64, ~200-token prompts, 1 epoch x 4 minibatches
 RECIPE = ["--configs", "qwen2.5-0.5b", "--batch-size", "64", "--prompt-length", "200"]
 RECIPE += ["--ppo-epochs", "1", "--minibatches", "4", "--iterations", "2"]
 RECIPE_LENGTHS = (256, 512)
 # The tests that need CUDA: test_gpu.py, and the CUDA cases of the others (their ids say cuda)
-GPU_TESTS = ["tests/test_gpu.py", "tests/test_faults.py", "-k", "cuda"]
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_faults.py", "tests/test_nccl_gpu.py", "-k", "cuda"]
 # the benchmark's stages on the CPU: a tiny Llama, one thread, small batches (these flags come last: they win)
 CPU_TRIAL = ["--device", "cpu", "--configs", "tiny-llama", "--precisions", "bf16-mixed", "--threads", "1"]
 CPU_TRIAL += ["--batch-size", "8", "--response-length", "8", "--minibatches", "2", "--ppo-epochs", "2"]
@@ -484,6 +489,8 @@ def run_stage(stage: str, out: Path, allowed: float, args: argparse.Namespace) -
         return fit_end(out, allowed, args.accelerator)
     if stage == "selfcheck":
         return selfcheck(out, allowed, args.accelerator)
+    if stage == "sync":
+        return sync_transports(out, allowed, args.accelerator)
     long = ["--iterations", "2", "--batch-size", "256", "--response-length", "256"]
     return bench(out, stage, allowed, LONG_256_VARIANTS, [*long, *device])
 
@@ -541,6 +548,40 @@ def selfcheck(out: Path, allowed: float, accelerator: str) -> list[Line]:
     verdict = "PASS" if r["passed"] else "FAIL"
     note = f"{verdict} in {r['seconds']:.0f} s: {gaps}"
     return [Line("selfcheck", r["setup"], "bf16-mixed", "ok" if r["passed"] else "FAILED", note=note)]
+
+
+def sync_transports(out: Path, allowed: float, accelerator: str) -> list[Line]:
+    """``benchmarks.sync_transports``: a 0.5B policy's sync, each transport a row (seconds per sync in
+    the s / it column), NCCL's against ours in its note; one skipped row where it cannot run."""
+    if accelerator != "cuda":
+        return [Line("sync", "memory,nccl", "", "skipped", note="GPUs only (CPU syncs: benchmarks.servers)")]
+    rows, log = out / "sync.json", out / "sync.log"
+    rows.unlink(missing_ok=True)  # a last check's must not pass for this one's
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.sync_transports",
+        "--out",
+        str(out / "sync"),
+        "--json",
+        str(rows),
+    ]
+    failure = run_logged(command, log, allowed)
+    said = log.read_text().strip().splitlines() if log.exists() else []
+    if said and "skipped:" in said[-1] and not rows.exists():
+        return [Line("sync", "memory,nccl", "", "skipped", note=said[-1].split("skipped: ", 1)[1])]
+    if not rows.exists():
+        return [Line("sync", "memory,nccl", "", "FAILED", note=failure or "no results")]
+    records = json.loads(rows.read_text())
+    ours = next((r["sync_s"] for r in records if r["transport"] == "memory" and r["sync_s"]), None)
+    lines = []
+    for r in records:
+        note = r["note"] or f"{r['gib']:.2f} GiB per sync; first (joined, checked) {r['first_s']:.2f} s"
+        if r["transport"] != "memory" and r["sync_s"] and ours:
+            note = f"{r['sync_s'] / ours:.2f}x memory, {note}"
+        what = f"qwen2.5-0.5b sync, {r['transport']}"
+        lines.append(Line("sync", what, "bf16", r["status"], r["sync_s"], note=note))
+    return lines
 
 
 def fit_end(out: Path, allowed: float, accelerator: str) -> list[Line]:

@@ -1,6 +1,6 @@
 """``generation.sync_transport: nccl``: our side of vLLM's weight-transfer protocol against fake
 servers that record each route and payload (the routes of vLLM 0.32's RLHF router), rank 0's
-broadcasts recorded in place of NCCL (which needs GPUs: tests/test_gpu.py sends them for real)."""
+broadcasts recorded in place of NCCL (which needs GPUs: tests/test_nccl_gpu.py sends them for real)."""
 
 from __future__ import annotations
 
