@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -43,6 +44,7 @@ from lightning_ppo.rollout.engines.server.weight_group import listening_socket
 
 BUCKET_BYTES = 1 << 30  # tensors described by one /update_weights call
 SHUTDOWN_SECONDS = 10.0  # at most, for a server to let go of its end as a fit ends (a courtesy)
+DRAIN_SECONDS = 5.0  # at most, for rank 0's enqueued broadcasts to finish before its end is aborted
 _FIELD = "generation.sync_transport: nccl"
 
 
@@ -89,10 +91,18 @@ class VLLMBroadcaster:
         self.group.broadcast(tensor.to(self.device).contiguous(), src=0, stream=torch.cuda.current_stream())
 
     def close(self) -> None:
+        """The broadcasts enqueued are given :data:`DRAIN_SECONDS` to finish, then the communicator
+        is aborted (vLLM's ``destroy``). Not a plain ``synchronize``: after a failed sync a broadcast
+        waits for a worker that will never join it, and the trainer would hang there for good."""
         group, self.group = self.group, None
-        if group is not None:
-            torch.cuda.current_stream().synchronize()
-            group.destroy()
+        if group is None:
+            return
+        drained = torch.cuda.Event()
+        drained.record()
+        deadline = time.monotonic() + DRAIN_SECONDS
+        while not drained.query() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        group.destroy()
 
 
 def nccl_refusal() -> str | None:
