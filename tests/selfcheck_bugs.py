@@ -9,7 +9,11 @@ import torch
 from torch import Tensor
 
 from lightning_ppo import PPOLightningModule
+from lightning_ppo.module import RolloutForwards
+from lightning_ppo.ppo.experience import Experience, make_experience
 from lightning_ppo.ppo.kl import FixedKLController
+from lightning_ppo.ppo.rollout_data import Rollout
+from lightning_ppo.rollout.prompts import PromptBatch
 
 
 class WrongSignKL(PPOLightningModule):
@@ -43,3 +47,34 @@ class LogprobsShiftedByOne(PPOLightningModule):
     def token_logprobs(self, logits: Tensor, tokens: Tensor) -> Tensor:
         shifted = torch.cat([tokens[:, :1], tokens[:, :-1]], dim=1)
         return super().token_logprobs(logits, shifted)
+
+
+class StaleWeights(PPOLightningModule):
+    """The rollout sampled with the weights from before the last update while ``ppo.max_staleness`` 0
+    claims it is on-policy (a weight sync that lands one step late): no importance weights correct it,
+    as the run believes the samples are its own."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._previous: dict[str, Tensor] | None = None
+
+    def generate(self, batch: PromptBatch) -> Rollout:
+        current = {name: value.detach().clone() for name, value in self.policy.state_dict().items()}
+        if self._previous is not None:
+            self.policy.load_state_dict(self._previous)
+        try:
+            return super().generate(batch)
+        finally:
+            self.policy.load_state_dict(current)
+            self._previous = current
+
+
+class WhitenedPerRank(PPOLightningModule):
+    """Advantages whitened over each rank's own tokens instead of every rank's (the mean and variance
+    not all-reduced): each rank's advantages get their own scale."""
+
+    def experience(
+        self, rollout: Rollout, forwards: RolloutForwards, scores: Tensor, kl_coef: float
+    ) -> Experience:
+        logprobs, ref_logprobs, values = forwards.logprobs, forwards.ref_logprobs, forwards.values
+        return make_experience(rollout, logprobs, ref_logprobs, values, scores, kl_coef, self.ppo)

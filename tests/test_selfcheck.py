@@ -14,16 +14,20 @@ import math
 
 import pytest
 import torch
+import yaml
 
 from lightning_ppo.cli import main
+from lightning_ppo.config import GenerationConfig, PPOConfig
 from lightning_ppo.selfcheck import selfcheck
-from lightning_ppo.selfcheck.exact import kl_to_optimum, tilted_optimum
+from lightning_ppo.selfcheck.exact import kl_to_optimum, rated_optimum, tilted_optimum
 from lightning_ppo.selfcheck.induction import TwoTurns
+from lightning_ppo.selfcheck.objective import other_objectives
 from lightning_ppo.selfcheck.responses import ResponseSpace, float64_copy
 from lightning_ppo.selfcheck.task import SelfcheckTask
 from lightning_ppo.selfcheck.verdict import Plateau, judge
 from lightning_ppo.watch.plot import read_metrics
 from tests.helpers import cli_process, cli_usage_error
+from tests.selfcheck_bugs import StaleWeights
 
 BUG = "tests.selfcheck_bugs."
 ESTIMATOR = "--model.init_args.ppo.advantage_estimator"
@@ -55,6 +59,33 @@ def test_any_policy_falls_short_of_the_optimum_by_beta_times_its_kl_to_it():
     objective = ((policy.exp() * rewards).sum(1) - beta * (policy.exp() * (policy - ref)).sum(1)).mean()
     shortfall = beta * kl_to_optimum(policy, ref, rewards, beta).mean()
     assert float(objective) == pytest.approx(optimum.objective - float(shortfall), abs=1e-12)
+
+
+def test_two_raters_the_policy_cannot_tell_apart_tilt_it_by_their_mean_reward():
+    # pi_ref = (1/2, 1/2); rater A pays (0, 1), rater B (0, 3); beta = 1: pi* = (1, e^2) / (1 + e^2)
+    ref = torch.tensor([[0.5, 0.5]], dtype=torch.float64).log()
+    by_rater = torch.tensor([[[0.0, 1.0]], [[0.0, 3.0]]], dtype=torch.float64)
+    optimum = rated_optimum(ref, by_rater, beta=1.0)
+    p = math.e**2 / (1 + math.e**2)
+    assert optimum.reward == pytest.approx(2 * p, abs=1e-12)
+    assert optimum.objective == pytest.approx(math.log((1 + math.e**2) / 2), abs=1e-12)
+    # the noise of a batch mean holding as many rows of each rater: each rater's spread, pooled
+    assert optimum.reward_std == pytest.approx(math.sqrt((1 + 9) / 2 * p * (1 - p)), abs=1e-12)
+    # r - beta log pi*/pi_ref is beta log Z plus the rater's disagreement with the mean, (0, -1) or (0, +1)
+    assert optimum.objective_std == pytest.approx(math.sqrt(p * (1 - p)), abs=1e-12)
+
+
+def test_settings_that_optimise_another_objective_are_named():
+    assert other_objectives(PPOConfig(), GenerationConfig()) == ()
+    grpo = yaml.safe_load(open("configs/grpo.yaml"))["model"]["init_args"]["ppo"]
+    named = other_objectives(PPOConfig(**grpo), GenerationConfig())
+    assert [o.setting for o in named] == ["ppo.kl_estimator k3, ppo.kl_placement loss"]
+    several = other_objectives(PPOConfig(kl_estimator="k3", score_norm=True), GenerationConfig(top_k=2))
+    assert [o.setting for o in several] == [
+        "ppo.kl_estimator k3 (in the reward)",
+        "ppo.score_norm",
+        "generation.top_k 2, top_p 1",
+    ]
 
 
 def test_two_turns_any_policy_falls_short_of_the_induction_by_beta_times_its_kl_to_it():
@@ -147,6 +178,8 @@ def test_options_the_selfcheck_sets_itself_are_refused_in_one_line(capsys, tmp_p
     args = ["selfcheck", "--out", str(tmp_path), "--model.init_args.ppo.kl_coef", "0.1"]
     error = cli_usage_error(capsys, args)
     assert error == "selfcheck: --model.init_args.ppo.kl_coef cannot be set: use --beta"
+    error = cli_usage_error(capsys, ["selfcheck", "--out", str(tmp_path), "--turns", "2", "--raters", "2"])
+    assert error == "selfcheck: --raters 2 is a one-turn task: drop --turns 2 or --raters 2"
 
 
 # ----------------------------------------------------------------- the matrix: make test-selfcheck
@@ -188,20 +221,24 @@ def test_a_correct_setup_passes(tmp_path, options, settings):
 
 @pytest.mark.selfcheck
 @pytest.mark.parametrize(
-    "options",
+    "options, named",
     [
-        pytest.param(K3, id="k3 in the reward"),
-        pytest.param(("--model.init_args.generation.top_k", "2"), id="top_k 2"),
+        pytest.param(K3, "ppo.kl_estimator k3 (in the reward)", id="k3 in the reward"),
+        pytest.param(
+            ("--model.init_args.generation.top_k", "2"), "generation.top_k 2, top_p 1", id="top_k 2"
+        ),
         pytest.param(
             (ESTIMATOR, "grpo", *GROUPS, "--model.init_args.ppo.kl_placement", "loss", *K3),
+            "ppo.kl_estimator k3, ppo.kl_placement loss",
             id="grpo with k3 in the loss (configs/grpo.yaml)",
         ),
     ],
 )
-def test_a_setting_that_optimises_another_objective_fails(tmp_path, options):
+def test_a_setting_that_optimises_another_objective_fails(tmp_path, options, named):
     settings = {"batch_size": 16} if "grpo" in options else {}
     result = selfcheck(tmp_path / "run", *options, draw=False, **settings)
     assert not result.passed, "\n".join(result.lines())
+    assert [o.setting for o in result.other_objectives] == [named]  # the FAIL says which setting
 
 
 FSDP2 = {
@@ -221,3 +258,55 @@ def test_two_cpu_ranks_pass_through_lightnings_launcher(tmp_path, strategy):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     _, series = read_metrics(tmp_path / "run" / "csv" / "version_0" / "metrics.csv")
     assert series["episode"][1][-1] == SelfcheckTask().iterations * 64
+
+
+GRPO_BATCH = (ESTIMATOR, "grpo", *GROUPS, "--model.init_args.ppo.scale_rewards", "batch", "--batch-size", "8")
+
+
+@pytest.mark.selfcheck
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    "options, bug",
+    [
+        pytest.param(GRPO_BATCH, None, id="grpo, scale_rewards batch"),
+        pytest.param(GRPO_BATCH, "WhitenedPerRank", id="grpo, scale_rewards batch, per rank"),
+        pytest.param(("--batch-size", "32"), "WhitenedPerRank", id="gae, whitened per rank"),
+    ],
+)
+def test_two_raters_on_two_ranks_fail_advantages_whitened_per_rank(tmp_path, options, bug):
+    # each rank gets one rater's rows; the noisy rater's spread, whitened on its own rank, weighs its
+    # rows less than the other's and the policy leans to the other rater's character
+    args = ["selfcheck", "--raters", "2", "--out", str(tmp_path / "run"), "--no-plot", *options]
+    args += ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
+    args += ["--model.class_path", BUG + bug] if bug else []
+    done = cli_process(args, timeout=600, OMP_NUM_THREADS="1")
+    assert done.returncode == (1 if bug else 0), done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "run" / "selfcheck.json").read_text())
+    if bug:  # out of the objective's band by far: the policy ends >= 0.5 nats from pi* (measured 0.9-1.6)
+        assert result["objective"]["gap"] < 2 * result["objective"]["low"]
+
+
+SAMPLED_WITH: list[tuple[str, float]] = []  # (when, the policy's weights summed) of StaleWeightsProbe
+
+
+class StaleWeightsProbe(StaleWeights):
+    """The stale-weights bug, noting which weights each rollout samples with and each update starts from."""
+
+    def _sample(self, batch):
+        SAMPLED_WITH.append(("sample", float(sum(p.double().sum() for p in self.policy.parameters()))))
+        return super()._sample(batch)
+
+    def training_step(self, batch, batch_idx):
+        SAMPLED_WITH.append(("train", float(sum(p.double().sum() for p in self.policy.parameters()))))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.selfcheck
+def test_the_stale_weights_bug_samples_with_the_weights_before_the_last_update(tmp_path):
+    # docs/selfcheck.md: it PASSes (it cannot move the optimum); this shows the injection is real
+    SAMPLED_WITH.clear()
+    selfcheck(tmp_path / "run", "--model.class_path", "tests.test_selfcheck.StaleWeightsProbe", iterations=8)
+    trained = [w for when, w in SAMPLED_WITH if when == "train"]
+    sampled = [w for when, w in SAMPLED_WITH if when == "sample"]
+    assert sampled[0] == trained[0]  # the first has no older weights
+    assert sampled[1:] == trained[:-1] and trained[1:] != trained[:-1]

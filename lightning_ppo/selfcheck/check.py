@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning_ppo.distributed.sharding import is_sharded
 from lightning_ppo.runs.errors import RunStopped
+from lightning_ppo.selfcheck.objective import other_objectives
 from lightning_ppo.selfcheck.optimum import list_task
 from lightning_ppo.selfcheck.plot import plot_selfcheck
 from lightning_ppo.selfcheck.result import SelfcheckResult
@@ -59,6 +60,7 @@ def run_selfcheck(
         seconds=time.perf_counter() - started,
         metrics=outcome.metrics,
         plot=plot,
+        other_objectives=other_objectives(module.ppo, module.generation_config),
     )
     return kept(settings, result)
 

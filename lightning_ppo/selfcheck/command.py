@@ -46,6 +46,14 @@ def parser() -> argparse.ArgumentParser:
         help="1: one reply per prompt; 2: two replies and an environment's random hint between (an episode)",
     )
     parser.add_argument(
+        "--raters",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="2: one prompt whose rows two raters the policy cannot tell apart score in turn, on scales 1 "
+        "and 3 (on 2 ranks each rank gets one rater's rows: checks that the ranks' samples weigh alike)",
+    )
+    parser.add_argument(
         "--beta",
         type=float,
         default=None,
@@ -68,7 +76,10 @@ def selfcheck_main(argv: list[str], fit: Callable[[list[str]], Any]) -> int:
         raise UsageError(f"selfcheck: {err}") from err
     if ns.beta is not None and ns.beta <= 0:
         raise UsageError(f"selfcheck: --beta must be > 0, got {ns.beta}")
-    task = SelfcheckTask() if ns.turns == 1 else SelfcheckTask.two_turns()
+    if ns.turns == 2 and ns.raters == 2:
+        raise UsageError("selfcheck: --raters 2 is a one-turn task: drop --turns 2 or --raters 2")
+    task = SelfcheckTask.two_raters() if ns.raters == 2 else SelfcheckTask()
+    task = SelfcheckTask.two_turns() if ns.turns == 2 else task
     task = replace(task, seed=ns.seed, **({} if ns.beta is None else {"beta": ns.beta}))
     settings = RunSettings(ns.out, ns.iterations, ns.batch_size, ns.lr, task, overrides)
     if ns.window is not None and not 2 <= ns.window <= settings.iterations:

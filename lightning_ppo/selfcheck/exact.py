@@ -11,7 +11,7 @@ Pure math on tensors: nothing of the package, no model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -84,6 +84,37 @@ def tilted_optimum(
         greedy_reward=float((weights * r.masked_fill(reference == 0, -torch.inf).amax(dim=1)).sum()),
         objective=float(beta * (weights * log_z).sum()),
     )
+
+
+def rated_optimum(ref_logprobs: Tensor, rater_rewards: Tensor, beta: float) -> TiltedOptimum:
+    """The optimum when raters the policy cannot tell apart score the rows in turn, as many each.
+
+    The policy answers every rater alike, so its objective is its reference tilted by the raters'
+    mean reward; the sampling noise of ``objective/scores`` is each rater's spread, pooled (a batch
+    holds as many rows of each), and one response's ``r - beta log pi*/pi_ref`` varies with who
+    rated it (``objective_std``).
+
+    Args:
+        ref_logprobs: (P, N) as :func:`tilted_optimum` takes.
+        rater_rewards: (C, P, N) each rater's reward of every response of each prompt.
+        beta: The KL coefficient (> 0).
+    """
+    mean = rater_rewards.double().mean(dim=0)
+    optimum = tilted_optimum(ref_logprobs, mean, beta)
+    log_optimum = ref_logprobs.double() + mean / beta
+    probs = (log_optimum - torch.logsumexp(log_optimum, dim=1, keepdim=True)).exp()
+    weights = torch.full((len(mean),), 1.0 / len(mean), dtype=torch.float64)
+    rewards, disagreements = rater_rewards.double(), rater_rewards.double() - mean
+    return replace(
+        optimum,
+        reward_std=_pooled_over_raters(probs, rewards, weights),
+        objective_std=_pooled_over_raters(probs, disagreements, weights),
+    )
+
+
+def _pooled_over_raters(probs: Tensor, values: Tensor, weights: Tensor) -> float:
+    """``sqrt(E_c E_x Var_{probs(.|x)}[values_c])``: each rater's spread within each prompt, pooled."""
+    return (sum(_pooled_std(probs, rated, weights) ** 2 for rated in values) / len(values)) ** 0.5
 
 
 def _mean(probs: Tensor, values: Tensor, weights: Tensor) -> float:

@@ -15,11 +15,11 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
-from lightning_ppo.selfcheck.exact import TiltedOptimum, kl_to_optimum, tilted_optimum
+from lightning_ppo.selfcheck.exact import TiltedOptimum, kl_to_optimum, rated_optimum, tilted_optimum
 from lightning_ppo.selfcheck.hint import HINTS, hint_probabilities, hint_reward
 from lightning_ppo.selfcheck.induction import TwoTurns
 from lightning_ppo.selfcheck.responses import ResponseSpace, float64_copy
-from lightning_ppo.selfcheck.task import SelfcheckTask, prompt_char_score, prompt_ids
+from lightning_ppo.selfcheck.task import SelfcheckTask, prompt_char_score, prompt_ids, rater_score
 
 
 @dataclass(frozen=True)
@@ -29,16 +29,20 @@ class ListedTask:
     Attributes:
         space: What sampling may draw.
         prompts: The prompts' token ids.
-        rewards: (P, N) the reward of each response of each prompt.
+        rewards: (P, N) the reward of each response of each prompt (the raters' mean, with raters).
         ref_logprobs: (P, N) float64 log-prob under the reference.
+        rater_rewards: (C, P, N) each rater's reward, with raters; else ``None``.
     """
 
     space: ResponseSpace
     prompts: tuple[tuple[int, ...], ...]
     rewards: Tensor
     ref_logprobs: Tensor
+    rater_rewards: Tensor | None = None
 
     def optimum(self, beta: float) -> TiltedOptimum:
+        if self.rater_rewards is not None:
+            return rated_optimum(self.ref_logprobs, self.rater_rewards, beta)
         return tilted_optimum(self.ref_logprobs, self.rewards, beta)
 
     def distance(self, policy: nn.Module, beta: float) -> float:
@@ -112,10 +116,15 @@ def list_task(module: Any, task: SelfcheckTask) -> ListedTask | ListedEpisodes:
     texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in space.responses()]
     prompts = tuple(tuple(prompt_ids(tokenizer, p)) for p in task.prompts)
     if task.turns == 1:
+        ref = torch.stack([space.logprobs(exact, list(ids)) for ids in prompts])
+        if task.raters:  # every prompt's rows are rated by each rater in turn
+            length = task.max_new_tokens
+            rated = [[rater_score(c, t, length, task.raters) for t in texts] for c in task.raters]
+            by_rater = torch.tensor(rated, dtype=torch.float64)[:, None].expand(-1, len(prompts), -1)
+            return ListedTask(space, prompts, by_rater.mean(dim=0), ref, by_rater)
         scores = [
             [prompt_char_score(p, t, task.max_new_tokens, task.offsets) for t in texts] for p in task.prompts
         ]
-        ref = torch.stack([space.logprobs(exact, list(ids)) for ids in prompts])
         return ListedTask(space, prompts, torch.tensor(scores, dtype=torch.float64), ref)
     hints = tuple(tuple(tokenizer(h, add_special_tokens=False)["input_ids"]) for h in HINTS)
     ref1, ref2 = episode_logprobs(space, prompts, hints, exact)

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lightning_ppo.selfcheck.exact import TiltedOptimum
+from lightning_ppo.selfcheck.objective import OtherObjective
 from lightning_ppo.selfcheck.verdict import EPSILON, Check, Z
 
 
@@ -29,6 +30,8 @@ class SelfcheckResult:
         plot: The picture of the run against the optimum (``None`` if not drawn).
         stopped: Why the run stopped before its end (a FAIL: ``ppo.max_consecutive_skips`` NaN/inf
             steps in a row), else ``None``; the fields above are then ``None`` or empty.
+        other_objectives: The run's settings that optimise another objective than
+            ``E[r] - beta KL(pi || pi_ref)`` (a FAIL names them).
     """
 
     setup: str
@@ -43,6 +46,7 @@ class SelfcheckResult:
     metrics: Path | None
     plot: Path | None = None
     stopped: str | None = None
+    other_objectives: tuple[OtherObjective, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -77,6 +81,7 @@ class SelfcheckResult:
             self.reward.line(),
             self.kl.line(),
             self.objective.line(),
+            *([] if self.passed else [other.line() for other in self.other_objectives]),
             f"  objective = objective/scores - beta objective/kl; bands: {Z:g} standard errors of sampling "
             f"noise + what a policy {EPSILON:g} nats from the optimum moves (docs/selfcheck.md)",
             f"{'PASS' if self.passed else 'FAIL'} in {self.seconds:.0f} s; log {self.metrics}"

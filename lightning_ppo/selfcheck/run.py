@@ -56,7 +56,7 @@ class RunSettings:
         out: The folder of the run: its policy, config, logs and plot.
         iterations: PPO iterations (rollout batches); ``None``: the task's (120 for one turn, 200 for two).
         batch_size: Prompts per batch on each rank (``data.batch_size``); even, so each batch holds as
-            many of each prompt.
+            many of each prompt (or rater).
         lr: AdamW's learning rate (no weight decay: it would pull the weights, not the objective).
         overrides: ``--trainer.*`` / ``--model.*`` options passed to ``fit`` after the config.
     """
@@ -73,10 +73,11 @@ class RunSettings:
         self.iterations = self.iterations or self.task.iterations
         if self.iterations < 8:
             raise UsageError(f"selfcheck: --iterations must be >= 8, got {self.iterations}")
-        if self.batch_size < 2 or self.batch_size % len(self.task.prompts):
+        kinds = self.task.rows_per_cycle
+        if self.batch_size < 2 or self.batch_size % kinds:
             raise UsageError(
-                f"selfcheck: --batch-size must be a multiple of the task's {len(self.task.prompts)} prompts, "
-                f"got {self.batch_size}"
+                f"selfcheck: --batch-size must be a multiple of the task's {kinds} kinds of row "
+                f"(prompts x raters), got {self.batch_size}"
             )
         if not self.lr > 0:
             raise UsageError(f"selfcheck: --lr must be > 0, got {self.lr}")
@@ -141,6 +142,7 @@ def config(settings: RunSettings, policy: Path) -> dict[str, Any]:
             "init_args": {
                 "task_prompts": list(task.prompts),
                 "iterations": settings.iterations,
+                **({"raters": list(task.raters)} if task.raters else {}),
                 "batch_size": settings.batch_size,
                 "max_prompt_length": 8,
             },
@@ -152,6 +154,8 @@ def scoring(task: SelfcheckTask) -> dict[str, Any]:
     """What scores the task: the reward of one turn, or the hint environment over two."""
     if task.turns == 1:
         reward = {"length": task.max_new_tokens, "offsets": dict(task.offsets)}
+        if task.raters:
+            reward.update(raters=dict(task.raters), noise=dict(task.noise))
         return {
             "reward_fn": {"class_path": "lightning_ppo.selfcheck.task.PromptCharReward", "init_args": reward}
         }

@@ -40,6 +40,9 @@ from lightning_ppo.tasks.tiny import PAD, build_char_tokenizer
 _READY = "selfcheck-task.json"
 _BUILD = 2  # raised whenever build() makes another checkpoint from the same fields
 HINT_BETA = 0.5  # the optimum halfway between the reference (0.62) and the greedy answer (1.35)
+# the dataset columns naming who scores a row (the two-rater task) and its coin (+1 or -1, heads and
+# tails in turn over each rater's rows): the policy never sees them
+RATER, COIN = "rater", "coin"
 
 
 def prompt_char_score(prompt: str, completion: str, length: int, offsets: dict[str, float]) -> float:
@@ -48,49 +51,85 @@ def prompt_char_score(prompt: str, completion: str, length: int, offsets: dict[s
     return completion.count(prompt) / length + offsets.get(prompt, 0.0)
 
 
+def rater_score(rater: str, completion: str, length: int, raters: dict[str, float]) -> float:
+    """What ``rater`` gives a completion on average over its coin: the share of ``length`` positions
+    holding its character, times its scale."""
+    return raters[rater] * completion.count(rater) / length
+
+
 class PromptCharReward(RewardFunction):
-    """:func:`prompt_char_score` of each completion, as the run's reward.
+    """:func:`prompt_char_score` of each completion, as the run's reward; with ``raters``,
+    :func:`rater_score` by the rater of each row (the dataset's ``rater`` column, which the policy
+    never sees).
 
     Args:
         length: The response length budget (``generation.max_new_tokens``).
         offsets: A constant added to each prompt's reward.
+        raters: Each rater's character and scale; empty: the prompt's character is counted.
+        noise: What a rater adds times its row's coin (the ``coin`` column, +1 or -1).
     """
 
-    def __init__(self, length: int = 3, offsets: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        length: int = 3,
+        offsets: dict[str, float] | None = None,
+        raters: dict[str, float] | None = None,
+        noise: dict[str, float] | None = None,
+    ) -> None:
         self.length, self.offsets = length, dict(offsets or {})
+        self.raters, self.noise = dict(raters or {}), dict(noise or {})
 
     def __call__(self, prompts: list[str], completions: list[str], batch: ScoreInputs) -> Tensor:
-        scores = [
-            prompt_char_score(p, c, self.length, self.offsets)
-            for p, c in zip(prompts, completions, strict=True)
-        ]
+        if self.raters:
+            rows = zip(batch.extras[RATER], batch.extras[COIN], completions, strict=True)
+            scores = [
+                rater_score(rater, c, self.length, self.raters) + self.noise.get(rater, 0.0) * coin
+                for rater, coin, c in rows
+            ]
+        else:
+            rows = zip(prompts, completions, strict=True)
+            scores = [prompt_char_score(p, c, self.length, self.offsets) for p, c in rows]
         return torch.tensor(scores, dtype=torch.float32)
 
 
 class SelfcheckPrompts(PromptDataModule):
     """The task's prompts in turn (``x y x y ...``), unshuffled: every batch of an even size holds as
-    many of each, on every rank together, so ``objective/scores`` varies only by the responses.
+    many of each, on every rank together, so ``objective/scores`` varies only by the responses. With
+    raters, each prompt's rows take the raters in turn (a ``rater`` column), and each rater's rows a
+    coin, heads and tails in turn (a ``coin`` column, +1 and -1: every batch holds as many of each); on
+    2 ranks the sampler deals the rows in turn, so each rank gets one kind of row (one prompt, or one
+    rater).
 
     Args:
         task_prompts: The prompts, cycled.
         iterations: Batches each rank gets (one epoch); the rows are made for every rank's.
+        raters: The raters, cycled within each prompt; empty: no ``rater`` column.
         shuffle: Off: shuffled, a batch would hold the prompts in random proportions, and their
             different rewards would add to the noise of its mean.
         **kwargs: Everything ``PromptDataModule`` takes (``batch_size``, ...).
     """
 
     def __init__(
-        self, task_prompts: list[str], iterations: int, shuffle: bool = False, **kwargs: Any
+        self,
+        task_prompts: list[str],
+        iterations: int,
+        raters: list[str] | None = None,
+        shuffle: bool = False,
+        **kwargs: Any,
     ) -> None:
         super().__init__(shuffle=shuffle, **kwargs)
-        self.task_prompts, self.iterations = list(task_prompts), iterations
+        self.task_prompts, self.iterations, self.raters = list(task_prompts), iterations, list(raters or [])
 
     def load_dataset(self) -> datasets.Dataset:
         world = self.trainer.world_size if self.trainer is not None else 1
-        rows = self.iterations * self.batch_size * world
-        return datasets.Dataset.from_dict(
-            {"prompt": [self.task_prompts[i % len(self.task_prompts)] for i in range(rows)]}
-        )
+        rows = range(self.iterations * self.batch_size * world)
+        prompts = self.task_prompts
+        columns = {"prompt": [prompts[i % len(prompts)] for i in rows]}
+        if self.raters:
+            kinds = len(prompts) * len(self.raters)
+            columns[RATER] = [self.raters[(i // len(prompts)) % len(self.raters)] for i in rows]
+            columns[COIN] = [1.0 if (i // kinds) % 2 == 0 else -1.0 for i in rows]
+        return datasets.Dataset.from_dict(columns)
 
 
 @dataclass(frozen=True)
@@ -105,6 +144,10 @@ class SelfcheckTask:
         beta: The KL coefficient ``ppo.kl_coef`` the optimum is computed at.
         turns: 1: the prompt-character task above; 2: the hint task (:mod:`.hint`), its environment
             between the turns (:meth:`two_turns` sets its length and beta).
+        raters: Each rater's character and scale (:meth:`two_raters`); empty: the prompt's character is
+            counted, plus its offset.
+        noise: What each rater adds times its row's coin (+1 or -1, as many of each in every batch): a
+            noisy rater, whose noise leaves the optimum and the batch means where they are.
         n_layer, n_embd, n_head: The GPT-2's size.
         init_range: The std its weights are drawn with (GPT-2's default is 0.02).
         seed: The seed its weights are drawn with.
@@ -121,11 +164,27 @@ class SelfcheckTask:
     init_range: float = 0.1
     seed: int = 0
     turns: int = 1
+    raters: dict[str, float] = field(default_factory=dict)
+    noise: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def two_turns(cls, **fields: object) -> SelfcheckTask:
         """The hint task: replies of at most two tokens (13 per turn, 338 episodes per prompt)."""
         return cls(**{"turns": 2, "max_new_tokens": 2, "beta": HINT_BETA, **fields})
+
+    @classmethod
+    def two_raters(cls, **fields: object) -> SelfcheckTask:
+        """One prompt, ``z``, and two raters the policy cannot tell apart, taking the rows in turn:
+        ``x`` pays ``count(x) / 3``, ``y`` pays ``3 count(y) / 3`` plus or minus 1.5 by a coin. The
+        optimum tilts the reference by their mean; a setup that weighs one rater's rows more than the
+        other's (by the spread of their rewards) lands elsewhere."""
+        raters = {"raters": {"x": 1.0, "y": 3.0}, "noise": {"y": 1.5}}
+        return cls(**{"prompts": ("z",), "offsets": {}, **raters, **fields})
+
+    @property
+    def rows_per_cycle(self) -> int:
+        """The kinds of row the data deals in turn (prompt x rater): a batch holds as many of each."""
+        return len(self.prompts) * max(len(self.raters), 1)
 
     @property
     def iterations(self) -> int:
