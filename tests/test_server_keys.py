@@ -288,3 +288,26 @@ def test_a_local_server_that_never_started_leaves_the_running_servers_key_file(
     assert ServerClient(running.url, 30).rpc("lppo_version") == "none"
     running.stop()
     assert not path.exists()
+
+
+def test_a_local_server_keeping_its_keys_elsewhere_is_ready_and_removes_its_own(keys, tmp_path):
+    """A ``LocalServer`` whose environment names another key folder (``env={"XDG_CACHE_HOME": ...}``)
+    than this process's: its ``serve`` holds the lock there, which is still its own (it was looked
+    for in this process's folder only, and the server never counted as ready); its key file, written
+    there, is removed by ``stop``."""
+    elsewhere = tmp_path / "elsewhere"
+    env = {"PYTHONPATH": f"{tmp_path / 'shim'}:{ROOT}", "XDG_CACHE_HOME": str(elsewhere)}
+    shim = tmp_path / "shim" / "vllm" / "entrypoints" / "openai"
+    shim.mkdir(parents=True)
+    for folder in (shim, shim.parent, shim.parent.parent):
+        (folder / "__init__.py").write_text("")
+    (shim / "api_server.py").write_text("from tests.fake_vllm_server import main\n\nmain()\n")
+    (tmp_path / "policy").mkdir()
+    server = LocalServer(tmp_path / "policy", tmp_path / "serve.log", env=env, start_timeout=60)
+    try:
+        server.wait_ready()
+        written = elsewhere / "lightning_ppo" / "server_keys" / key_file(server.url).name
+        assert written.exists() and not key_file(server.url).exists()
+    finally:
+        server.stop()
+    assert not written.exists()

@@ -123,7 +123,7 @@ def claim_address(host: str, port: int) -> None:
         if environment_key() is not None:
             return
         raise
-    path = folder / lock_file(host, port).name
+    path = folder / lock_name(host, port)
     try:
         descriptor = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     except OSError as err:
@@ -137,10 +137,11 @@ def claim_address(host: str, port: int) -> None:
     os.set_inheritable(descriptor, True)
 
 
-def lock_file(host: str, port: int) -> Path:
-    """The lock :func:`claim_address` takes for ``host``:``port``, held open by the server that runs
-    there (what tells a ``LocalServer`` whether its own ``serve`` wrote the key file)."""
-    return key_folder() / (key_names(host, port)[0].removesuffix(".key") + ".lock")
+def lock_name(host: str, port: int) -> str:
+    """The name of the lock :func:`claim_address` takes for ``host``:``port`` in the key folder,
+    beside the key file; held open by the server that runs there (what tells a ``LocalServer``
+    whether its own ``serve`` wrote the key file)."""
+    return key_names(host, port)[0].removesuffix(".key") + ".lock"
 
 
 def forget_keys(host: str, port: int) -> None:

@@ -30,8 +30,11 @@ from pathlib import Path
 from types import TracebackType
 
 from lightning_ppo.rollout.engines.server.client import ServerClient
-from lightning_ppo.runs.errors import UsageError
-from lightning_ppo.runs.server_keys import key_file, lock_file
+from lightning_ppo.runs.server_keys import key_names, lock_name
+
+# After /health first answers, how long a server's own process may take to be seen holding its
+# address's lock before it is taken as ready anyway (a serve that takes none: no key folder)
+LOCK_GRACE_SECONDS = 30.0
 
 
 def free_port() -> int:
@@ -65,7 +68,8 @@ class LocalServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log) if log is not None else Path(os.devnull)
         self.start_timeout = start_timeout
-        self.key_written: KeyFile | None = None  # the key file this server's serve wrote (_note_key)
+        self.key_path: Path | None = None  # the key file this server's serve wrote (_note_key)
+        self.key_written: KeyFile | None = None  # and what it was then
         environment = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {})}
         command = [sys.executable, "-m", "lightning_ppo.console", "serve", "--policy", str(policy)]
         command += ["--port", str(self.port), "--dtype", dtype, *serve_args, "--", *vllm_args]
@@ -83,6 +87,7 @@ class LocalServer:
         """Return once the server answers ``/health``; an error with the log's end if it exits or
         does not answer within ``start_timeout`` seconds."""
         deadline = time.monotonic() + self.start_timeout
+        first_answer = None
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server for {self.url} exited: {self._log_tail()}")
@@ -91,8 +96,10 @@ class LocalServer:
                     answered = answer.status == 200
             except OSError:
                 answered = False
-            if answered and self._note_key():  # the answer is this server's, not one on a taken port
-                return self
+            if answered:  # this server's answer, or another's on a port taken meanwhile?
+                first_answer = first_answer or time.monotonic()
+                if self._note_key() is not False or time.monotonic() - first_answer > LOCK_GRACE_SECONDS:
+                    return self
             time.sleep(1 if not answered else 0.2)
         self.stop()
         raise TimeoutError(
@@ -118,19 +125,22 @@ class LocalServer:
             self._note_key()
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=60)
-        if self.key_written is not None and KeyFile.read(key_file(self.url)) == self.key_written:
-            key_file(self.url).unlink(missing_ok=True)
+        path, written = self.key_path, self.key_written
+        if path is not None and written is not None and KeyFile.read(path) == written:
+            path.unlink(missing_ok=True)
 
-    def _note_key(self) -> bool:
-        """Whether this server's own process holds its address's lock (``None``, where that cannot
-        be told, counts as yes); if so, the key file its ``serve`` wrote is noted for :meth:`stop`."""
-        try:
-            lock, key = lock_file("127.0.0.1", self.port), key_file(self.url)
-        except UsageError:  # no key folder (no home; VLLM_API_KEY set): no lock and no key file
-            return True
-        if _holds_open(self.process.pid, lock) is False:
+    def _note_key(self) -> bool | None:
+        """Whether this server's own process holds its address's lock (``None``: this system cannot
+        tell); if so, the key file beside the lock (its ``serve`` wrote it: the folder is the one the
+        server's environment names) is noted for :meth:`stop`."""
+        held = _open_files(self.process.pid)
+        if held is None:
+            return None
+        lock = next((path for path in held if path.name == lock_name("127.0.0.1", self.port)), None)
+        if lock is None:
             return False
-        self.key_written = KeyFile.read(key)
+        self.key_path = lock.with_name(key_names("127.0.0.1", self.port)[0])
+        self.key_written = KeyFile.read(self.key_path)
         return True
 
     def _log_tail(self) -> str:
@@ -165,21 +175,19 @@ class KeyFile:
             return None
 
 
-def _holds_open(pid: int, path: Path) -> bool | None:
-    """Whether process ``pid`` has ``path`` open (Linux: ``/proc/PID/fd``); ``None`` where this
-    system cannot tell."""
+def _open_files(pid: int) -> list[Path] | None:
+    """The files process ``pid`` has open (Linux: ``/proc/PID/fd``; none once it is gone); ``None``
+    where this system cannot tell."""
     if not Path("/proc/self/fd").is_dir():
         return None
     try:
-        wanted = os.stat(path)
         descriptors = list(Path("/proc", str(pid), "fd").iterdir())
-    except OSError:  # no lock file yet, or the process is gone
-        return False
+    except OSError:  # the process is gone
+        return []
+    files = []
     for descriptor in descriptors:
         try:
-            held = os.stat(descriptor)  # the file the descriptor is open on
+            files.append(Path(os.readlink(descriptor)))
         except OSError:  # closed as it was listed
             continue
-        if (held.st_dev, held.st_ino) == (wanted.st_dev, wanted.st_ino):
-            return True
-    return False
+    return files
