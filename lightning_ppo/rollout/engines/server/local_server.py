@@ -12,8 +12,9 @@ it, and removes its key file: only the one its own ``serve`` wrote. The free por
 the server binds it, so another server may take it meanwhile; this one's ``serve`` is then refused
 and exits, and the key file at that address is the other server's. Which one wrote it is told by
 the address's lock (``runs.server_keys.claim_address``), which the ``serve`` that runs there holds
-open: a server is ready only once its own process holds it, and the key file it wrote then is
-the only one :meth:`stop` removes (same file, same key).
+open: a server is ready only once its own process holds it (or 30 s after ``/health`` first
+answers, where it takes none: no key folder), and the key file beside that lock is the only one
+:meth:`stop` removes (same file, same key).
 """
 
 from __future__ import annotations
