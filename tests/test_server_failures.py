@@ -461,3 +461,80 @@ def test_a_rank_zero_address_a_server_cannot_resolve_is_one_line_naming_it(fake_
         "weights group rank 1: this server finds no route to rank 0 at no-such-host.invalid "
         "(generation.sync_address): "
     )
+
+
+def test_a_peer_that_stopped_the_sync_and_closed_its_pairs_is_named_not_the_closed_pipe(monkeypatch):
+    """A worker says in the store why it stops the sync, then lets go of the group, which closes its
+    gloo pairs. Rank 0 looks at the store between waits, but a trainer's thread that ran late (two
+    test workers on two busy cores) met the closed pipe first and raised gloo's "Connection closed
+    by peer" (the trainer then asked whether the servers reach rank 0's address) instead of the
+    worker's reason. Here rank 0 looks at the store only every 60 s, so it always meets the closed
+    pipe first: the stop said in the store is what it raises."""
+    from lightning_ppo.rollout.engines.server import weight_group
+
+    listener = weight_group.listening_socket("127.0.0.1")
+    port = listener.getsockname()[1]
+    joined, raised = threading.Event(), []
+
+    def rank_zero() -> None:
+        group = weight_group.open_group("127.0.0.1", port, 0, 2, 60, "127.0.0.1", listener=listener)
+        joined.wait(30)
+        try:  # 64 MB: more than the sockets hold for a peer that takes none of it
+            weight_group.send(group, iter([("w", torch.ones(2**24))]), "run/1")
+        except BaseException as err:  # noqa: BLE001  (asserted below, on the test's thread)
+            raised.append(err)
+        group.let_go()
+
+    trainer = threading.Thread(target=rank_zero, daemon=True)
+    trainer.start()
+    peer = weight_group.open_group("127.0.0.1", port, 1, 2, 60, "127.0.0.1")
+    monkeypatch.setattr(weight_group, "POLL_S", 60.0)  # the join looks every POLL_S too: after it
+    joined.set()
+    length = torch.zeros(1, dtype=torch.int64)  # the bucket's header length: rank 0 is past its look
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    peer.process_group.broadcast([length], options).wait()
+    assert int(length) > 0
+    peer.stop("run/1", "RuntimeError: out of memory\nloading the 5th tensor")
+    peer.let_go()
+    trainer.join(30)
+    assert not trainer.is_alive()
+    assert [type(err) for err in raised] == [weight_group.SyncStopped]
+    assert (raised[0].rank, raised[0].why) == (1, "RuntimeError: out of memory loading the 5th tensor")
+
+
+class _DyingWorker(_Worker):
+    """A worker whose process dies after 4 buckets (killed for memory, say): its gloo pairs close
+    with no word in the store, and its server answers the call with an error once it notices (here:
+    once rank 0 met the closed pipe and said so in the store: the slowest order for the trainer)."""
+
+    def lppo_receive(self, with_checksums: str = "1", version: str = "") -> dict[str, list[float]] | None:
+        from lightning_ppo.rollout.engines.server import weight_group
+
+        group = self.lppo_weights_group
+        store = group.store
+        for _ in range(4):
+            weight_group._receive_bucket(group, lambda: None)
+        self._lppo_let_go()  # nothing pending: its pairs close at once, as a dead process's do
+        assert _eventually(lambda: store.check([f"stop/{version}"]))
+        raise RuntimeError("the worker's process died (killed: out of memory)")
+
+
+def test_a_worker_that_died_mid_sync_is_named_by_its_servers_answer_not_the_closed_pipe(fake_vllm):
+    """A server's worker dies during the in-memory sync: rank 0 meets its closed pipe before the
+    server answers, and raised at once what the broadcast met, asking whether the servers reach
+    rank 0's address (they did). Now rank 0 gives the servers a few seconds to answer and raises
+    the dead worker's server's answer; the next sync (the worker sound again) joins anew."""
+    url, workers = fake_vllm
+    big = partial(_model, 512, 16)  # 16 MB in 1 MB buckets: rank 0 is still sending when it dies
+    workers[0] = _DyingWorker(big())
+    sync = MemorySync([ServerClient(url, 60.0)], [1], "127.0.0.1", 60.0)
+    sync.bucket_bytes = 2**20
+    with pytest.raises(GenerationServerError) as caught:
+        sync.load(iter(_weights(big(), 2.0)), torch.float32, True, "run/1")
+    assert str(caught.value).startswith(f"generation server {url} (/collective_rpc lppo_receive): ")
+    assert "RuntimeError: the worker's process died (killed: out of memory)" in str(caught.value)
+    assert _receiving_threads() == []
+    workers[0] = _Worker(big())
+    sums, held = sync.load(iter(_weights(big(), 2.0)), torch.float32, True, "run/2")
+    assert [len(answers) for answers in held] == [1] and workers[0].lppo_version() == "run/2"

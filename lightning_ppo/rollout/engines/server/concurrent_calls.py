@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +34,8 @@ class Requests:
     def __init__(self, calls: Sequence[Callable[[], Any]], max_in_flight: int) -> None:
         self.calls = calls
         self.results: list[Any] = [None] * len(calls)
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the first call's exception
+        self.errors: list[BaseException] = []  # every call's that answered one, in order
         self.answers: queue.SimpleQueue[tuple[int, Any, BaseException | None]] = queue.SimpleQueue()
         self.waiting = set(range(min(max_in_flight, len(calls))))
         self.following = len(self.waiting)
@@ -45,6 +47,22 @@ class Requests:
         while self.error is None and not self.answers.empty():
             self._take(*self.answers.get_nowait())
         return self.error
+
+    def failure_within(self, seconds: float, counts: Callable[[BaseException], bool]) -> BaseException | None:
+        """The first exception of a call for which ``counts`` holds, waiting up to ``seconds`` for one
+        while calls are unanswered (a sync that failed: the answer that says why may be on its way)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            while not self.answers.empty():  # those in already, even with no time left to wait
+                self._take(*self.answers.get_nowait())
+            found = next((error for error in self.errors if counts(error)), None)
+            left = deadline - time.monotonic()
+            if found is not None or not self.waiting or left <= 0:
+                return found
+            try:
+                self._take(*self.answers.get(timeout=left))
+            except queue.Empty:
+                return None
 
     def wait(self, stall_timeout: float) -> list[Any]:
         """Every result, in order; the first exception is raised, and :class:`Stalled` once no call
@@ -60,7 +78,9 @@ class Requests:
 
     def _take(self, index: int, value: Any, error: BaseException | None) -> None:
         if error is not None:
-            self.error = error
+            self.error = self.error or error
+            self.errors.append(error)
+            self.waiting.discard(index)
             return
         self.results[index] = value
         self.waiting.discard(index)

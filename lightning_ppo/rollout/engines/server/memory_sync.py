@@ -8,7 +8,8 @@ dtype, in buckets; each worker loads them as they arrive with vLLM's own reload 
 the checksums of what it holds, as the file path does. Every wait is bounded by
 ``generation.server_timeout``: the group's own timeout, and the calls'. A sync that fails anywhere
 (a worker's load, a server's answer, the trainer's weights, Ctrl-C) stops every member at once
-(:mod:`.weight_group`) and is said at once; the group is let go and the next sync joins anew.
+(:mod:`.weight_group`) and is said at once (a pipe closed with no word, a worker that died: after
+up to :data:`ANSWER_GRACE_S` for its server's answer); the group is let go and the next sync joins anew.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
-from lightning_ppo.rollout.engines.server.concurrent_calls import Requests
+from lightning_ppo.rollout.engines.server.concurrent_calls import Requests, Stalled
 from lightning_ppo.rollout.engines.server.weight_group import (
     BUCKET_BYTES,
     SYNC_HOST_VARIABLE,
@@ -38,6 +39,7 @@ from lightning_ppo.rollout.engines.server.weight_group import (
 from lightning_ppo.rollout.engines.server.weight_sync import Checksum, checksum
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+ANSWER_GRACE_S = 5.0  # how long a failed broadcast waits for a server's answer that says why
 
 
 def sync_address(configured: str | None, urls: list[str]) -> str:
@@ -84,11 +86,13 @@ class MemorySync:
             self._let_go()
             if not isinstance(err, Exception):
                 raise
-            raise self._failure(err, receiving.failure()) from None
+            raise self._failure(err, receiving) from None
 
-    def _failure(self, err: Exception, answered: BaseException | None) -> BaseException:
+    def _failure(self, err: Exception, receiving: Requests) -> BaseException:
         """One error for a sync that failed: the worker that stopped it, the server that answered
-        with an error, or what the broadcast itself met."""
+        with an error, or what the broadcast itself met. A worker that died closes its pipes before
+        its server answers (which names the cause): its answer is awaited a few seconds, and the
+        answers that only echo the trainer's own stop (rank 0's) are passed over."""
         if isinstance(err, SyncStopped) and err.rank > 0:
             server, worker = self._worker(err.rank)
             return server.error(
@@ -96,6 +100,8 @@ class MemorySync:
             )
         if isinstance(err, GenerationServerError):
             return err
+        grace = 0.0 if isinstance(err, Stalled) else min(ANSWER_GRACE_S, self.timeout)  # waited out already
+        answered = receiving.failure_within(grace, _not_an_echo)
         return answered or self._error("broadcast", err)
 
     def _worker(self, rank: int) -> tuple[ServerClient, int]:
@@ -183,6 +189,11 @@ class MemorySync:
             f"generation servers {urls} (weights in memory, {what}): {said}; {more} "
             "generation.sync_transport 'file' sends the weights through generation.sync_dir instead"
         )
+
+
+def _not_an_echo(error: BaseException) -> bool:
+    """A server's answer says more than that the trainer stopped the sync (which the trainer knows)."""
+    return SyncStopped.by(0) not in str(error)
 
 
 def _in_dtype(

@@ -55,8 +55,13 @@ class SyncStopped(RuntimeError):
     """Rank ``rank`` of the group stopped the sync (said in the store), for ``why``."""
 
     def __init__(self, rank: int, why: str) -> None:
-        super().__init__(f"rank {rank} of the weights group stopped the sync: {why}")
+        super().__init__(f"{self.by(rank)}: {why}")
         self.rank, self.why = rank, why
+
+    @staticmethod
+    def by(rank: int) -> str:
+        """How the error begins (a server's answer that holds it with ``rank`` 0 echoes the trainer)."""
+        return f"rank {rank} of the weights group stopped the sync"
 
 
 class JoinFailed(RuntimeError):
@@ -359,17 +364,33 @@ def _process_group(group: WeightsGroup) -> Any:
 
 def _wait(work: Any, stopped: Stopped) -> None:
     """Until ``work`` is done: its own error (a peer gone, the group's timeout) is raised, and so is
-    what stopped the sync, looked for every :data:`POLL_S` seconds of waiting."""
+    what stopped the sync, looked for every :data:`POLL_S` seconds of waiting and once more when
+    ``work`` failed: a member says why it stops before it lets go of the group (which closes its
+    pairs), so a closed pipe met first (this thread ran late) still gives the member's reason."""
     while True:
         try:
             work.wait(timedelta(seconds=POLL_S))
             return
         except RuntimeError:
             if work.is_completed():  # failed (or done just as the wait gave up): wait() says which
-                work.wait()
+                _finished(work, stopped)
                 return
         if (error := stopped()) is not None:
             raise error
+
+
+def _finished(work: Any, stopped: Stopped) -> None:
+    """A completed ``work``'s own error, unless a member stopped the sync: then what it said."""
+    try:
+        work.wait()
+    except RuntimeError as err:
+        try:
+            error = stopped()
+        except Exception:  # noqa: BLE001  (the store gone too, with rank 0: the work's error says so)
+            error = None
+        if error is not None:
+            raise error from err
+        raise
 
 
 def _from_rank_zero() -> Any:
