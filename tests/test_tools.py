@@ -225,6 +225,22 @@ def test_text_calls_reach_tools_named_with_capitals_digits_underscores_and_dashe
     assert (env.calls, env.errors) == (len(names), 0)
 
 
+def test_a_text_call_starts_a_word_not_inside_one():
+    """``call NAME:`` was found inside words: "recall getWeather: x;" and "syscall f: y;" called the
+    tools (and their markup left the policy's own words). A call starts the text or follows a
+    character that is no letter, digit or '_'."""
+    env = ToolEnvironment([_named("getWeather"), _named("f")], tool_format="text")
+    for words in ["recall getWeather: x;", "syscall f: y;", "Recall f: y", "_call f: y;", "2call f: y;"]:
+        assert env.parse(words) is None, words
+        assert env.own_words(words) == words
+        assert env.step(_turn(words)) == StepResult(done=True)
+    assert (env.calls, env.errors) == (0, 0)
+    calls = ["call f: y;", "so:call f: y;", "(call f: y;)", "x\ncall f: y", "recall f: x; then call f: y;"]
+    for words in calls:
+        assert env.parse(words) == ToolCall("f", "y"), words
+    assert env.own_words("recall f: x; then call f: y;") == "recall f: x; then y;"
+
+
 @pytest.mark.parametrize("name", ["get weather", "a:b", "a;b"])
 def test_a_tool_name_the_text_format_cannot_call_is_one_line_at_setup(name):
     said = rf"^model.tools: {re.escape(repr(name))} cannot be called in the text format \(`call NAME: "

@@ -42,7 +42,8 @@ _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 # A text-format name is what the preamble advertises, a tool's __name__: any run of characters
 # but spaces, ':' and ';' (capitals, digits, '_', '-', non-ASCII letters); the setup refuses others.
 _TEXT_NAME = r"[^\s:;]+"
-_TEXT = re.compile(rf"call ({_TEXT_NAME})\s*:\s*([^;]*)")
+# A call starts a word: "recall f: x;" and "syscall f: y;" are words of the policy's, not calls.
+_TEXT = re.compile(rf"(?<!\w)call ({_TEXT_NAME})\s*:\s*([^;]*)")
 # Each tool call is a run_bounded of its own; its timed-out calls still running on their threads are
 # bounded per tool over the whole run: past this many, a new call waits for one to end (until they
 # are stuck: lightning_ppo.runs.call_threads).
