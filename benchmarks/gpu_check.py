@@ -546,7 +546,8 @@ def selfcheck(out: Path, allowed: float, accelerator: str) -> list[Line]:
         for name in ("reward", "kl", "objective")
     )
     verdict = "PASS" if r["passed"] else "FAIL"
-    note = f"{verdict} in {r['seconds']:.0f} s: {gaps}"
+    sampling = "" if r.get("sampling") is None else f", sampling z {r['sampling']['z']:+.2f}"
+    note = f"{verdict} in {r['seconds']:.0f} s: {gaps}{sampling}"
     return [Line("selfcheck", r["setup"], "bf16-mixed", "ok" if r["passed"] else "FAILED", note=note)]
 
 

@@ -272,6 +272,9 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self.iteration = 0
         self.episodes = 0
         self.last_samples: Samples | None = None
+        # The batch, rollout and weights version the last training step trained on (None: it trained
+        # none): what a callback checks the sampling against (lightning_ppo.selfcheck.recorder).
+        self.last_rollout: Sampled | None = None
         self.consecutive_skips = 0  # optimizer steps in a row skipped for NaN/inf gradients
         self.dropped_in_a_row = 0  # iterations in a row whose every sample was dropped (no steps at all)
         self.guardrails: Guardrails | None = None
@@ -341,7 +344,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     @no_silent_stop  # Lightning takes a step's StopIteration for the end of the data
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         self.ppo.check_batch_size(len(batch))
-        sampled = self.sample(batch)
+        sampled = self.last_rollout = self.sample(batch)
         if sampled is None:  # ppo.max_staleness > 0: the first batches only start sampling
             return
         batch, rollout = sampled.batch, sampled.rollout

@@ -23,6 +23,7 @@ from lightning_ppo.selfcheck.exact import kl_to_optimum, rated_optimum, tilted_o
 from lightning_ppo.selfcheck.induction import TwoTurns
 from lightning_ppo.selfcheck.objective import other_objectives
 from lightning_ppo.selfcheck.responses import ResponseSpace, float64_copy
+from lightning_ppo.selfcheck.sampling import SamplingCheck, ratio_terms
 from lightning_ppo.selfcheck.task import SelfcheckTask
 from lightning_ppo.selfcheck.verdict import Plateau, judge
 from lightning_ppo.watch.plot import read_metrics
@@ -152,6 +153,57 @@ def test_the_bands_are_sampling_noise_plus_what_the_allowance_moves():
     assert not judge(optimum, claims_more, epsilon=0.02, z=4.0)[2].passed
 
 
+def test_the_likelihood_ratio_of_the_sampled_responses_by_hand():
+    # one prompt, claimed p = (1/2, 1/2), one update older q = (1/4, 3/4); rows: response 0, 0, 1
+    claimed = torch.tensor([[0.5, 0.5]], dtype=torch.float64).log()
+    other = torch.tensor([[0.25, 0.75]], dtype=torch.float64).log()
+    terms = ratio_terms(claimed, other, torch.tensor([0, 0, 0]), torch.tensor([0, 0, 1]))
+    ratios = (math.log(2), math.log(2 / 3))  # log p - log q of each response
+    kl = (ratios[0] + ratios[1]) / 2
+    variance = ((ratios[0] - kl) ** 2 + (ratios[1] - kl) ** 2) / 2
+    assert terms.tolist() == pytest.approx([2 * ratios[0] + ratios[1], 3 * kl, 3 * variance, 3, 0], abs=1e-12)
+    check = SamplingCheck.of(terms[None])
+    assert check.z == pytest.approx((2 * ratios[0] + ratios[1] - 3 * kl) / math.sqrt(3 * variance), abs=1e-12)
+    # a response the claimed policy cannot give (an unlisted one, -1) fails it whatever z says
+    unlisted = ratio_terms(claimed, other, torch.tensor([0, 0]), torch.tensor([0, -1]))
+    assert unlisted[3:].tolist() == [2, 1] and not SamplingCheck.of(unlisted[None]).passed
+
+
+def _moving_policies(generator: torch.Generator, iterations: int) -> torch.Tensor:
+    """(iterations + 1, 2, 40) log-probs of a policy over two prompts' 40 responses, each version a
+    small random step from the one before (as an update moves it)."""
+    logits = torch.randn(2, 40, generator=generator, dtype=torch.float64)
+    steps = 0.4 * torch.randn(iterations, 2, 40, generator=generator, dtype=torch.float64)
+    return torch.cat([logits[None], logits + steps.cumsum(0)]).log_softmax(-1)
+
+
+def _z(policies: torch.Tensor, lag: int, generator: torch.Generator, rows: int = 64) -> float:
+    """The run's z when version t claims each batch and version t - lag sampled it (lag 0: as claimed)."""
+    prompts = torch.arange(rows) % 2
+    terms = []
+    for t in range(1, len(policies)):
+        sampler = policies[t - lag].exp()[prompts]
+        responses = torch.multinomial(sampler, 1, generator=generator)[:, 0]
+        terms.append(ratio_terms(policies[t], policies[t - 1], prompts, responses))
+    return SamplingCheck.of(torch.stack(terms)).z
+
+
+def test_the_sampling_z_is_standard_normal_as_claimed_and_far_below_when_one_update_older():
+    generator = torch.Generator().manual_seed(0)
+    claimed, older = [], []
+    for _ in range(300):
+        policies = _moving_policies(generator, iterations=20)
+        claimed.append(_z(policies, 0, generator))
+        older.append(_z(policies, 1, generator))
+    claimed = torch.tensor(claimed)
+    # as claimed: mean 0, std 1 (within 4 standard errors of 300 draws), never below the threshold
+    assert abs(float(claimed.mean())) < 4 / math.sqrt(300)
+    assert abs(float(claimed.std()) - 1) < 4 / math.sqrt(2 * 300)
+    assert float(claimed.min()) > -4
+    # one update older: z ~ -sqrt(2 N sum_t KL_t), here far below -4 in every run
+    assert max(older) < -8
+
+
 @pytest.mark.selfcheck
 def test_a_correct_setup_lands_on_the_exact_optimum(tmp_path):
     result = selfcheck(tmp_path / "run", draw=False)
@@ -159,6 +211,8 @@ def test_a_correct_setup_lands_on_the_exact_optimum(tmp_path):
     assert abs(result.reward.gap) <= result.reward.band and abs(result.kl.gap) <= result.kl.band
     # without sampling noise: the trained policy itself ends within a few hundredths of a nat of pi*
     assert result.policy_distance < 0.05
+    # its samples are the policy's it claims: z is a standard normal's draw (measured +1.13)
+    assert result.sampling.rows == 119 * 64 and abs(result.sampling.z) < 3
 
 
 @pytest.mark.selfcheck
@@ -217,6 +271,7 @@ def test_two_turns_with_an_environment_between_pass_and_their_bugs_fail(tmp_path
 def test_a_correct_setup_passes(tmp_path, options, settings):
     result = selfcheck(tmp_path / "run", *options, draw=False, **settings)
     assert result.passed, "\n".join(result.lines())
+    assert abs(result.sampling.z) < 3  # unremarkable: the samples are the claimed policy's
 
 
 @pytest.mark.selfcheck
@@ -303,10 +358,21 @@ class StaleWeightsProbe(StaleWeights):
 
 @pytest.mark.selfcheck
 def test_the_stale_weights_bug_samples_with_the_weights_before_the_last_update(tmp_path):
-    # docs/selfcheck.md: it PASSes (it cannot move the optimum); this shows the injection is real
+    # the plateau cannot see it (it cannot move the optimum, docs/selfcheck.md), the sampling check
+    # can (test_stale_weights_fail_the_sampling_check_the_plateau_cannot_see); the injection is real
     SAMPLED_WITH.clear()
     selfcheck(tmp_path / "run", "--model.class_path", "tests.test_selfcheck.StaleWeightsProbe", iterations=8)
     trained = [w for when, w in SAMPLED_WITH if when == "train"]
     sampled = [w for when, w in SAMPLED_WITH if when == "sample"]
     assert sampled[0] == trained[0]  # the first has no older weights
     assert sampled[1:] == trained[:-1] and trained[1:] != trained[:-1]
+
+
+@pytest.mark.selfcheck
+def test_stale_weights_fail_the_sampling_check_the_plateau_cannot_see(tmp_path):
+    # the rollout samples with the weights one update older than max_staleness 0 claims: the optimum
+    # does not move (docs/selfcheck.md), the sampled responses' likelihoods tell
+    result = selfcheck(tmp_path / "run", "--model.class_path", BUG + "StaleWeights", draw=False)
+    assert not result.passed, "\n".join(result.lines())
+    assert result.objective.passed
+    assert not result.sampling.passed and result.sampling.z < -2 * result.sampling.z_crit

@@ -6,7 +6,8 @@ and KL are exact sums (:mod:`.exact`). The selfcheck trains that task with the u
 model options through ``lightning-ppo fit`` (:mod:`.run`), reads where the run's own logged
 ``objective/scores`` and ``objective/kl`` settled, and passes when both lie within a band that
 sampling noise and a small allowance for the optimiser explain (:mod:`.verdict`,
-``docs/selfcheck.md``).
+``docs/selfcheck.md``), and when the responses it sampled are likely under the policy it claims
+sampled them, not one update older (:mod:`.sampling`, collected by :mod:`.recorder`).
 
 The selfcheck sits above the public face: it fits through the CLI's in-process entry point, as a
 user runs the command. ``cli`` reaches it through :mod:`.command` and hands it that function;

@@ -11,6 +11,7 @@ from lightning_ppo.runs.errors import RunStopped
 from lightning_ppo.selfcheck.objective import other_objectives
 from lightning_ppo.selfcheck.optimum import list_task
 from lightning_ppo.selfcheck.plot import plot_selfcheck
+from lightning_ppo.selfcheck.recorder import recorded
 from lightning_ppo.selfcheck.result import SelfcheckResult
 from lightning_ppo.selfcheck.run import FitOutcome, RunSettings, is_first_rank, run_fit
 from lightning_ppo.selfcheck.verdict import Plateau, judge
@@ -61,6 +62,7 @@ def run_selfcheck(
         metrics=outcome.metrics,
         plot=plot,
         other_objectives=other_objectives(module.ppo, module.generation_config),
+        sampling=recorded(module.trainer),
     )
     return kept(settings, result)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from lightning_ppo.selfcheck.exact import TiltedOptimum
 from lightning_ppo.selfcheck.objective import OtherObjective
+from lightning_ppo.selfcheck.sampling import NOT_CHECKED, SamplingCheck
 from lightning_ppo.selfcheck.verdict import EPSILON, Check, Z
 
 
@@ -32,6 +33,8 @@ class SelfcheckResult:
             steps in a row), else ``None``; the fields above are then ``None`` or empty.
         other_objectives: The run's settings that optimise another objective than
             ``E[r] - beta KL(pi || pi_ref)`` (a FAIL names them).
+        sampling: Whether the responses came from the policy the run claims sampled them, not one
+            update older (:mod:`lightning_ppo.selfcheck.sampling`); ``None``: not checked (two turns).
     """
 
     setup: str
@@ -47,11 +50,14 @@ class SelfcheckResult:
     plot: Path | None = None
     stopped: str | None = None
     other_objectives: tuple[OtherObjective, ...] = ()
+    sampling: SamplingCheck | None = None
 
     @property
     def passed(self) -> bool:
         checks = (self.reward, self.kl, self.objective)
-        return self.stopped is None and all(check is not None and check.passed for check in checks)
+        sampled = self.sampling is None or self.sampling.passed
+        plateau = all(check is not None and check.passed for check in checks)
+        return self.stopped is None and plateau and sampled
 
     def to_json(self) -> str:
         """Every field (paths as text), with ``passed`` and each check's ``gap`` and ``passed``."""
@@ -60,6 +66,8 @@ class SelfcheckResult:
             check = getattr(self, name)
             if check is not None:
                 fields[name].update(gap=check.gap, passed=check.passed)
+        if self.sampling is not None:
+            fields["sampling"].update(z=self.sampling.z, passed=self.sampling.passed)
         fields["passed"] = self.passed
         return json.dumps(fields, indent=1, default=str)
 
@@ -81,6 +89,7 @@ class SelfcheckResult:
             self.reward.line(),
             self.kl.line(),
             self.objective.line(),
+            NOT_CHECKED if self.sampling is None else self.sampling.line(),
             *([] if self.passed else [other.line() for other in self.other_objectives]),
             f"  objective = objective/scores - beta objective/kl; bands: {Z:g} standard errors of sampling "
             f"noise + what a policy {EPSILON:g} nats from the optimum moves (docs/selfcheck.md)",

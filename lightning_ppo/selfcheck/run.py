@@ -118,7 +118,7 @@ def config(settings: RunSettings, policy: Path) -> dict[str, Any]:
             "enable_progress_bar": False,
             "default_root_dir": str(settings.out),
             "logger": [{"class_path": "lightning_ppo.loggers.CSVLogger", "init_args": {"name": "csv"}}],
-            "callbacks": [{"class_path": "lightning_ppo.selfcheck.schedule.IterationDecay"}],
+            "callbacks": callbacks(task),
         },
         "model": {
             "class_path": "lightning_ppo.PPOLightningModule",
@@ -148,6 +148,19 @@ def config(settings: RunSettings, policy: Path) -> dict[str, Any]:
             },
         },
     }
+
+
+def callbacks(task: SelfcheckTask) -> list[dict[str, Any]]:
+    """The learning rate's decay and, in one turn, the recorder of what sampled each batch (two turns'
+    episodes are not checked: their likelihood needs the environment's turns listed too)."""
+    decay = {"class_path": "lightning_ppo.selfcheck.schedule.IterationDecay"}
+    if task.turns != 1:
+        return [decay]
+    recorder = {
+        "class_path": "lightning_ppo.selfcheck.recorder.SamplingRecorder",
+        "init_args": {"prompts": list(task.prompts)},
+    }
+    return [decay, recorder]
 
 
 def scoring(task: SelfcheckTask) -> dict[str, Any]:
