@@ -538,3 +538,39 @@ def test_a_worker_that_died_mid_sync_is_named_by_its_servers_answer_not_the_clos
     workers[0] = _Worker(big())
     sums, held = sync.load(iter(_weights(big(), 2.0)), torch.float32, True, "run/2")
     assert [len(answers) for answers in held] == [1] and workers[0].lppo_version() == "run/2"
+
+
+class _PipeClosedWorker(_Worker):
+    """A worker whose receive, once the sync stopped, answers with gloo's closed pipe: it met rank
+    0's pairs closing before it looked at the store, and the store was gone with them."""
+
+    def lppo_receive(self, with_checksums: str = "1", version: str = "") -> dict[str, list[float]] | None:
+        try:
+            return super().lppo_receive(with_checksums, version)
+        except Exception:
+            raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:40000") from None
+
+
+def test_the_trainers_own_error_in_its_weights_is_raised_as_it_is_not_a_servers_answer(fake_vllm):
+    """The trainer's weights fail part way (an error of its own gather, after 3 of 8 tensors): the
+    sync stopped, and rank 0 waited up to 5 s for the servers' answers and raised one that was more
+    than an echo of its stop (a worker's closed pipe) instead of its own error, or, a server slow to
+    answer, its own error 5 s late, asking whether the servers reach rank 0's address. Now its own
+    error is raised as it is, at once; the next sync joins anew and arrives whole."""
+    url, workers = fake_vllm
+    workers[0] = _PipeClosedWorker(_model())
+    sync = MemorySync([ServerClient(url, 60.0)], [1], "127.0.0.1", 60.0)
+    sync.bucket_bytes = 3 * 32 * 32 * 4
+
+    def failing() -> Iterator[tuple[str, torch.Tensor]]:
+        for index, weight in enumerate(_weights(_model(), 3.0)):
+            if index == 3:
+                raise ValueError("the policy's gather failed on rank 0")
+            yield weight
+
+    with pytest.raises(ValueError, match="^the policy's gather failed on rank 0$"):
+        sync.load(failing(), torch.float32, True, "run/1")
+    assert sync.group is None
+    assert _receiving_threads() == []
+    workers[0] = _Worker(_model())
+    _synced(sync, workers, "run/2")

@@ -8,8 +8,9 @@ dtype, in buckets; each worker loads them as they arrive with vLLM's own reload 
 the checksums of what it holds, as the file path does. Every wait is bounded by
 ``generation.server_timeout``: the group's own timeout, and the calls'. A sync that fails anywhere
 (a worker's load, a server's answer, the trainer's weights, Ctrl-C) stops every member at once
-(:mod:`.weight_group`) and is said at once (a pipe closed with no word, a worker that died: after
-up to :data:`ANSWER_GRACE_S` for its server's answer); the group is let go and the next sync joins anew.
+(:mod:`.weight_group`) and is said at once (the trainer's weights' own error as it is; a pipe
+closed with no word, a worker that died: after up to :data:`ANSWER_GRACE_S` for its server's
+answer); the group is let go and the next sync joins anew.
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ class MemorySync:
         sums: dict[str, Checksum] = {}
         calls = [partial(s.rpc_all, "lppo_receive", "1" if verify else "0", version) for s in self.servers]
         receiving = Requests(calls, len(calls))
+        own: list[Exception] = []  # what the trainer's weights raised, if they did
         try:
             send(
                 self.group,
-                _in_dtype(weights, dtype, sums if verify else None),
+                _noting(_in_dtype(weights, dtype, sums if verify else None), own),
                 version,
                 receiving.failure,
                 self.bucket_bytes,
@@ -84,7 +86,7 @@ class MemorySync:
             # A stopped sync leaves the group's order broken (every member was told: send): the next
             # sync joins anew. Ctrl-C included, or a notebook's next fit would send on it.
             self._let_go()
-            if not isinstance(err, Exception):
+            if not isinstance(err, Exception) or err in own:  # the trainer's own: said as it is
                 raise
             raise self._failure(err, receiving) from None
 
@@ -194,6 +196,16 @@ class MemorySync:
 def _not_an_echo(error: BaseException) -> bool:
     """A server's answer says more than that the trainer stopped the sync (which the trainer knows)."""
     return SyncStopped.by(0) not in str(error)
+
+
+def _noting(weights: Iterator[tuple[str, Tensor]], raised: list[Exception]) -> Iterator[tuple[str, Tensor]]:
+    """``weights``, an error they raise (the trainer's gather, its device) noted in ``raised``: it is
+    the sync's cause, raised as it is, not a server's answer to the stop it made (:meth:`MemorySync.load`)."""
+    try:
+        yield from weights
+    except Exception as err:
+        raised.append(err)
+        raise
 
 
 def _in_dtype(
