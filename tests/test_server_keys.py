@@ -8,10 +8,12 @@ finds first on its ``PYTHONPATH``. Each server is stopped by its test."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -311,3 +313,54 @@ def test_a_local_server_keeping_its_keys_elsewhere_is_ready_and_removes_its_own(
     finally:
         server.stop()
     assert not written.exists()
+
+
+class _Healthy(http.server.BaseHTTPRequestHandler):
+    """Any HTTP server whose ``/health`` answers 200 (another program's, not a ``serve``)."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_local_server_whose_port_another_program_took_is_not_ready(keys, tmp_path):
+    """Another program (not a ``serve``: no lock of its own) takes the ``LocalServer``'s port after
+    its ``serve`` found it free, while vLLM imports (seconds, before it binds): the other's /health
+    answered and this one's ``serve`` held its lock, so it was taken as ready (the trainer then
+    talked to the other program) until its server failed to bind and exited. Now a server is ready
+    only once its own process listens on its port: ``wait_ready`` says it exited."""
+    shim = tmp_path / "slow" / "vllm" / "entrypoints" / "openai"
+    shim.mkdir(parents=True)
+    for folder in (shim, shim.parent, shim.parent.parent):
+        (folder / "__init__.py").write_text("")
+    started = tmp_path / "started"  # the server's shim says when it runs (serve's checks passed)
+    (shim / "api_server.py").write_text(
+        "import pathlib, time\n"
+        f"pathlib.Path({str(started)!r}).touch()\n"
+        "time.sleep(5)  # vLLM's imports, before it binds its port\n"
+        "from tests.fake_vllm_server import main\n\nmain()\n"
+    )
+    (tmp_path / "policy").mkdir()
+    env = {"PYTHONPATH": f"{tmp_path / 'slow'}:{ROOT}"}
+    server = LocalServer(tmp_path / "policy", tmp_path / "serve.log", env=env, start_timeout=120)
+    other = None
+    try:
+        for _ in range(600):  # at most 60 s
+            if started.exists() or server.process.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert started.exists()
+        other = http.server.HTTPServer(("127.0.0.1", server.port), _Healthy)
+        threading.Thread(target=other.serve_forever, daemon=True).start()
+        with pytest.raises(RuntimeError, match=f"the server for {server.url} exited"):
+            server.wait_ready()
+    finally:
+        server.stop()
+        if other is not None:
+            other.shutdown()
+            other.server_close()
+    assert not key_file(server.url).exists()

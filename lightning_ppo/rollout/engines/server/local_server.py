@@ -9,12 +9,13 @@ It listens on 127.0.0.1 only, on a free port, with the API key ``serve`` makes w
 writes); :meth:`wait_ready` polls ``/health`` for at most ``start_timeout`` seconds; :meth:`stop`
 kills its whole process group (the API server, its engine core and worker), so nothing outlives
 it, and removes its key file: only the one its own ``serve`` wrote. The free port is chosen before
-the server binds it, so another server may take it meanwhile; this one's ``serve`` is then refused
-and exits, and the key file at that address is the other server's. Which one wrote it is told by
-the address's lock (``runs.server_keys.claim_address``), which the ``serve`` that runs there holds
-open: a server is ready only once its own process holds it (or 30 s after ``/health`` first
-answers, where it takes none: no key folder), and the key file beside that lock is the only one
-:meth:`stop` removes (same file, same key).
+the server binds it, so another program may take it meanwhile (another server, before this one's
+``serve`` checks it or while vLLM imports); this one's server then fails to bind and exits, and
+the ``/health`` that answers at that address is the other's. So a server is ready only once its
+own process (or one of its children) listens on its port (Linux's ``/proc``; where that cannot be
+told, once ``/health`` answers). Which key file is its own is told by the address's lock
+(``runs.server_keys.claim_address``), which the ``serve`` that runs there holds open: the key file
+beside that lock is the only one :meth:`stop` removes (same file, same key).
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ from types import TracebackType
 
 from lightning_ppo.rollout.engines.server.client import ServerClient
 from lightning_ppo.runs.server_keys import key_names, lock_name
-
-# After /health first answers, how long a server's own process may take to be seen holding its
-# address's lock before it is taken as ready anyway (a serve that takes none: no key folder)
-LOCK_GRACE_SECONDS = 30.0
 
 
 def free_port() -> int:
@@ -88,19 +85,18 @@ class LocalServer:
         """Return once the server answers ``/health``; an error with the log's end if it exits or
         does not answer within ``start_timeout`` seconds."""
         deadline = time.monotonic() + self.start_timeout
-        first_answer = None
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server for {self.url} exited: {self._log_tail()}")
+            self._note_key()  # while its process runs: a server that exits unready wrote one too
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
                     answered = answer.status == 200
             except OSError:
                 answered = False
-            if answered:  # this server's answer, or another's on a port taken meanwhile?
-                first_answer = first_answer or time.monotonic()
-                if self._note_key() is not False or time.monotonic() - first_answer > LOCK_GRACE_SECONDS:
-                    return self
+            # this server's answer, or another program's on a port it took meanwhile?
+            if answered and _listens(self.process.pid, self.port) is not False:
+                return self
             time.sleep(1 if not answered else 0.2)
         self.stop()
         raise TimeoutError(
@@ -183,6 +179,8 @@ def _open_files(pid: int) -> list[Path] | None:
         return None
     try:
         descriptors = list(Path("/proc", str(pid), "fd").iterdir())
+    except PermissionError:  # another user's, or a /proc mounted to hide them
+        return None
     except OSError:  # the process is gone
         return []
     files = []
@@ -192,3 +190,41 @@ def _open_files(pid: int) -> list[Path] | None:
         except OSError:  # closed as it was listed
             continue
     return files
+
+
+def _listens(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` or one of its children holds a socket listening on ``port`` (its own
+    network's TCP tables, by socket inode: vLLM's API server binds it, and may hand it to children);
+    ``None`` where this system cannot tell."""
+    inodes: set[str] = set()
+    for process in _with_children(pid):
+        files = _open_files(process)
+        if files is None:
+            return None
+        inodes |= {str(file)[len("socket:[") : -1] for file in files if str(file).startswith("socket:[")}
+    tables = [Path("/proc", str(pid), "net", name) for name in ("tcp", "tcp6")]
+    for table in tables:
+        try:
+            lines = table.read_text().splitlines()[1:]
+        except PermissionError:
+            return None
+        except OSError:  # no IPv6 here, or the process is gone
+            continue
+        for fields in (line.split() for line in lines):  # sl, local, remote, state, ..., inode (10th)
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] in inodes:
+                return True
+    return False
+
+
+def _with_children(pid: int) -> list[int]:
+    """``pid`` and its descendants (``/proc/PID/task/TID/children``, where the kernel keeps it)."""
+    found, queue = [], [pid]
+    while queue and len(found) < 1000:
+        process = queue.pop()
+        found.append(process)
+        for children in Path("/proc", str(process), "task").glob("*/children"):
+            try:
+                queue += [int(child) for child in children.read_text().split()]
+            except (OSError, ValueError):  # gone as it was read
+                continue
+    return found
