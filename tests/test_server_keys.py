@@ -7,6 +7,7 @@ finds first on its ``PYTHONPATH``. Each server is stopped by its test."""
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import http.server
 import os
@@ -364,3 +365,37 @@ def test_a_local_server_whose_port_another_program_took_is_not_ready(keys, tmp_p
             other.shutdown()
             other.server_close()
     assert not key_file(server.url).exists()
+
+
+def test_ctrl_c_while_a_local_server_starts_stops_it(keys, tmp_path):
+    """Ctrl-C while ``wait_ready`` waits (a notebook's user, tired of a slow start): the server, in a
+    session of its own (the terminal's Ctrl-C does not reach it), ran on, holding its memory and
+    its key file, with nothing left to stop it (``with LocalServer(...)`` calls ``wait_ready`` in
+    ``__enter__``, so ``__exit__`` never ran). Now ``wait_ready`` stops it on its way out, as it
+    does when it gives up, and its key file goes with it."""
+    shim = tmp_path / "slow" / "vllm" / "entrypoints" / "openai"
+    shim.mkdir(parents=True)
+    for folder in (shim, shim.parent, shim.parent.parent):
+        (folder / "__init__.py").write_text("")
+    started = tmp_path / "started"
+    (shim / "api_server.py").write_text(
+        f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(120)\n"
+    )
+    (tmp_path / "policy").mkdir()
+    env = {"PYTHONPATH": f"{tmp_path / 'slow'}:{ROOT}"}
+    server = LocalServer(tmp_path / "policy", tmp_path / "serve.log", env=env, start_timeout=120)
+    try:
+        for _ in range(600):  # at most 60 s
+            if started.exists() or server.process.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert started.exists() and key_file(server.url).exists()
+        interrupt = threading.Timer(1.0, _thread.interrupt_main)  # as a Ctrl-C on this thread
+        interrupt.start()
+        with pytest.raises(KeyboardInterrupt):
+            server.wait_ready()
+        interrupt.join()
+        assert server.process.poll() is not None
+        assert not key_file(server.url).exists()
+    finally:
+        server.stop()

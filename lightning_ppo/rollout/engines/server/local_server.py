@@ -83,7 +83,16 @@ class LocalServer:
 
     def wait_ready(self) -> LocalServer:
         """Return once the server answers ``/health``; an error with the log's end if it exits or
-        does not answer within ``start_timeout`` seconds."""
+        does not answer within ``start_timeout`` seconds. Whatever ends the wait otherwise (Ctrl-C
+        included) stops the server: it runs in a session of its own, which a terminal's Ctrl-C does
+        not reach, and ``with LocalServer(...)`` waits in ``__enter__``, so ``__exit__`` would not."""
+        try:
+            return self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> LocalServer:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -98,7 +107,6 @@ class LocalServer:
             if answered and _listens(self.process.pid, self.port) is not False:
                 return self
             time.sleep(1 if not answered else 0.2)
-        self.stop()
         raise TimeoutError(
             f"{self.url} did not answer /health in {self.start_timeout:g} s: {self._log_tail()}"
         )
