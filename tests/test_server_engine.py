@@ -666,6 +666,9 @@ def test_a_few_suppressed_tokens_go_as_a_bias_and_most_of_the_vocabulary_as_the_
     few = _suppressing_engine(tiny_policy, "http://127.0.0.1:9", [7, 151_000], QWEN_VOCAB)
     request = few._request("policy", [1, 2, 3], seed=5, n=4)
     assert len(json.dumps(request).encode()) < 2_000
+    assert json.loads(few._encoded("policy", [1, 2, 3], 5, 4, exact=False)) == request  # as sent
+    exact_sent = few._encoded("policy", [1], 6, 1, exact=True)
+    assert json.loads(exact_sent) == few._request("policy", [1], 6, 1, exact=True)
     assert request["logit_bias"] == {"7": -100, "151000": -100} and "allowed_token_ids" not in request
     exact = few._request("policy", [1, 2, 3], seed=5, n=1, exact=True)
     assert "logit_bias" not in exact and len(exact["allowed_token_ids"]) == QWEN_VOCAB - 2

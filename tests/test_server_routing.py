@@ -6,6 +6,7 @@ them at once, and nothing is timed (benchmarks/servers.py --only routing times i
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import threading
@@ -284,3 +285,67 @@ def test_a_batch_reads_each_servers_key_once(servers, tiny_digits, tmp_path, mon
     engine.close()
     assert sum(floor.answered) == 64
     assert sorted(looked) == sorted(urls * 2)
+
+
+def test_a_server_measured_slower_gets_fewer_requests_in_the_next_batch(servers, tiny_digits):
+    """2 servers, 4 in flight each, 8 prompts a batch; server 0 holds every request 1.5 s, server 1
+    answers at once. The first batch, nothing measured yet, fills both evenly (4 and 4). The second
+    sends all 8 to server 1: waiting for its slots (milliseconds) is sooner than server 0's 1.5 s.
+    Before, the second batch went 4 and 4 as the first: the slow server held half of it."""
+    floor = Floor(2, ready=lambda floor, index: index == 1, hold_s=1.5)
+    engine = _many(tiny_digits, servers(floor), Placement())
+    engine.max_in_flight = 4
+    assert engine.generate(*_prompts(8)).response_ids.shape == (8, 2)
+    assert engine.requests_sent == [4, 4]
+    assert engine.generate(*_prompts(8)).response_ids.shape == (8, 2)
+    engine.close()
+    assert engine.requests_sent == [4, 12]
+    assert floor.answered == [4, 12]
+
+
+def test_a_request_waits_for_a_faster_servers_slot_rather_than_go_to_a_slow_one():
+    """Latencies 2 s, 0.5 s, 0.5 s, 0.5 s, 4 slots each: 12 requests fill the fast servers in turn,
+    the 13th waits for server 1 (server 0 has room, but a fast one's next slot is sooner) and takes
+    its slot as one of its requests is answered. Servers within a quarter of the best fill evenly.
+    Before, a request went to the server with the fewest in flight: server 0."""
+    from lightning_ppo.rollout.engines.server.routing import Router
+
+    async def route(latencies: list[float], requests: int) -> tuple[list[int], Router, asyncio.Future]:
+        router = Router([4, 4, 4, 4], latencies=latencies)
+        first = [await router.take(index) for index in range(requests)]
+        waiting = asyncio.ensure_future(router.take(requests))
+        await asyncio.sleep(0)
+        return first, router, waiting
+
+    async def slow_one() -> tuple[list[int], bool, int, list[int]]:
+        first, router, waiting = await route([2.0, 0.5, 0.5, 0.5], 12)
+        held = waiting.done()
+        router.give_back(1, 0.5)
+        return first, held, await asyncio.wait_for(waiting, 10), router.in_flight
+
+    first, held, then, in_flight = asyncio.run(slow_one())
+    assert first == [1, 2, 3] * 4 and not held and then == 1
+    assert in_flight == [0, 4, 4, 4]
+
+    async def alike() -> list[int]:
+        first, router, waiting = await route([0.5, 0.55, 0.6, 0.5], 12)
+        return first + [await asyncio.wait_for(waiting, 10)]
+
+    assert asyncio.run(alike()) == [0, 1, 2, 3] * 3 + [0]
+
+
+def test_a_server_left_without_requests_is_tried_again_after_a_while():
+    """A server measured at 2 s beside one at 0.5 s keeps its 2 s while left without requests, for
+    FORGET_AFTER batches; then it is estimated as the slowest of the others (0.5 s), so the next
+    batch sends it requests and measures it again."""
+    from lightning_ppo.rollout.engines.server.routing import FORGET_AFTER, Latencies
+
+    latencies = Latencies(2)
+    assert latencies.estimates() == [1.0, 1.0]
+    latencies.record([[2.0, 1.0, 3.0], [0.5]])
+    assert latencies.estimates() == [2.0, 0.5]
+    for _ in range(FORGET_AFTER - 1):
+        latencies.record([[], [0.4, 0.6]])
+    assert latencies.estimates() == [2.0, 0.5]
+    latencies.record([[], [0.7]])
+    assert latencies.estimates() == [0.7, 0.7]

@@ -7,7 +7,7 @@ The trainer's side:
 - :mod:`.deadline`: one deadline for a whole call of the client's, however its bytes trickle in.
 - :mod:`.connections`, :mod:`.session`, :mod:`.batch`: a batch's completions on the engine's own
   event loop, one pooled session per server, one bound for the whole batch.
-- :mod:`.routing`: each request to the server with the fewest in flight, a limit per server.
+- :mod:`.routing`: each request to the server expected to answer it first, a limit per server.
 - :mod:`.concurrent_calls`: a few calls to every server at once, on threads.
 - :mod:`.suppress`: how a request keeps ``generation.suppress_tokens`` from being sampled.
 - :mod:`.answers`: what a completion answer must hold (ids of the vocabulary, finite log-probs).

@@ -2,8 +2,9 @@
 
 Each rank sends its prompts, as token ids, to the servers' OpenAI-compatible completions route,
 one request per prompt with the seed drawn from torch's generator (so a run samples as the
-colocated ``vllm`` engine does, and resumes exactly), each to the server with the fewest of the
-rank's requests in flight, up to its share of ``generation.server_max_in_flight`` (:mod:`.routing`).
+colocated ``vllm`` engine does, and resumes exactly), each to the server expected to answer it
+first (by the latencies of earlier batches), up to the rank's share of
+``generation.server_max_in_flight`` on each (:mod:`.routing`).
 The sampled tokens and the engine's processed log-probs come back as the same
 :class:`~lightning_ppo.ppo.rollout_data.Rollout`.
 
@@ -45,7 +46,7 @@ from lightning_ppo.rollout.engines.server.concurrent_calls import Stalled
 from lightning_ppo.rollout.engines.server.connections import Connections
 from lightning_ppo.rollout.engines.server.memory_sync import MemorySync, sync_address
 from lightning_ppo.rollout.engines.server.nccl_sync import NcclSync, nccl_refusal
-from lightning_ppo.rollout.engines.server.routing import Router, rank_shares
+from lightning_ppo.rollout.engines.server.routing import Latencies, Router, rank_shares
 from lightning_ppo.rollout.engines.server.session import ServerSession
 from lightning_ppo.rollout.engines.server.suppress import Suppression, suppression
 from lightning_ppo.rollout.engines.server.weight_sync import (
@@ -103,6 +104,7 @@ class VLLMServerEngine:
         self.shares = rank_shares(
             config.server_max_in_flight, placement.world_size, placement.rank, len(self.servers)
         )
+        self.latencies = Latencies(len(self.servers))  # each server's, measured by the batches (routing)
         self.batch_requests = 1
         self.exact_requests = 0  # samples requested again under allowed_token_ids (_exact_again)
         self.bias_refused: set[int] = set()  # servers that refuse logit_bias (_post)
@@ -270,7 +272,7 @@ class VLLMServerEngine:
         seeds = group_seeds(groups)
         connections = self._connected()
         self.shared_json.clear()  # encoded again from this batch's settings
-        router = Router(self.shares, first=self.placement.rank)
+        router = Router(self.shares, first=self.placement.rank, latencies=self.latencies.estimates())
         calls = [
             partial(self._routed, router, connections, index, prompts[start], seed, count)
             for index, ((start, count), seed) in enumerate(zip(groups, seeds, strict=True))
@@ -285,6 +287,7 @@ class VLLMServerEngine:
                 "/v1/completions",
                 f"no completion of {held} request(s) within {server.timeout:g} s (generation.server_timeout)",
             ) from None
+        self.latencies.record(router.took)  # a batch that failed measures nothing
         # A server restarted while the batch was out answered (a request sent again on a new
         # connection, or sent later) with its startup checkpoint, and the next sync would load it
         # again unseen. A version changes only by a sync (a new one) or a restart (none): one that
@@ -362,13 +365,16 @@ class VLLMServerEngine:
     async def _routed(
         self, router: Router, connections: Connections, index: int, prompt: list[int], seed: int, n: int
     ) -> list[tuple[list[int], list[float]]]:
-        """Request ``index`` of the batch on the server with the fewest of this rank's in flight
-        (:mod:`.routing`): its samples come from there, a request asked again exactly too."""
-        server = router.take(index)
+        """Request ``index`` of the batch on the server expected to answer it first (:mod:`.routing`),
+        its latency measured: its samples come from there, a request asked again exactly too."""
+        server = await router.take(index)
+        start, seconds = time.perf_counter(), None
         try:
-            return await self._complete(connections.sessions[server], prompt, seed, n)
+            samples = await self._complete(connections.sessions[server], prompt, seed, n)
+            seconds = time.perf_counter() - start
+            return samples
         finally:
-            router.give_back(server)
+            router.give_back(server, seconds)
 
     async def _complete(
         self, session: ServerSession, prompt: list[int], seed: int, n: int, exact: bool = False
