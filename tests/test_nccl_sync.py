@@ -45,6 +45,9 @@ class Record:
     took_port: list[bool] = field(default_factory=list)
     join_store: bool = False
     owner: str = ""
+    # vLLM 0.32's worker (gpu_worker.py): a weight update is active from /start_weight_update until
+    # /finish_weight_update, or an /update_weights that fails; a start while one is active is refused
+    updating: bool = False
 
 
 class _Server(http.server.BaseHTTPRequestHandler):
@@ -59,10 +62,22 @@ class _Server(http.server.BaseHTTPRequestHandler):
             self.record.release.wait(60)
             return
         if self.path == self.record.fail:
+            self.record.updating = self.record.updating and self.path != "/update_weights"
             self._reply({"error": "CUDA error: an illegal memory access"}, 500)
+        elif self.path in ("/start_weight_update", "/finish_weight_update"):
+            self._update(starts=self.path == "/start_weight_update")
         elif self.path == "/collective_rpc":
             self._reply({"results": [body["args"][0] if body["args"] else {}]})
         else:
+            self._reply({})
+
+    def _update(self, starts: bool) -> None:
+        if starts == self.record.updating:
+            said = "start_weight_update called while a weight update is already active" if starts else (
+                "finish_weight_update called without a matching start_weight_update")
+            self._reply({"error": said}, 500)
+        else:
+            self.record.updating = starts
             self._reply({})
 
     def _rendezvous(self, init: dict) -> None:
@@ -352,3 +367,26 @@ def test_the_group_is_closed_as_the_engine_closes_and_the_next_fit_opens_another
         assert routes.count("/init_weight_transfer_engine") == 2
     engine.close()
     assert broadcaster.closed == 2
+
+
+def test_a_sync_that_failed_part_way_leaves_no_server_mid_update_for_the_next(servers):
+    """The second server refuses a bucket (its /update_weights fails, which ends its update); the
+    first had taken it and stayed in the update the failed sync started (vLLM's worker: until
+    /finish_weight_update), so every later sync's /start_weight_update was refused there ("already
+    active") until the server restarted. Now the next sync finishes what the failed one left open
+    first (after the version is cleared: nothing says these weights are a version) and arrives."""
+    (first, first_record), (url, record) = servers
+    record.fail = "/update_weights"
+    broadcaster = Recorded()
+    sync = _sync([first, url], broadcaster)
+    with pytest.raises(GenerationServerError, match="phase update_weights, failed on"):
+        sync.load(iter(WEIGHTS), torch.float32, verify=False, version="run/1")
+    assert first_record.updating and not record.updating
+    record.fail = ""
+    sync.load(iter(WEIGHTS), torch.float32, verify=False, version="run/2")
+    assert not first_record.updating and not record.updating
+    for _, server in servers:
+        assert server.calls[-2:] == [
+            ("/finish_weight_update", {"weight_version": "run/2"}),
+            ("/collective_rpc", {"method": "lppo_set_version", "args": ["run/2"], "timeout": 5.0}),
+        ]

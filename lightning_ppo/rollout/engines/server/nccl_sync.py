@@ -14,7 +14,8 @@ Servers started with ``--weight-transfer-config '{"backend": "nccl"}'`` (``light
    names, dtypes and shapes to every server while rank 0 broadcasts them one by one (both sides
    meet inside the same NCCL calls); then ``/finish_weight_update`` with the weights' version. The
    worker extension's version (``lppo_weights_version``) is cleared before and set after, so a
-   sync that failed part way holds no version.
+   sync that failed part way holds no version; the update it left open on a server (vLLM refuses
+   every later start until it is finished) is finished by the next sync, before its start.
 
 Every call is bounded by ``generation.server_timeout``; a failure of any phase on any server stops
 the sync at once in one line naming the phase and the server (an ``/update_weights`` refused before
@@ -132,6 +133,9 @@ class NcclSync:
         self.broadcaster = broadcaster if broadcaster is not None else VLLMBroadcaster()
         self.bucket_bytes = bucket_bytes
         self.joined = False
+        # A sync's weight update started on the servers and not finished (it failed part way): vLLM's
+        # worker refuses every later start until it is (_finish_left)
+        self.updating = False
         self._pool: ThreadPoolExecutor | None = None  # the calls to the servers; made by _calls
 
     def load(
@@ -143,10 +147,14 @@ class NcclSync:
             if not self.joined:
                 self._init()
             self._each("clear version", lambda s: s.rpc_all("lppo_set_version", ""))
+            if self.updating:
+                self._finish_left()
+            self.updating = True
             self._each("start_weight_update", lambda s: s.post("/start_weight_update"))
             sums = self._send_all(weights, dtype, verify)
             body = {"weight_version": version}
             self._each("finish_weight_update", lambda s: s.post("/finish_weight_update", body))
+            self.updating = False
             self._each("set version", lambda s: s.rpc_all("lppo_set_version", version))
             held = [s.rpc_all("lppo_checksums") if verify else [] for s in self.servers]
         except BaseException:
@@ -183,6 +191,15 @@ class NcclSync:
                 ) from None
         _wait(calls)
         self.joined = True
+
+    def _finish_left(self) -> None:
+        """Ends the weight update a failed sync left open on the servers (those whose update did not
+        fail themselves: vLLM's worker ends its own then), after their version was cleared; the
+        sync that follows sends every weight. A server with none open refuses: not an error."""
+        calls = [self._calls().submit(server.post, "/finish_weight_update") for server in self.servers]
+        for call in calls:
+            call.exception()  # waited for (each bounded by the server's timeout), never raised
+        self.updating = False
 
     def _calls(self) -> ThreadPoolExecutor:
         if self._pool is None:
