@@ -11,6 +11,7 @@ import _thread
 import asyncio
 import http.server
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -399,3 +400,33 @@ def test_ctrl_c_while_a_local_server_starts_stops_it(keys, tmp_path):
         assert not key_file(server.url).exists()
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux's unshare")
+def test_a_local_server_in_a_pid_namespace_without_its_own_proc_is_ready(keys, tmp_path):
+    """A trainer in a PID namespace of its own whose ``/proc`` is still the parent's (``unshare
+    --pid --fork`` without ``--mount-proc``, some sandboxes): its child's PID, looked up there, is
+    another process, which neither listens on the server's port nor holds its lock, so the server
+    was never ready (TimeoutError). ``/proc`` is read only where it shows this process as itself;
+    elsewhere the server is ready once ``/health`` answers, as where there is no ``/proc``."""
+    shim = tmp_path / "shim" / "vllm" / "entrypoints" / "openai"
+    shim.mkdir(parents=True)
+    for folder in (shim, shim.parent, shim.parent.parent):
+        (folder / "__init__.py").write_text("")
+    (shim / "api_server.py").write_text("from tests.fake_vllm_server import main\n\nmain()\n")
+    (tmp_path / "policy").mkdir()
+    script = tmp_path / "start.py"
+    script.write_text(
+        "import sys\n"
+        "from lightning_ppo.rollout.engines.server.local_server import LocalServer\n"
+        f"env = {{'PYTHONPATH': {str(tmp_path / 'shim') + ':' + str(ROOT)!r}}}\n"
+        f"server = LocalServer({str(tmp_path / 'policy')!r}, {str(tmp_path / 'serve.log')!r}, env=env, "
+        "start_timeout=30)\n"
+        "try:\n    server.wait_ready()\n    print('ready')\nfinally:\n    server.stop()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = ["unshare", "--pid", "--fork", sys.executable, str(script)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    if "unshare failed" in run.stderr:  # not allowed here (no CAP_SYS_ADMIN, no user namespaces)
+        pytest.skip(run.stderr.strip())
+    assert run.stdout.strip() == "ready", run.stderr[-2000:]

@@ -13,9 +13,10 @@ the server binds it, so another program may take it meanwhile (another server, b
 ``serve`` checks it or while vLLM imports); this one's server then fails to bind and exits, and
 the ``/health`` that answers at that address is the other's. So a server is ready only once its
 own process (or one of its children) listens on its port (Linux's ``/proc``; where that cannot be
-told, once ``/health`` answers). Which key file is its own is told by the address's lock
-(``runs.server_keys.claim_address``), which the ``serve`` that runs there holds open: the key file
-beside that lock is the only one :meth:`stop` removes (same file, same key).
+told, no ``/proc`` or another PID namespace's, once ``/health`` answers). Which key file is its
+own is told by the address's lock (``runs.server_keys.claim_address``), which the ``serve`` that
+runs there holds open: the key file beside that lock is the only one :meth:`stop` removes (same
+file, same key).
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ class KeyFile:
 def _open_files(pid: int) -> list[Path] | None:
     """The files process ``pid`` has open (Linux: ``/proc/PID/fd``; none once it is gone); ``None``
     where this system cannot tell."""
-    if not Path("/proc/self/fd").is_dir():
+    if not _proc_is_ours():
         return None
     try:
         descriptors = list(Path("/proc", str(pid), "fd").iterdir())
@@ -198,6 +199,16 @@ def _open_files(pid: int) -> list[Path] | None:
         except OSError:  # closed as it was listed
             continue
     return files
+
+
+def _proc_is_ours() -> bool:
+    """``/proc`` is Linux's and shows this process's PID namespace: a process that moved into a
+    namespace of its own without mounting its ``/proc`` (``unshare --pid --fork``, some sandboxes)
+    sees the parent's there, where a child's PID is another process."""
+    try:
+        return int(os.readlink("/proc/self")) == os.getpid()
+    except (OSError, ValueError):
+        return False
 
 
 def _listens(pid: int, port: int) -> bool | None:
