@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install quickstart test test-numerics test-learning test-selfcheck test-vllm test-oldest gpu-check lint tiny clean bench bench-engines docs
+.PHONY: install quickstart test test-numerics test-long test-selfcheck test-vllm test-oldest gpu-check lint tiny clean bench bench-engines docs
 
 # Install CPU torch 2.13.0 first when no torch is present: an unpinned torch would pull CUDA wheels.
 $(STAMP): pyproject.toml
@@ -32,21 +32,23 @@ quickstart: tiny
 # The whole suite on one pytest-xdist worker per core, each torch on one thread (workers share the
 # cores); tests marked `ranks` (several processes each) run alone (tests/conftest.py). The slowest
 # tests are printed at the end. TESTS=tests/test_functional.py runs one file the same way, all of it. The whole
-# suite is followed by `make test-numerics`. The runs that train until a score rises (tests marked
-# `learning`) are left to `make test-learning`, the selfcheck's matrix (`selfcheck`) to
-# `make test-selfcheck`: CI runs both, and `make test` stays within 8 minutes of a fresh clone.
+# suite is followed by `make test-numerics`. The end-to-end runs of 15-110 s each (tests marked
+# `long`) are left to `make test-long`, the selfcheck's matrix (`selfcheck`) to `make test-selfcheck`:
+# CI runs both, and `make test` stays within 8 minutes of a fresh clone.
 TESTS   ?=
 WORKERS ?= auto
 test: $(STAMP)
 	OMP_NUM_THREADS=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 \
-		$(if $(TESTS),$(TESTS),-m "not selfcheck and not learning")
+		$(if $(TESTS),$(TESTS),-m "not selfcheck and not long")
 	$(if $(TESTS),,$(MAKE) --no-print-directory test-numerics)
 
-# The runs that train the quickstart task (every estimator, one step off, the README recipe, the
-# reveal environment) until the score rises or the KL holds its target: 20-110 s each on one thread.
-test-learning: $(STAMP)
+# The end-to-end runs of 15-110 s each on one thread: the quickstart task trained until the score
+# rises or the KL holds its target (every estimator, one step off, the README recipe, the reveal
+# environment), DDP and FSDP2 on two nodes through torchrun and Lightning's launcher, and gpu-check's
+# variable-length and fit-end stages on the CPU.
+test-long: $(STAMP)
 	OMP_NUM_THREADS=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=5 \
-		-m learning tests/test_learning.py tests/test_async.py
+		-m long tests/test_learning.py tests/test_async.py tests/test_multinode.py tests/test_bench_smoke.py
 
 # `lightning-ppo selfcheck` on every setup it must pass (the estimators, LoRA, max_staleness, DDP and
 # FSDP2 on 2 CPU ranks, gpu-check's bf16-mixed stage on the CPU) and on the bugs it must fail

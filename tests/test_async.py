@@ -252,7 +252,7 @@ def test_every_prompt_is_trained_exactly_once_across_sigkills_and_resumes(tiny_d
 
 
 @SHARED_RUN  # the synchronous run is test_learning's, run once for both
-@pytest.mark.learning
+@pytest.mark.long
 def test_the_quickstart_learns_as_well_one_step_off(tiny_digits, tmp_path):
     """The quickstart run of tests/test_learning.py (GAE, kl_coef 0.02) against the same run with
     staleness 1 (61 batches: 60 trained): the score rises by the same bounds, and ends within the

@@ -100,6 +100,7 @@ def test_gpu_check_counts_generated_tokens_per_second_of_the_steady_iterations()
     assert generated_per_s({**result, "phases": []}) is None
 
 
+@pytest.mark.long  # 8 s, 50 s with inductor's cache cold
 def test_gpu_check_variable_stage_runs_its_cpu_trial(tmp_path, monkeypatch):
     # gpu_check's `bench-64x32-variable` on the CPU: its benchmark in this process (its runs forked,
     # as above), to check the stage's flags and rows, not its speed
@@ -174,6 +175,7 @@ def test_gpu_check_sets_each_row_against_the_floor_and_trl():
     assert lines[2].note == "n"  # TRL's own row is set against nothing
 
 
+@pytest.mark.long
 def test_gpu_check_fit_end_stage_runs_its_cpu_trial(tmp_path):
     # the stage's command and rows on the CPU (its runs real processes, read from outside), not its figures
     from benchmarks import gpu_check

@@ -12,8 +12,8 @@ from lightning_ppo.watch.plot import find_metrics_csv, moving_average, read_metr
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Each test trains for tens of seconds: `make test-learning` runs them (CI does), `make test` does not.
-pytestmark = pytest.mark.learning
+# Each test trains for tens of seconds: `make test-long` runs them (CI does), `make test` does not.
+pytestmark = pytest.mark.long
 
 # (config, extra overrides): every estimator on the same task, 64 sequences per iteration
 RUNS = {

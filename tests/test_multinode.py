@@ -28,7 +28,8 @@ from transformers import AutoModelForCausalLM
 
 from tests.helpers import quickstart_fit_args, ranks_process, saver, start_cli
 
-pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
+# several processes: run alone (tests/conftest.py); each 15-45 s of new interpreters: make test-long
+pytestmark = [pytest.mark.ranks, pytest.mark.long]
 
 FSDP2 = {
     "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
