@@ -44,11 +44,12 @@ test: $(STAMP)
 
 # The end-to-end runs of 15-110 s each on one thread: the quickstart task trained until the score
 # rises or the KL holds its target (every estimator, one step off, the README recipe, the reveal
-# environment), DDP and FSDP2 on two nodes through torchrun and Lightning's launcher, and gpu-check's
-# variable-length and fit-end stages on the CPU.
+# environment, the custom reward notebook), DDP and FSDP2 on two nodes through torchrun and
+# Lightning's launcher, runs killed and resumed, `lightning-ppo serve` started twice, the compiled
+# loss against eager (inductor's cold compile), and gpu-check's variable-length and fit-end stages.
 test-long: $(STAMP)
 	OMP_NUM_THREADS=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=5 \
-		-m long tests/test_learning.py tests/test_async.py tests/test_multinode.py tests/test_bench_smoke.py
+		-m long
 
 # `lightning-ppo selfcheck` on every setup it must pass (the estimators, LoRA, max_staleness, DDP and
 # FSDP2 on 2 CPU ranks, gpu-check's bf16-mixed stage on the CPU) and on the bugs it must fail

@@ -39,6 +39,7 @@ def reference(tiny_digits, tmp_path_factory):
 
 # SIGKILL: the run saves every iteration and is killed at any moment. Ctrl-C: the run would save only
 # every 1000 iterations, so the checkpoint it leaves is the one Ctrl-C itself writes.
+@pytest.mark.long  # two fits and a resume each, 15-30 s
 @pytest.mark.parametrize(
     ("sig", "every"), [(signal.SIGKILL, 1), (signal.SIGINT, 1000)], ids=["SIGKILL", "Ctrl-C"]
 )

@@ -43,6 +43,7 @@ def test_step_by_step_notebook_shows_ratio_one(workdir):
     assert float(re.search(r"after one step: ratio (\S+)", out).group(1)) != 1.0
 
 
+@pytest.mark.long  # trains until the score rises, 15-25 s
 def test_custom_reward_notebook_learns_and_plots(workdir):
     notebook = _execute("02_custom_reward_fit.ipynb", workdir)
     match = re.search(r"(\S+) \(first 10 %\), .*, (\S+) \(last 10 %\)", _stdout(notebook))

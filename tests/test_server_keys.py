@@ -110,6 +110,7 @@ def test_a_stale_or_missing_key_file_is_one_line_saying_so(keys, serve):
     assert "\n" not in str(stale.value) + str(missing.value)
 
 
+@pytest.mark.long  # starts `lightning-ppo serve` twice, 13-17 s
 def test_a_server_is_open_only_when_told(keys, serve, monkeypatch):
     """``--no-api-key``: any caller, and no key file. A key of the user's (VLLM_API_KEY): that key
     on every route, and no key file either."""
@@ -150,6 +151,7 @@ def test_a_key_file_others_can_read_is_refused(keys):
     assert server_key("http://127.0.0.1:8000").value == "k"
 
 
+@pytest.mark.long  # starts `lightning-ppo serve` twice, 13-17 s
 def test_a_second_serve_on_a_busy_port_leaves_the_running_servers_key_alone(keys, serve, tmp_path):
     """``serve`` on the port of a running server: refused in one line before a new key replaced the
     running server's key file (the second server then failed to listen, and the trainer was sent a
@@ -170,6 +172,7 @@ def test_a_second_serve_on_a_busy_port_leaves_the_running_servers_key_alone(keys
     assert ServerClient(server.url, 30).rpc("lppo_version") == "none"
 
 
+@pytest.mark.long  # starts `lightning-ppo serve` twice, 13-17 s
 def test_a_server_restarted_at_its_address_is_reached_with_its_new_key(keys, serve, monkeypatch):
     """A server restarted by ``serve`` at the same address while a trainer runs writes a new key:
     the trainer's next call (a stdlib call and a pooled one) carries it, once the old one is refused,
@@ -195,6 +198,7 @@ def test_a_server_restarted_at_its_address_is_reached_with_its_new_key(keys, ser
     assert asyncio.run(call()) == {"results": ["none"]}
 
 
+@pytest.mark.long  # starts `lightning-ppo serve` twice, 13-17 s
 def test_a_second_serve_while_the_first_starts_leaves_its_key_alone(keys, tmp_path):
     """Two ``serve`` at one address, the second while the first's server starts (vLLM binds its
     port only once imported: seconds): the second is refused in one line and the first's key file
