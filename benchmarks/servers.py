@@ -28,9 +28,11 @@ CPU seconds are its process's (every thread's), less noisy than the wall time on
 
 **Routing over several servers** (``--only routing``, no vLLM: ``.venv/bin/python`` runs it): 1024
 prompts on 4 fake servers that answer each request after a fixed service time (0.5 s or 2 s, any
-number at once; then one of them 4x slower), with the engine's defaults; the seconds of one batch, each
-server's most requests in flight, and the requests each got. With ``--before DIR`` each round runs
-DIR's engine too, alternated, against the same servers::
+number at once; then one of them 4x slower), with the engine's defaults, after one batch that
+opens the connections and measures each server's latency (the routing's); the seconds of one
+batch, the trainer's CPU seconds for it (its process's, every thread's, the objects of its start
+frozen as a fit freezes them), each server's most requests in flight, and the requests each got.
+With ``--before DIR`` each round runs DIR's engine too, alternated, against the same servers::
 
     git worktree add /tmp/before HEAD~1
     .venv/bin/python -m benchmarks.servers --only routing --rounds 3 --before /tmp/before
@@ -189,16 +191,30 @@ def child_routing(policy: str, urls: list[str], rounds: int) -> dict[str, list]:
     engine.served_names, engine.syncs = ["policy"] * len(urls), 0  # the fake servers hold no version
     ids = torch.tensor([[i // 1000, i // 100 % 10, i // 10 % 10, i % 10] for i in range(ROUTED_PROMPTS)])
     mask = torch.ones_like(ids)
+    thawed = _freeze_as_a_fit_does()
     engine.generate(ids, mask)
     sent = list(engine.requests_sent)
-    seconds = []
+    seconds, cpu = [], []
     for _ in range(rounds):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         engine.generate(ids, mask)
         seconds.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     engine.close()
+    thawed()
     sent = [now - first for now, first in zip(engine.requests_sent, sent, strict=True)]
-    return {"seconds": seconds, "sent": [count // rounds for count in sent]}
+    return {"seconds": seconds, "cpu": cpu, "sent": [count // rounds for count in sent]}
+
+
+def _freeze_as_a_fit_does():
+    """The process's objects frozen as a ``vllm_server`` fit freezes them (where this checkout's
+    engine does: ``lightning_ppo.rollout.frozen_startup``); what thaws them."""
+    try:
+        from lightning_ppo.rollout.frozen_startup import HOLDS
+    except ImportError:  # an engine from before it
+        return lambda: None
+    HOLDS.take()
+    return HOLDS.give_back
 
 
 def routing_table(policy: Path, work: Path, rounds: int, before: Path | None = None) -> None:
@@ -208,11 +224,13 @@ def routing_table(policy: Path, work: Path, rounds: int, before: Path | None = N
     checkouts = {"before": _package_of(before, work), "now": ROOT} if before else {"now": ROOT}
     print(f"\n{ROUTED_PROMPTS} prompts, one batch, fake servers (fixed service time), {rounds} rounds")
     print(
-        "| servers | engine | s / batch (median, min-max) | / before | most in flight per server | requests |"
+        "| servers | engine | s / batch (median, min-max) | / before | trainer CPU s / batch | "
+        "most in flight per server | requests |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for scenario, service in SCENARIOS.items():
         seconds: dict[str, list[float]] = {label: [] for label in checkouts}
+        cpu: dict[str, list[float]] = {label: [] for label in checkouts}
         seen: dict[str, tuple[list[int], list[int]]] = {}
         with FakeServers(service, tokens=16) as servers:
             for _ in range(rounds):
@@ -220,15 +238,15 @@ def routing_table(policy: Path, work: Path, rounds: int, before: Path | None = N
                     servers.peaks()  # from here on
                     took = _child(["routing", str(policy), "-", ",".join(servers.urls), "1"], root)
                     seconds[label] += took["seconds"]
+                    cpu[label] += took["cpu"]
                     seen[label] = (servers.peaks(), took["sent"])
         for label, took in seconds.items():
             median = statistics.median(took)
             ratio = f"{median / statistics.median(seconds['before']):.2f}x" if before else "-"
             spread = f"{median:.2f} ({min(took):.2f}-{max(took):.2f})"
-            print(
-                f"| {scenario} | {label} | {spread} | {ratio} | {seen[label][0]} | {seen[label][1]} |",
-                flush=True,
-            )
+            used = f"{statistics.median(cpu[label]):.2f}"
+            peaks, sent = seen[label]
+            print(f"| {scenario} | {label} | {spread} | {ratio} | {used} | {peaks} | {sent} |", flush=True)
 
 
 def rollout_table(policy: Path, work: Path, rounds: int, before: Path | None = None) -> None:

@@ -5,6 +5,7 @@ real servers is tests/test_vllm_server.py (``make test-vllm``)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.server
 import json
 import select
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -199,6 +202,52 @@ def test_a_run_against_a_server_that_is_down_stops_before_the_first_rollout(tmp_
         GenerationServerError, match=rf"http://127.0.0.1:{port} \(/collective_rpc lppo_describe\)"
     ):
         quiet_trainer(tmp_path, iterations=1).fit(module, prompt_data())
+
+
+class _Cycle:
+    """An object that refers to itself: only the garbage collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+class _DropDuringFit(Callback):
+    """Drops the last reference to a cycle made before the fit, as training starts, and notes whether
+    a full collection then freed it."""
+
+    def __init__(self, held: list[_Cycle]) -> None:
+        self.held = held
+        self.freed_during: bool | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        alive = weakref.ref(self.held[0])
+        self.held.clear()
+        gc.collect()
+        self.freed_during = alive() is None
+
+
+def test_a_server_fit_leaves_its_starting_objects_out_of_the_collector_until_it_ends(tmp_path, tiny_policy):
+    """A cycle made before a vllm_server fit and dropped during it is not freed by a full collection
+    while the fit runs (the fit's objects of its start are frozen: a batch's full collections skip
+    them), and is as the fit ends, a failed one too: nothing stays frozen, and what died meanwhile is
+    collected then (not left to a child forked later). Before, it was freed during the fit."""
+    held = [_Cycle()]
+    alive = weakref.ref(held[0])
+    generation = GenerationConfig(
+        max_new_tokens=4, engine="vllm_server", server_urls=[f"http://127.0.0.1:{_closed_port()}"]
+    )
+    module = PPOLightningModule(
+        policy=str(tiny_policy),
+        reward_fn=lambda p, c, b: [1.0] * len(c),
+        ppo=PPOConfig(),
+        generation=generation,
+    )
+    dropping = _DropDuringFit(held)
+    with pytest.raises(GenerationServerError):
+        quiet_trainer(tmp_path, iterations=1, callbacks=[dropping]).fit(module, prompt_data())
+    assert dropping.freed_during is False
+    assert gc.get_freeze_count() == 0
+    assert alive() is None  # collected as the fit ended
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@
 - :class:`CloseEngine`: the generation engine's connections to its servers (``vllm_server``:
   an event loop and pooled sessions, :mod:`.engines.server.connections`) are closed as the fit
   ends, however it ends; the engine opens them again at its next batch (a second ``fit``).
+- :class:`~lightning_ppo.rollout.frozen_startup.FreezeStartupObjects`: a ``vllm_server`` fit's
+  objects of its start are left out of the garbage collector's passes until it ends.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from lightning.pytorch import Callback
 
 from lightning_ppo.distributed.stop_children import StopChildrenOnFailure
 from lightning_ppo.rollout.ahead import EndSamplingOnFailure
+from lightning_ppo.rollout.frozen_startup import FreezeStartupObjects
 
 
 class CloseEngine(Callback):
@@ -39,4 +42,4 @@ def _close(pl_module: Any) -> None:
 
 def fit_callbacks() -> list[Callback]:
     # The children are stopped first: a later callback's own error would skip it.
-    return [StopChildrenOnFailure(), EndSamplingOnFailure(), CloseEngine()]
+    return [StopChildrenOnFailure(), EndSamplingOnFailure(), CloseEngine(), FreezeStartupObjects()]
