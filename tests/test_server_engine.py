@@ -250,6 +250,62 @@ def test_a_server_fit_leaves_its_starting_objects_out_of_the_collector_until_it_
     assert alive() is None  # collected as the fit ended
 
 
+def _module_of_a_down_server(tiny_policy) -> PPOLightningModule:
+    """A vllm_server module whose server is down: its fit fails at the first rollout."""
+    generation = GenerationConfig(
+        max_new_tokens=4, engine="vllm_server", server_urls=[f"http://127.0.0.1:{_closed_port()}"]
+    )
+    return PPOLightningModule(
+        policy=str(tiny_policy),
+        reward_fn=lambda p, c, b: [1.0] * len(c),
+        ppo=PPOConfig(),
+        generation=generation,
+    )
+
+
+class _FailingOnException(Callback):
+    """A user's callback whose own on_exception raises: Lightning skips the later callbacks' hooks."""
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        raise RuntimeError("the user's on_exception failed")
+
+
+def test_a_fit_whose_freeze_was_left_by_a_skipped_hook_frees_it_for_the_next_fit(tmp_path, tiny_policy):
+    """A user's callback (before ours) raises in on_exception, so Lightning never calls ours: the
+    fit's freeze is left held. The next fit of the process, which ends as it should, thaws it (the
+    fit left behind is known as ended). Before, the freeze stayed for good: the next fit counted
+    itself a second holder and left 1 held as it ended."""
+    with pytest.raises(RuntimeError, match="the user's on_exception failed"):
+        trainer = quiet_trainer(tmp_path, iterations=1, callbacks=[_FailingOnException()])
+        trainer.fit(_module_of_a_down_server(tiny_policy), prompt_data())
+    with pytest.raises(GenerationServerError):
+        quiet_trainer(tmp_path, iterations=1).fit(_module_of_a_down_server(tiny_policy), prompt_data())
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()  # nothing left frozen for the later tests either way
+    assert frozen == 0
+
+
+class _FreezingDuringFit(Callback):
+    """A user's own gc.freeze() as training starts (before forking workers, say)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        gc.freeze()
+
+
+def test_a_users_freeze_during_a_server_fit_is_left_as_they_froze_it(tmp_path, tiny_policy):
+    """The user froze the process's objects during the fit (theirs covers ours): the fit's end
+    leaves them frozen, as the user asked, rather than thaw everything. Before, the fit's end
+    thawed the user's freeze with its own (0 left frozen)."""
+    try:
+        with pytest.raises(GenerationServerError):
+            trainer = quiet_trainer(tmp_path, iterations=1, callbacks=[_FreezingDuringFit()])
+            trainer.fit(_module_of_a_down_server(tiny_policy), prompt_data())
+        frozen = gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+    assert frozen > 0
+
+
 @pytest.mark.parametrize(
     ("settings", "field"),
     [

@@ -18,45 +18,67 @@ What it costs: an object of the fit's start that becomes cyclic garbage during t
 only as the fit ends, by a full collection then (objects freed by their reference count, most of
 them, go at once as always); they are a bounded set, the process as the fit began; and two full
 collections a fit, one at each end.
+
+Where Lightning skips the fit's hooks (another callback's ``on_exception`` raised before ours ran),
+the freeze it held is given back as the next fit starts: a fit whose trainer no longer runs it
+holds nothing. A ``gc.freeze()`` of someone else's during the fit (more frozen at its end than the
+fit froze) is left as it is: theirs covers the fit's objects, and thawing would undo it.
 """
 
 from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from typing import Any
 
 from lightning.pytorch import Callback
+from lightning.pytorch.trainer.states import TrainerStatus
 
 
 class _Holds:
-    """The fits holding the freeze in this process."""
+    """The fits holding the freeze in this process (their callbacks)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.count = 0
+        self.holders: list[FreezeStartupObjects] = []
+        self.frozen = 0  # gc.get_freeze_count() as the freeze was taken
 
-    def take(self) -> bool:
-        """Freezes the process's objects for a fit (the first fit only), true where it did or another
-        fit of ours had; false where something else froze objects already."""
+    def take(self, holder: FreezeStartupObjects) -> bool:
+        """Freezes the process's objects for ``holder``'s fit (the first fit only), true where it did
+        or another running fit of ours had; false where something else froze objects already."""
         with self.lock:
-            if self.count == 0:
+            ended = [held for held in self.holders if not held.fit_runs()]
+            if ended:  # their hooks were skipped: they hold nothing
+                self.holders = [held for held in self.holders if held not in ended]
+                if not self.holders:
+                    self._thaw()
+            if not self.holders:
                 if gc.get_freeze_count():
                     return False
                 gc.collect()
                 gc.freeze()
-            self.count += 1
+                self.frozen = gc.get_freeze_count()
+            self.holders.append(holder)
             return True
 
-    def give_back(self) -> None:
+    def give_back(self, holder: FreezeStartupObjects) -> None:
         """Thaws the objects as the last fit holding them ends, and collects what of them died
         meanwhile: here and now, not in a child forked later (whose collection would run their
         finalizers on locks the parent's threads held as it forked) nor at a random later batch."""
         with self.lock:
-            self.count -= 1
-            if self.count == 0:
-                gc.unfreeze()
-                gc.collect()
+            if holder in self.holders:
+                self.holders.remove(holder)
+                if not self.holders:
+                    self._thaw()
+
+    def _thaw(self) -> None:
+        # Frozen objects only leave the frozen generation as they die: more of them than the freeze
+        # took means another gc.freeze() since, which covers ours.
+        if gc.get_freeze_count() > self.frozen:
+            return
+        gc.unfreeze()
+        gc.collect()
 
 
 HOLDS = _Holds()
@@ -67,11 +89,23 @@ class FreezeStartupObjects(Callback):
 
     def __init__(self) -> None:
         self.held = False
+        self.trainer: weakref.ref[Any] | None = None
+
+    def fit_runs(self) -> bool:
+        """Whether the fit this callback holds the freeze for still runs: its trainer runs a fit
+        with this callback (a later fit of the same trainer has a callback of its own)."""
+        trainer = self.trainer() if self.trainer is not None else None
+        return (
+            trainer is not None
+            and trainer.state.status == TrainerStatus.RUNNING
+            and any(callback is self for callback in trainer.callbacks)
+        )
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         engine = getattr(getattr(pl_module, "generation_config", None), "engine", None)
         if engine == "vllm_server" and not self.held:
-            self.held = HOLDS.take()
+            self.trainer = weakref.ref(trainer)
+            self.held = HOLDS.take(self)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._give_back()
@@ -82,4 +116,4 @@ class FreezeStartupObjects(Callback):
     def _give_back(self) -> None:
         if self.held:
             self.held = False
-            HOLDS.give_back()
+            HOLDS.give_back(self)
