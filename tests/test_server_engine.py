@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import http.server
+import itertools
 import json
 import select
 import socket
@@ -304,7 +305,6 @@ def test_a_users_freeze_during_a_server_fit_is_left_as_they_froze_it(tmp_path, t
     finally:
         gc.unfreeze()
     assert frozen > 0
-
 
 @pytest.mark.parametrize(
     ("settings", "field"),
@@ -762,6 +762,24 @@ def _suppressing_engine(tiny_policy: Path, url: str, suppressed: list[int], voca
     engine.vocab_size = vocab
     engine.hf_generation.suppress_tokens = suppressed
     return engine
+
+
+def test_a_request_is_sent_as_the_bytes_of_its_definition_whatever_its_settings(tiny_policy):
+    """_encoded (a batch's shared fields encoded once) sends the very bytes json.dumps makes of
+    _request, for every request of a batch alike: per-prompt n, seeds up to 2**63 - 1, two served
+    names, exact or not, suppressed tokens as a bias, as the allowed ids or none, greedy or
+    sampled, the cache filled by one setting and asked for another. Before, the bytes differed
+    (the fields in another order and spacing), only their parsed JSON was checked."""
+    for suppressed in ([], [7, 151_000], list(range(100, QWEN_VOCAB))):
+        engine = _suppressing_engine(tiny_policy, "http://127.0.0.1:9", suppressed, QWEN_VOCAB)
+        for sampled in (True, False):
+            engine.hf_generation.do_sample = sampled
+            engine.shared_json.clear()  # a new batch: its settings encoded again
+            for model, prompt, seed, n, exact in itertools.product(
+                ("policy", "other"), ([1, 2, 3], [5]), (0, 2**63 - 1), (1, 4), (False, True)
+            ):
+                sent = engine._encoded(model, prompt, seed, n, exact)
+                assert sent == json.dumps(engine._request(model, prompt, seed, n, exact)).encode()
 
 
 def test_a_few_suppressed_tokens_go_as_a_bias_and_most_of_the_vocabulary_as_the_allowed_ids(tiny_policy):
