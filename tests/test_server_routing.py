@@ -303,6 +303,21 @@ def test_a_server_measured_slower_gets_fewer_requests_in_the_next_batch(servers,
     assert floor.answered == [4, 12]
 
 
+def test_a_later_fit_measures_the_servers_anew(servers, tiny_digits):
+    """Server 0 measured 1.5 s beside server 1 at once in a fit; the fit ends (the engine closed, as
+    CloseEngine does), and the next fit's first batch fills both evenly again (4 and 4): between two
+    fits a server may have been restarted, moved or freed of another job. Before, the next fit went
+    on routing by the last fit's figures: all 8 to server 1, server 0 left out for 8 batches."""
+    floor = Floor(2, ready=lambda floor, index: index == 1, hold_s=1.5)
+    engine = _many(tiny_digits, servers(floor), Placement())
+    engine.max_in_flight = 4
+    assert engine.generate(*_prompts(8)).response_ids.shape == (8, 2)
+    engine.close()  # the fit ended
+    assert engine.generate(*_prompts(8)).response_ids.shape == (8, 2)
+    engine.close()
+    assert engine.requests_sent == [8, 8]
+
+
 def test_a_request_waits_for_a_faster_servers_slot_rather_than_go_to_a_slow_one():
     """Latencies 2 s, 0.5 s, 0.5 s, 0.5 s, 4 slots each: 12 requests fill the fast servers in turn,
     the 13th waits for server 1 (server 0 has room, but a fast one's next slot is sooner) and takes

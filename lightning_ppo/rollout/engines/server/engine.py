@@ -333,7 +333,8 @@ class VLLMServerEngine:
 
     def close(self) -> None:
         """Closes the connections to the servers (a batch still out is cancelled); the next sync, or
-        a batch asked for on the main thread, opens them again; the NCCL weights group
+        a batch asked for on the main thread, opens them again, its first batch routed as if no
+        server were measured yet (:mod:`.routing`); the NCCL weights group
         (``sync_transport: nccl``) is shut down on both sides, the next sync opens another. Called as
         each fit ends (:mod:`lightning_ppo.rollout.fit_callbacks`), on the fit's thread while a job
         may still run."""
@@ -341,6 +342,8 @@ class VLLMServerEngine:
             connections, self._connections, self._closed = self._connections, None, True
         if connections is not None:
             connections.close()
+        # A later fit measures the servers anew: one may have been restarted or freed meanwhile.
+        self.latencies = Latencies(len(self.servers))
         if isinstance(self._memory, NcclSync):  # NCCL's communicator and store: the next fit opens anew
             self._memory.close()
 
