@@ -286,6 +286,54 @@ def test_a_fit_whose_freeze_was_left_by_a_skipped_hook_frees_it_for_the_next_fit
     assert frozen == 0
 
 
+class _MeetingDuringFit(Callback):
+    """Two fits on two threads meet as training starts; one of them then waits for the other's end
+    and notes whether its own objects were still frozen then."""
+
+    def __init__(self, met: threading.Barrier, other_ended: threading.Event | None) -> None:
+        self.met, self.other_ended = met, other_ended
+        self.frozen_after_other: int | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.met.wait(timeout=60)
+        if self.other_ended is not None:
+            self.other_ended.wait(timeout=60)
+            self.frozen_after_other = gc.get_freeze_count()
+
+
+def test_two_server_fits_on_two_threads_hold_the_freeze_until_the_last_ends(tmp_path, tiny_policy):
+    """The fit that ends first leaves the other's freeze held (its objects still frozen as it trains
+    on); the last one's end thaws them: nothing is frozen after both."""
+    met, first_ended = threading.Barrier(2), threading.Event()
+    first, last = _MeetingDuringFit(met, None), _MeetingDuringFit(met, first_ended)
+    errors: list[BaseException] = []
+
+    def fit(callback: Callback, root: Path, then: threading.Event | None) -> None:
+        try:
+            quiet_trainer(root, iterations=1, callbacks=[callback]).fit(
+                _module_of_a_down_server(tiny_policy), prompt_data()
+            )
+        except BaseException as err:  # noqa: BLE001 (each fit fails at its first rollout)
+            errors.append(err)
+        finally:
+            if then is not None:
+                then.set()
+
+    threads = [
+        threading.Thread(target=fit, args=(first, tmp_path / "first", first_ended)),
+        threading.Thread(target=fit, args=(last, tmp_path / "last", None)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()
+    assert [type(err) for err in errors] == [GenerationServerError, GenerationServerError]
+    assert last.frozen_after_other and last.frozen_after_other > 0
+    assert frozen == 0
+
+
 class _FreezingDuringFit(Callback):
     """A user's own gc.freeze() as training starts (before forking workers, say)."""
 

@@ -48,11 +48,7 @@ class _Holds:
         """Freezes the process's objects for ``holder``'s fit (the first fit only), true where it did
         or another running fit of ours had; false where something else froze objects already."""
         with self.lock:
-            ended = [held for held in self.holders if not held.fit_runs()]
-            if ended:  # their hooks were skipped: they hold nothing
-                self.holders = [held for held in self.holders if held not in ended]
-                if not self.holders:
-                    self._thaw()
+            self._drop(None)
             if not self.holders:
                 if gc.get_freeze_count():
                     return False
@@ -68,9 +64,15 @@ class _Holds:
         finalizers on locks the parent's threads held as it forked) nor at a random later batch."""
         with self.lock:
             if holder in self.holders:
-                self.holders.remove(holder)
-                if not self.holders:
-                    self._thaw()
+                self._drop(holder)
+
+    def _drop(self, holder: FreezeStartupObjects | None) -> None:
+        """Drops ``holder`` and the fits that ended without giving the freeze back (Lightning
+        skipped their hooks), thawing the objects where none is left."""
+        held = bool(self.holders)
+        self.holders = [other for other in self.holders if other is not holder and other.fit_runs()]
+        if held and not self.holders:
+            self._thaw()
 
     def _thaw(self) -> None:
         # Frozen objects only leave the frozen generation as they die: more of them than the freeze
