@@ -41,6 +41,7 @@ With ``--before DIR`` each round runs DIR's engine too, alternated, against the 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import tempfile
@@ -210,11 +211,15 @@ def _freeze_as_a_fit_does():
     """The process's objects frozen as a ``vllm_server`` fit freezes them (where this checkout's
     engine does: ``lightning_ppo.rollout.frozen_startup``); what thaws them."""
     try:
-        from lightning_ppo.rollout.frozen_startup import HOLDS
+        from lightning_ppo.rollout.frozen_startup import HOLDS, FreezeStartupObjects
     except ImportError:  # an engine from before it
         return lambda: None
-    HOLDS.take()
-    return HOLDS.give_back
+    if not inspect.signature(HOLDS.take).parameters:  # f2badd6's: no holder named
+        HOLDS.take()
+        return HOLDS.give_back
+    holder = FreezeStartupObjects()  # a fit's callback, as the fit's own would hold it
+    HOLDS.take(holder)
+    return lambda: HOLDS.give_back(holder)
 
 
 def routing_table(policy: Path, work: Path, rounds: int, before: Path | None = None) -> None:
