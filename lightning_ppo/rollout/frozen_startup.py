@@ -20,9 +20,11 @@ them, go at once as always); they are a bounded set, the process as the fit bega
 collections a fit, one at each end.
 
 Where Lightning skips the fit's hooks (another callback's ``on_exception`` raised before ours ran),
-the freeze it held is given back as the next fit starts: a fit whose trainer no longer runs it
-holds nothing. A ``gc.freeze()`` of someone else's during the fit (more frozen at its end than the
-fit froze) is left as it is: theirs covers the fit's objects, and thawing would undo it.
+the freeze it held is given back as the next fit starts or another ends: a fit whose trainer no
+longer runs it holds nothing. (Where a Ctrl-C lands between ``gc.freeze()`` and the holder's note,
+a window of a few bytecodes, the freeze stays: no fit of the process takes it again.) A
+``gc.freeze()`` of someone else's during the fit (more frozen at its end than the fit froze) is
+left as it is: theirs covers the fit's objects, and thawing would undo it.
 """
 
 from __future__ import annotations
