@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -77,6 +78,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("ranks") is not None:
             item.add_marker(pytest.mark.xdist_group("ranks"))
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises_in_every_test():
+    """Each test gets the SIGINT handler the one before it found. Lightning's fit, stopped by a
+    KeyboardInterrupt in this process, sets SIGINT to SIG_IGN for its shutdown and leaves it so; a
+    Ctrl-C test that came after it on the same xdist worker then saw no KeyboardInterrupt (four
+    failed so on a fresh clone, each worker's, in an order no single run reproduced)."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    if signal.getsignal(signal.SIGINT) is not handler:
+        signal.signal(signal.SIGINT, handler)
 
 
 @pytest.fixture(autouse=True)
