@@ -82,14 +82,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _ctrl_c_raises_in_every_test():
-    """Each test gets the SIGINT handler the one before it found. Lightning's fit, stopped by a
-    KeyboardInterrupt in this process, sets SIGINT to SIG_IGN for its shutdown and leaves it so; a
-    Ctrl-C test that came after it on the same xdist worker then saw no KeyboardInterrupt (four
-    failed so on a fresh clone, each worker's, in an order no single run reproduced)."""
+    """Ctrl-C raises KeyboardInterrupt in every test, as in an interpreter started in a terminal.
+    `make test` run as a background job (`make test &`, nohup) starts with SIGINT ignored, which
+    Python leaves ignored: four Ctrl-C tests then saw no KeyboardInterrupt (one waited 121 s). And
+    Lightning's fit, stopped by a KeyboardInterrupt, sets SIGINT to SIG_IGN for its shutdown and
+    leaves it so for the tests after it on the same worker."""
     handler = signal.getsignal(signal.SIGINT)
+    if handler is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
-    if signal.getsignal(signal.SIGINT) is not handler:
-        signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 @pytest.fixture(autouse=True)
