@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_ppo.ppo import functional as F
+from tests.tolerances import reordered_tolerance
 
 
 def test_masked_mean_ignores_garbage_in_padding():
@@ -225,4 +226,7 @@ def test_a_minus_inf_log_prob_on_padding_leaves_the_kl_and_policy_gradients_fini
         surrogate = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)).sum() / mask.sum()
         (term + surrogate).backward()
         expected[row, col] = one.grad
-    assert torch.allclose(logits.grad, expected, atol=1e-6)
+    # the same terms summed in another order: float32 rounding steps at the gradient's size, or at
+    # the advantages' (terms of size up to 4) where the sum cancels
+    tolerance = reordered_tolerance(expected, float(advantages.abs().max()))
+    assert torch.allclose(logits.grad, expected, atol=tolerance)
