@@ -195,8 +195,11 @@ def test_two_ranks_sample_on_two_servers_synced_by_rank_zero(servers, policy, tm
     rows = _rows(tmp_path)
     assert len(rows) == 3 and float(rows[-1]["objective/kl"]) > 0
     assert all(float(r["engine/logp_abs_diff"]) < 1e-4 for r in rows)
-    # 3 iterations x 2 ranks x 64 prompts, half of each rank's to each server
-    assert [s.completed() - b for s, b in zip(servers, before, strict=True)] == [192, 192]
+    # 3 iterations x 2 ranks x 64 prompts. The first iteration has no latencies measured yet, so each
+    # rank sends half of its prompts to each server; later ones follow the measured latencies
+    # (routing.py), which two real servers on one CPU do not share exactly.
+    served = [s.completed() - b for s, b in zip(servers, before, strict=True)]
+    assert sum(served) == 384 and min(served) >= 64, served
 
 
 @pytest.mark.parametrize("transport", ["memory", "file"])
