@@ -84,7 +84,7 @@ from lightning_ppo.runs.ctrl_c import training_started
 from lightning_ppo.runs.errors import RunStopped, UsageError
 from lightning_ppo.runs.preflight import check_precision, check_sequence_fits, response_budget
 from lightning_ppo.runs.quiet import silence_intended_warnings
-from lightning_ppo.runs.resume import check_resumable, say_restored_rates
+from lightning_ppo.runs.resume import check_resumable, keep_configured_rates, say_restored_rates
 from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.runs.stop_iteration import StopIterationIsAnError, no_silent_stop
 from lightning_ppo.scoring import ACCURACY_COLUMN, Scorer, answer_accuracy
@@ -819,7 +819,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         if self.per_role_groups:
             check_role_groups(optimizer, self.critic_settings)
         prefer_fused(optimizer)
-        self._configured_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # before a resume
+        self._configured_lrs = keep_configured_rates(optimizer.param_groups)  # before a resume, a scheduler
         if self.scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}

@@ -130,18 +130,36 @@ def check_param_groups(saved: Mapping[str, Any], now: Mapping[str, Any]) -> None
     )
 
 
+# The param-group key that keeps the rate a group was configured with through a checkpoint (torch's
+# optimizer state saves every key of a group). A scheduler may set a group's ``lr`` and ``initial_lr``
+# from its own arguments (OneCycleLR from ``max_lr``, CyclicLR from ``base_lr``): neither is the
+# config's rate, so a resume compares the config's rate with this one.
+CONFIG_LR = "config_lr"
+
+
+def keep_configured_rates(groups: list[dict[str, Any]]) -> list[float]:
+    """Each group's rate as built (before a scheduler changes it), noted in the group as
+    :data:`CONFIG_LR`; returned, for :func:`say_restored_rates` once a resume restored the groups."""
+    for group in groups:
+        group[CONFIG_LR] = float(group["lr"])
+    return [group[CONFIG_LR] for group in groups]
+
+
 def say_restored_rates(configured: list[float], groups: list[dict[str, Any]], fields: list[str]) -> None:
     """Warn, in one line, of each learning rate the config sets that the resumed optimizer does not
     train at: Lightning restores the optimizer state, param groups' ``lr`` included (a scheduler's
     base rate, ``initial_lr``, too), over what ``configure_optimizers`` built. That is kept, as a
     Lightning user expects; what is said is that the config's new rate is not the one used.
 
-    ``configured``: each group's rate as built; ``groups``: the param groups as restored;
-    ``fields``: the config field of each group's rate.
+    ``configured``: each group's rate as built; ``groups``: the param groups as restored, each with
+    the rate it was configured with (:data:`CONFIG_LR`; a checkpoint written before that key stands
+    for it with its restored base rate); ``fields``: the config field of the first groups' rates (an
+    optimizer factory's own further groups are named by their index).
     """
     changed: dict[str, str] = {}
-    for field, now, group in zip(fields, configured, groups, strict=True):
-        saved = float(group.get("initial_lr", group["lr"]))
+    for index, (now, group) in enumerate(zip(configured, groups, strict=True)):
+        field = fields[index] if index < len(fields) else f"param group {index}'s lr"
+        saved = float(group.get(CONFIG_LR, group.get("initial_lr", group["lr"])))
         if saved != now:
             changed.setdefault(field, f"{field}: {now:g} in the config, {saved:g} in the checkpoint")
     if changed:

@@ -1,0 +1,102 @@
+"""The resume learning-rate warning (runs/resume.say_restored_rates) where the optimizer or its
+scheduler is not a plain one: a scheduler that sets the groups' rates itself, param groups of the
+user's own optimizer factory, a checkpoint written before the configured rate was kept in it."""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_ppo import PPOLightningModule
+from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
+
+RESUME_WARNING = "resuming restores the checkpoint's optimizer"
+HALVED = "model.optimizer.init_args.lr: 0.0005 in the config, 0.001 in the checkpoint"
+
+
+def _fit(policy: Path, root: Path, optimizer, scheduler=None, epochs: int = 1, ckpt_path=None) -> list[str]:
+    """One iteration per epoch; the resume warnings about learning rates it gave."""
+    torch.manual_seed(0)
+    module = PPOLightningModule(
+        policy=str(policy), reward_fn=DigitsReward(), optimizer=optimizer, lr_scheduler=scheduler
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        limit_train_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    data = DigitsDataModule(num_prompts=32, batch_size=8, max_prompt_length=16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    if ckpt_path is None:
+        trainer.save_checkpoint(root / "one.ckpt")
+    return [str(w.message) for w in caught if RESUME_WARNING in str(w.message)]
+
+
+SCHEDULERS = {
+    # both set each group's rate (and its initial_lr) from their own arguments, not the optimizer's lr
+    "OneCycleLR": partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=1e-2, total_steps=1000),
+    "CyclicLR": partial(
+        torch.optim.lr_scheduler.CyclicLR, base_lr=1e-4, max_lr=1e-3, step_size_up=50, cycle_momentum=False
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_a_scheduler_that_sets_the_rates_itself_resumed_unchanged_says_nothing(name, tiny_digits, tmp_path):
+    """Before, the saved initial_lr (OneCycleLR's max_lr / 25 = 4e-4, CyclicLR's base_lr 1e-4) was
+    taken for the configured rate: every resume warned of a change no one made."""
+    optimizer, scheduler = partial(torch.optim.AdamW, lr=1e-3), SCHEDULERS[name]
+    assert _fit(tiny_digits, tmp_path, optimizer, scheduler) == []
+    resumed = _fit(tiny_digits, tmp_path, optimizer, scheduler, epochs=2, ckpt_path=tmp_path / "one.ckpt")
+    assert resumed == []
+    changed = partial(torch.optim.AdamW, lr=5e-4)
+    said = _fit(tiny_digits, tmp_path, changed, scheduler, epochs=2, ckpt_path=tmp_path / "one.ckpt")
+    assert len(said) == 1 and HALVED in said[0]
+
+
+def _no_decay_on_biases(params, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """The common recipe: weight decay on matrices only, as two param groups of the user's own."""
+    params = list(params)
+    matrices = [p for p in params if p.ndim >= 2]
+    others = [p for p in params if p.ndim < 2]
+    return torch.optim.AdamW([{"params": matrices}, {"params": others, "weight_decay": 0.0}], lr=lr)
+
+
+def test_an_optimizer_with_param_groups_of_its_own_resumes_and_names_each_changed_rate(tiny_digits, tmp_path):
+    """Before, the resume of such a run stopped in on_train_start with 'zip() argument 2 is longer
+    than argument 1' (one config field, two groups)."""
+    assert _fit(tiny_digits, tmp_path, _no_decay_on_biases) == []
+    same = _fit(tiny_digits, tmp_path, _no_decay_on_biases, epochs=2, ckpt_path=tmp_path / "one.ckpt")
+    assert same == []
+    changed = partial(_no_decay_on_biases, lr=5e-4)
+    said = _fit(tiny_digits, tmp_path, changed, epochs=2, ckpt_path=tmp_path / "one.ckpt")
+    assert len(said) == 1
+    assert HALVED in said[0]
+    assert "param group 1's lr: 0.0005 in the config, 0.001 in the checkpoint" in said[0]
+
+
+def test_a_checkpoint_without_the_configured_rates_compares_the_restored_ones(tiny_digits, tmp_path):
+    """A checkpoint written before the groups kept their configured rate: its restored rate (a
+    scheduler's base rate) stands for it, as before."""
+    optimizer = partial(torch.optim.AdamW, lr=1e-3)
+    _fit(tiny_digits, tmp_path, optimizer)
+    state = torch.load(tmp_path / "one.ckpt", weights_only=True)
+    for group in state["optimizer_states"][0]["param_groups"]:
+        group.pop("config_lr", None)
+    torch.save(state, tmp_path / "older.ckpt")
+    assert _fit(tiny_digits, tmp_path, optimizer, epochs=2, ckpt_path=tmp_path / "older.ckpt") == []
+    changed = partial(torch.optim.AdamW, lr=5e-4)
+    said = _fit(tiny_digits, tmp_path, changed, epochs=2, ckpt_path=tmp_path / "older.ckpt")
+    assert len(said) == 1 and HALVED in said[0]
