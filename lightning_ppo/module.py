@@ -86,7 +86,7 @@ from lightning_ppo.runs.preflight import check_precision, check_sequence_fits, r
 from lightning_ppo.runs.quiet import silence_intended_warnings
 from lightning_ppo.runs.resume import check_resumable, keep_configured_rates, say_restored_rates
 from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resume
-from lightning_ppo.runs.stop_iteration import StopIterationIsAnError, no_silent_stop
+from lightning_ppo.runs.stop_iteration import StopIterationIsAnError, loops_name_hook_stops, no_silent_stop
 from lightning_ppo.scoring import ACCURACY_COLUMN, Scorer, answer_accuracy
 from lightning_ppo.watch.diversity import Diversity
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
@@ -297,6 +297,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
             self.ppo.max_staleness, self.generation_config, uses_model_parallel(self.trainer.strategy)
         )
         silence_intended_warnings()  # e.g. the frozen roles are in eval mode on purpose
+        loops_name_hook_stops(self.trainer)  # a hook's StopIteration is its error, not the data's end
         # Before the first rollout: past the model's positions generation fails with an IndexError.
         # response_budget reads a config's settings: an episode runner stands for environment or tools.
         budget_field, budget = response_budget({**self.hparams, "environment": self.episode_runner})

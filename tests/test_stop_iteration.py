@@ -8,7 +8,7 @@ from lightning.pytorch import Callback
 
 from lightning_ppo import PPOLightningModule
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
-from tests.helpers import quiet_trainer
+from tests.helpers import quickstart_fit_args, quiet_trainer, ranks_process, two_cpu_ranks
 
 
 def _digits() -> DigitsDataModule:
@@ -76,3 +76,94 @@ def test_a_score_raising_stop_iteration_in_validation_is_an_error(tiny_digits, t
     with pytest.raises(RuntimeError, match=r"^FindsNothingWhenValidating\.score raised StopIteration"):
         data = DigitsDataModule(num_prompts=32, num_val_prompts=16, batch_size=8, max_prompt_length=16)
         quiet_trainer(tmp_path, iterations=1).validate(module, datamodule=data)
+
+
+class StopsInTheLoop(Callback):
+    """A callback whose ``hook``, one of those Lightning's loops call outside the step, raises
+    StopIteration (``next()`` over no match) at the second batch or epoch it sees."""
+
+    def __init__(self, hook: str) -> None:
+        self.hook, self.seen = hook, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._look("on_train_batch_start")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._look("on_train_batch_end")
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._look("on_train_epoch_end")
+
+    def on_validation_batch_end(
+        self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0
+    ) -> None:
+        self._look("on_validation_batch_end")
+
+    def _look(self, hook: str) -> None:
+        if hook == self.hook:
+            self.seen += 1
+            if self.seen == 2:
+                next(iter(()))
+
+
+@pytest.mark.parametrize("hook", ["on_train_batch_start", "on_train_batch_end", "on_train_epoch_end"])
+def test_a_callback_hook_of_the_training_loop_raising_stop_iteration_is_named(hook, tiny_digits, tmp_path):
+    """Before, Lightning's loop took it for the end of the epoch (the fit, from on_train_epoch_end)
+    and the fit returned as if done: 1 of 4 iterations trained (on_train_batch_start), 2, or 2 of 4
+    epochs of one batch."""
+    module = PPOLightningModule(policy=str(tiny_digits), reward_fn=DigitsReward())
+    stops = StopsInTheLoop(hook)
+    trainer = quiet_trainer(tmp_path, iterations=4, callbacks=[stops])
+    if hook == "on_train_epoch_end":
+        trainer.fit_loop.max_epochs, trainer.limit_train_batches = 4, 1
+    with pytest.raises(RuntimeError, match=rf"^StopsInTheLoop\.{hook} raised StopIteration") as raised:
+        trainer.fit(module, datamodule=_digits())
+    assert isinstance(raised.value.__cause__, StopIteration)
+    trained = {"on_train_batch_start": 1, "on_train_batch_end": 2, "on_train_epoch_end": 2}
+    assert module.iteration == trained[hook]
+    again = quiet_trainer(tmp_path, iterations=4, callbacks=[stops])  # the hook past its bug
+    again.fit(module, datamodule=_digits())  # a second fit in the process
+    assert module.iteration == trained[hook] + 4
+
+
+def test_a_callback_hook_of_the_validation_loop_raising_stop_iteration_is_named(tiny_digits, tmp_path):
+    """Before, validation ended at its second batch and logged the first's score alone, without a word."""
+    module = PPOLightningModule(policy=str(tiny_digits), reward_fn=DigitsReward())
+    data = DigitsDataModule(num_prompts=32, num_val_prompts=16, batch_size=8, max_prompt_length=16)
+    trainer = quiet_trainer(tmp_path, iterations=1, callbacks=[StopsInTheLoop("on_validation_batch_end")])
+    with pytest.raises(RuntimeError, match=r"^StopsInTheLoop\.on_validation_batch_end raised StopIteration"):
+        trainer.validate(module, datamodule=data)
+
+
+def test_the_end_of_the_data_and_a_hook_returning_minus_one_still_end_the_epoch(tiny_digits, tmp_path):
+    """Lightning's own ways to end an epoch are untouched: the data running out, and
+    ``on_train_batch_start`` returning -1 (the next epoch then starts)."""
+
+    class SkipsTheRestAtTheSecond(PPOLightningModule):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if batch_idx == 1 else None
+
+    module = SkipsTheRestAtTheSecond(policy=str(tiny_digits), reward_fn=DigitsReward())
+    trainer = quiet_trainer(tmp_path, iterations=4)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module, datamodule=_digits())
+    assert module.iteration == 2 and trainer.current_epoch == 2  # one batch in each of the two epochs
+
+
+class StopsOnRankOne(Callback):
+    """Rank 1's ``on_train_batch_end`` raises StopIteration at its first batch; rank 0's never."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == 1:
+            next(iter(()))
+
+
+@pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
+def test_a_hook_stop_on_one_rank_of_two_stops_both_with_its_error(tiny_digits, tmp_path):
+    """Before, rank 1 ended its fit in silence (exit status 0) and rank 0, in the next iteration's
+    all-reduce, failed with gloo's 'Connection closed by peer', which names no hook."""
+    stops = {"class_path": "tests.test_stop_iteration.StopsOnRankOne"}
+    args = quickstart_fit_args(tiny_digits, tmp_path, [stops], *two_cpu_ranks("ddp", iterations=3))
+    done = ranks_process(args, timeout=180)  # a hang is a TimeoutExpired
+    assert done.returncode != 0
+    assert "StopsOnRankOne.on_train_batch_end raised StopIteration" in done.stderr, done.stderr[-3000:]

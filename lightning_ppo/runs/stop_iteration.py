@@ -7,6 +7,14 @@ over no match in a user's ``score`` override, or in a callback hook that runs in
 ended the epoch in silence: a shorter run that looked finished. As Python does for a generator
 (PEP 479), it becomes a ``RuntimeError`` here, whose one line names the hook; its traceback, a bug's,
 is kept (``raise ... from``). Rewards have their own (``scoring._called``).
+
+The hooks Lightning's loops call outside a step (a callback's or the module's ``on_train_batch_start``
+and ``_end``, ``on_train_epoch_start`` and ``_end``, ``on_validation_batch_start`` and ``_end``) are
+in the same place: a ``next()`` bug there ended the epoch, the fit or the validation as if done, and
+under several ranks left the others waiting for the one that stopped. A Lightning user ends an epoch
+by returning -1 from ``on_train_batch_start`` and a fit by ``trainer.should_stop``, never by raising
+StopIteration, so :func:`loops_name_hook_stops` makes it the same error. The loops' own
+StopIterations (the data running out, the -1 return) pass through no hook and still end the loop.
 """
 
 from __future__ import annotations
@@ -52,6 +60,45 @@ def no_silent_stop(step: Step) -> Step:
             return step(module, *args, **kwargs)
 
     return guarded  # type: ignore[return-value]
+
+
+# The loop methods that call hooks inside a ``try: ... except StopIteration: break`` (Lightning 2.x):
+# each loop's attribute path from the trainer, and its methods. A name a Lightning version lacks is
+# left as it is: its loop then behaves as Lightning's does.
+_GUARDED: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("fit_loop", ("on_advance_start", "on_advance_end")),
+    ("fit_loop.epoch_loop", ("advance", "on_advance_end")),
+    ("fit_loop.epoch_loop.val_loop", ("_evaluation_step",)),
+    ("validate_loop", ("_evaluation_step",)),
+)
+
+
+def loops_name_hook_stops(trainer: Any) -> None:
+    """Make a ``StopIteration`` out of a hook that ``trainer``'s loops call outside a step a
+    ``RuntimeError`` naming the hook; once per trainer (its loops' methods are wrapped in place)."""
+    for path, names in _GUARDED:
+        loop = functools.reduce(getattr, path.split("."), trainer)
+        for name in names:
+            method = getattr(loop, name, None)
+            if method is not None and not getattr(method, "_names_hook_stops", False):
+                setattr(loop, name, _naming_hook_stops(method))
+
+
+def _naming_hook_stops(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except StopIteration as err:
+            hook = hook_that_raised(err)
+            # none: the loop's own (the data's end, a -1 return); a step's: the end of the
+            # ``dataloader_iter`` a step consumes (the package's own steps name theirs already)
+            if hook is None or hook.endswith("_step"):
+                raise
+            raise RuntimeError(f"{hook} raised StopIteration: {err}") from err
+
+    guarded._names_hook_stops = True  # type: ignore[attr-defined]
+    return guarded
 
 
 def hook_that_raised(err: BaseException) -> str | None:
