@@ -84,7 +84,7 @@ from lightning_ppo.runs.ctrl_c import training_started
 from lightning_ppo.runs.errors import RunStopped, UsageError
 from lightning_ppo.runs.preflight import check_precision, check_sequence_fits, response_budget
 from lightning_ppo.runs.quiet import silence_intended_warnings
-from lightning_ppo.runs.resume import check_resumable, keep_configured_rates, say_restored_rates
+from lightning_ppo.runs.resume import built_rates, check_resumable, say_restored_rates
 from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.runs.stop_iteration import StopIterationIsAnError, loops_name_hook_stops, no_silent_stop
 from lightning_ppo.scoring import ACCURACY_COLUMN, Scorer, answer_accuracy
@@ -313,7 +313,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
     def on_train_start(self) -> None:
         check_training_plan(self.trainer, self.ppo)
         if self.trainer.ckpt_path is not None:  # the optimizer state is the checkpoint's now
-            say_restored_rates(self._configured_lrs, self.trainer.optimizers[0].param_groups, self.lr_fields)
+            say_restored_rates(self._built_rates, self.trainer.optimizers[0].param_groups, self.lr_fields)
         training_started()  # a Ctrl-C from now on may find checkpoints written (lightning_ppo.runs.ctrl_c)
 
     def on_fit_end(self) -> None:
@@ -820,10 +820,12 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         if self.per_role_groups:
             check_role_groups(optimizer, self.critic_settings)
         prefer_fused(optimizer)
-        self._configured_lrs = keep_configured_rates(optimizer.param_groups)  # before a resume, a scheduler
-        if self.scheduler_factory is None:
+        configured = [float(group["lr"]) for group in optimizer.param_groups]
+        scheduler = None if self.scheduler_factory is None else self.scheduler_factory(optimizer)
+        self._built_rates = built_rates(optimizer.param_groups, configured)  # before a resume restores
+        if scheduler is None:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Frozen weights (reference, reward model, a LoRA base) are reloaded from their own

@@ -130,38 +130,47 @@ def check_param_groups(saved: Mapping[str, Any], now: Mapping[str, Any]) -> None
     )
 
 
-# The param-group key that keeps the rate a group was configured with through a checkpoint (torch's
-# optimizer state saves every key of a group). A scheduler may set a group's ``lr`` and ``initial_lr``
-# from its own arguments (OneCycleLR from ``max_lr``, CyclicLR from ``base_lr``): neither is the
-# config's rate, so a resume compares the config's rate with this one.
-CONFIG_LR = "config_lr"
+@dataclass(frozen=True)
+class BuiltRate:
+    """A param group's base rate as this run's ``configure_optimizers`` built it, before a resume
+    restores the checkpoint's: the optimizer's ``lr``, or the one its scheduler set from its own
+    arguments (``by_scheduler``: OneCycleLR's ``max_lr / div_factor``, CyclicLR's ``base_lr``)."""
+
+    rate: float
+    by_scheduler: bool
 
 
-def keep_configured_rates(groups: list[dict[str, Any]]) -> list[float]:
-    """Each group's rate as built (before a scheduler changes it), noted in the group as
-    :data:`CONFIG_LR`; returned, for :func:`say_restored_rates` once a resume restored the groups."""
-    for group in groups:
-        group[CONFIG_LR] = float(group["lr"])
-    return [group[CONFIG_LR] for group in groups]
+def base_rate(group: Mapping[str, Any]) -> float:
+    """The rate a param group is scheduled from: a scheduler's ``initial_lr``, else its ``lr``."""
+    return float(group.get("initial_lr", group["lr"]))
 
 
-def say_restored_rates(configured: list[float], groups: list[dict[str, Any]], fields: list[str]) -> None:
+def built_rates(groups: list[dict[str, Any]], configured: list[float]) -> list[BuiltRate]:
+    """Each group's :class:`BuiltRate`, from the groups once the scheduler (if any) is built and
+    ``configured``, each group's ``lr`` as the optimizer was built."""
+    rates = [base_rate(group) for group in groups]
+    return [BuiltRate(rate, rate != lr) for rate, lr in zip(rates, configured, strict=True)]
+
+
+def say_restored_rates(built: list[BuiltRate], groups: list[dict[str, Any]], fields: list[str]) -> None:
     """Warn, in one line, of each learning rate the config sets that the resumed optimizer does not
     train at: Lightning restores the optimizer state, param groups' ``lr`` included (a scheduler's
     base rate, ``initial_lr``, too), over what ``configure_optimizers`` built. That is kept, as a
     Lightning user expects; what is said is that the config's new rate is not the one used.
 
-    ``configured``: each group's rate as built; ``groups``: the param groups as restored, each with
-    the rate it was configured with (:data:`CONFIG_LR`; a checkpoint written before that key stands
-    for it with its restored base rate); ``fields``: the config field of the first groups' rates (an
-    optimizer factory's own further groups are named by their index).
+    ``built``: each group's base rate as this run built it; ``groups``: the param groups as restored
+    (and as a callback's ``on_train_start`` may have set them since); ``fields``: the config field of
+    the first groups' rates (an optimizer factory's own further groups are named by their index, a
+    rate the scheduler sets by the scheduler).
     """
     changed: dict[str, str] = {}
-    for index, (now, group) in enumerate(zip(configured, groups, strict=True)):
+    for index, (now, group) in enumerate(zip(built, groups, strict=True)):
         field = fields[index] if index < len(fields) else f"param group {index}'s lr"
-        saved = float(group.get(CONFIG_LR, group.get("initial_lr", group["lr"])))
-        if saved != now:
-            changed.setdefault(field, f"{field}: {now:g} in the config, {saved:g} in the checkpoint")
+        if now.by_scheduler:  # the config's lr is not the one the scheduler starts from
+            field = "model.lr_scheduler's base rate" + (f" of param group {index}" if index else "")
+        saved = base_rate(group)
+        if saved != now.rate:
+            changed.setdefault(field, f"{field}: {now.rate:g} in the config, {saved:g} in the checkpoint")
     if changed:
         warn(
             "resuming restores the checkpoint's optimizer state, its learning rate included, as "
