@@ -255,6 +255,10 @@ def await_all(
     shown = [f"reward {names[i]!r}" if names is not None else f"reward {i}" for i in waiting]
     outcomes = await_bounded([outputs[i] for i in waiting], timeout, shown)
     for i, outcome in zip(waiting, outcomes, strict=True):
+        if isinstance(outcome.error, RuntimeError) and isinstance(outcome.error.__cause__, StopIteration):
+            # Python's own 'coroutine raised StopIteration' (PEP 479) names no reward; a plain one's does
+            stop = outcome.error.__cause__
+            raise RuntimeError(f"{shown[waiting.index(i)]} raised StopIteration: {stop}") from stop
         if outcome.error is not None:
             raise outcome.error  # the reward's own exception, as a plain reward's would propagate
         if outcome.timed_out:

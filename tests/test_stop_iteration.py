@@ -167,3 +167,18 @@ def test_a_hook_stop_on_one_rank_of_two_stops_both_with_its_error(tiny_digits, t
     done = ranks_process(args, timeout=180)  # a hang is a TimeoutExpired
     assert done.returncode != 0
     assert "StopsOnRankOne.on_train_batch_end raised StopIteration" in done.stderr, done.stderr[-3000:]
+
+
+async def finds_nothing_async(prompts, completions, batch):
+    """``next()`` over no match in an ``async def`` reward ('coroutine raised StopIteration')."""
+    return [next(c for c in completions if c == "never")] * len(completions)
+
+
+def test_an_async_reward_raising_stop_iteration_is_named_as_a_plain_one_is():
+    """Before, the error was Python's 'coroutine raised StopIteration', which names no reward."""
+    from lightning_ppo.scoring import await_all, call_all
+
+    outputs = call_all([finds_nothing_async], ["1="], ["1"], None, ["finds_nothing_async"])
+    with pytest.raises(RuntimeError, match=r"^reward 'finds_nothing_async' raised StopIteration") as raised:
+        await_all(outputs, timeout=30.0, names=["finds_nothing_async"], batch_size=1)
+    assert isinstance(raised.value.__cause__, StopIteration)
