@@ -10,10 +10,11 @@ is kept (``raise ... from``). Rewards have their own (``scoring._called``).
 
 The hooks Lightning's loops call outside a step (a callback's or the module's ``on_train_batch_start``
 and ``_end``, ``on_train_epoch_start`` and ``_end``, ``on_validation_batch_start`` and ``_end``) are
-in the same place: a ``next()`` bug there ended the epoch, the fit or the validation as if done, and
-under several ranks left the others waiting for the one that stopped. A Lightning user ends an epoch
-by returning -1 from ``on_train_batch_start`` and a fit by ``trainer.should_stop``, never by raising
-StopIteration, so :func:`loops_name_hook_stops` makes it the same error. The loops' own
+in the same place: a ``next()`` bug there ended the epoch, the fit or the validation as if done (on
+2 gloo ranks the one that stopped exited 0, the other failed in its next all-reduce naming no hook).
+A Lightning user ends an epoch by returning -1 from ``on_train_batch_start`` and a fit by
+``trainer.should_stop``, never by raising StopIteration, so :func:`loops_name_hook_stops` makes it
+the same error. The loops' own
 StopIterations (the data running out, the -1 return) pass through no hook and still end the loop.
 """
 
