@@ -27,6 +27,7 @@ from lightning_ppo import GenerationConfig
 from lightning_ppo.rollout.engines import Placement
 from lightning_ppo.rollout.engines.server import VLLMServerEngine
 from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
+from lightning_ppo.rollout.engines.server.nccl_rendezvous import serve_rendezvous
 from lightning_ppo.rollout.engines.server.nccl_sync import NcclSync, nccl_refusal
 from lightning_ppo.rollout.sampling import hf_generation_config
 from lightning_ppo.runs.errors import UsageError
@@ -45,6 +46,10 @@ class Record:
     took_port: list[bool] = field(default_factory=list)
     join_store: bool = False
     owner: str = ""
+    # At /init_weight_transfer_engine: the server's worker joins rank 0's store as vLLM's does (it
+    # counts as one of the world's ranks) and waits there for NCCL's id; what ended its wait
+    joins_as_worker: bool = False
+    worker_ended: list[str] = field(default_factory=list)
     # vLLM 0.32's worker (gpu_worker.py): a weight update is active from /start_weight_update until
     # /finish_weight_update, or an /update_weights that fails; a start while one is active is refused
     updating: bool = False
@@ -91,6 +96,14 @@ class _Server(http.server.BaseHTTPRequestHandler):
         if self.record.join_store:
             store = TCPStore(address, port, is_master=False, timeout=timedelta(seconds=30))
             self.record.owner = store.get("owner").decode()
+        if self.record.joins_as_worker:  # vLLM's StatelessProcessGroup.create, then the id's get
+            worker = TCPStore(address, port, init["world_size"], is_master=False,
+                              timeout=timedelta(seconds=30), use_libuv=False)  # fmt: skip
+            try:
+                worker.get("broadcast_from/0/0")
+                self.record.worker_ended.append("got the id")
+            except Exception as err:  # noqa: BLE001  (rank 0's store gone: what the test looks for)
+                self.record.worker_ended.append(type(err).__name__)
 
     def _reply(self, answer: dict, status: int = 200) -> None:
         data = json.dumps(answer).encode()
@@ -137,7 +150,7 @@ class Recorded:
         self.sent: list[torch.Tensor] = []
         self.closed = 0
 
-    def open(self, listener: socket.socket, world: int, timeout: float) -> None:
+    def open(self, listener: socket.socket, world: int, timeout: float, failed=lambda: None) -> None:
         assert listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)  # still listening
         address, port = listener.getsockname()[:2]
         self.opened.append((address, port, world))
@@ -265,7 +278,7 @@ class Storing(Recorded):
         self.owner = owner
         self.store: TCPStore | None = None
 
-    def open(self, listener: socket.socket, world: int, timeout: float) -> None:
+    def open(self, listener: socket.socket, world: int, timeout: float, failed=lambda: None) -> None:
         super().open(listener, world, timeout)
         address, port = listener.getsockname()[:2]
         self.store = TCPStore(
@@ -390,3 +403,111 @@ def test_a_sync_that_failed_part_way_leaves_no_server_mid_update_for_the_next(se
             ("/finish_weight_update", {"weight_version": "run/2"}),
             ("/collective_rpc", {"method": "lppo_set_version", "args": ["run/2"], "timeout": 5.0}),
         ]
+
+
+class Rendezvous(Recorded):
+    """Rank 0's end waiting for the workers in its rendezvous store as :class:`VLLMBroadcaster` does
+    (every rank connected, within the timeout); NCCL's part, which needs GPUs, recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store: TCPStore | None = None
+
+    def open(self, listener: socket.socket, world: int, timeout: float, failed=lambda: None) -> None:
+        super().open(listener, world, timeout)
+        self.store = serve_rendezvous(listener, world, timeout, failed)
+        self.store.set("broadcast_from/0/0", "id")  # NCCL's id, as vLLM's rank 0 hands it out
+
+    def close(self) -> None:
+        super().close()
+        self.store = None
+
+
+@pytest.mark.parametrize("failure", ["an error answered", "its process gone"])
+def test_a_server_that_fails_its_init_at_once_is_said_at_once_not_after_the_timeout(servers, failure):
+    """One server fails its /init_weight_transfer_engine at once (HTTP 500, or nothing listens at its
+    URL any more) while the other's worker waits in rank 0's store. Before, rank 0 waited for every
+    rank in its store for the whole generation.server_timeout (600 s here) and only then said the
+    server's error. Now the error is the server's own line as soon as it answered; the store is let
+    go, so the other worker's wait ends too. The sync runs on a thread joined for at most 30 s: its
+    error (kind and words) is the proof that it did not wait out the 600 s."""
+    (joined, joined_record), (url, record) = servers
+    joined_record.joins_as_worker = True
+    if failure == "an error answered":
+        record.fail = "/init_weight_transfer_engine"
+    else:
+        with socket.socket() as closed:  # a port nothing listens on: the server's process died
+            closed.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    broadcaster = Rendezvous()
+    sync = _sync([joined, url], broadcaster, timeout=600.0)
+    raised: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            sync.load(iter(WEIGHTS), torch.float32, verify=False, version="run/1")
+        except BaseException as err:  # noqa: BLE001  (looked at below)
+            raised.append(err)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the sync waited for the server's answer past 30 s"
+    (error,) = raised
+    assert isinstance(error, GenerationServerError) and "\n" not in str(error)
+    phase = "phase init_weight_transfer_engine"
+    prefix = f"weight sync (generation.sync_transport: nccl), {phase}, failed on {url}: "
+    assert str(error).startswith(prefix)
+    if failure == "an error answered":
+        assert str(error) == prefix + "HTTP 500: CUDA error: an illegal memory access"
+    for _ in range(100):  # the other worker's wait ends with the store (at most 10 s)
+        if joined_record.worker_ended:
+            break
+        time.sleep(0.1)
+    assert joined_record.worker_ended and joined_record.worker_ended != ["got the id"]
+    sync.close()
+
+
+def test_rank_zero_opens_its_end_once_every_servers_workers_joined_its_store(servers):
+    """The wait for the workers, on its thread, returns the store once all of them connected
+    (1 + 2 workers, counted as vLLM's create counts them): each worker gets NCCL's id from it."""
+    for _, record in servers:
+        record.joins_as_worker = True
+    broadcaster = Rendezvous()
+    sync = NcclSync([ServerClient(url, 30) for url, _ in servers], [1, 1], "127.0.0.1", 30, broadcaster)
+    sync.load(iter(WEIGHTS), torch.float32, verify=False, version="run/1")
+    assert [record.worker_ended for _, record in servers] == [["got the id"], ["got the id"]]
+    assert broadcaster.store is not None and len(broadcaster.sent) == 3
+    sync.close()
+
+
+def test_ctrl_c_while_rank_zero_waits_for_the_workers_lets_its_store_go():
+    """Ctrl-C (here raised where the servers' answers are looked at) while one of three workers has
+    joined: the wait ends with it, the store is let go (the joined worker's wait for NCCL's id ends
+    with it) and the thread that served it has ended."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    ended: list[str] = []
+
+    def worker() -> None:
+        wait = timedelta(seconds=30)
+        joined = TCPStore("127.0.0.1", port, 4, is_master=False, timeout=wait, use_libuv=False)
+        with contextlib.suppress(Exception):
+            joined.get("broadcast_from/0/0")
+        ended.append("ended")
+
+    threading.Thread(target=worker, daemon=True).start()
+    looked = []
+
+    def failed() -> BaseException | None:
+        looked.append(1)
+        return KeyboardInterrupt() if len(looked) > 5 else None
+
+    with listener, pytest.raises(KeyboardInterrupt):
+        serve_rendezvous(listener, 4, 600, failed)
+    for _ in range(100):  # at most 10 s
+        if ended:
+            break
+        time.sleep(0.1)
+    assert ended == ["ended"]
+    assert not [t for t in threading.enumerate() if t.name == "lppo-nccl-rendezvous"]

@@ -6,7 +6,9 @@ Servers started with ``--weight-transfer-config '{"backend": "nccl"}'`` (``light
 
 1. once, ``/init_weight_transfer_engine`` to each server (its workers at ranks ``1 + the workers of
    the servers before it``, of one NCCL group of the trainer and every worker), while rank 0 opens
-   its end of the group (rank 0; the workers block in the rendezvous until it does). The
+   its end of the group (rank 0; the workers block in the rendezvous until it does). A server
+   that fails its init (an error answered, its process gone) is said at once, not after rank 0's
+   wait for its workers timed out (:mod:`.nccl_rendezvous`). The
    rendezvous store's port is one the system hands rank 0's socket on ``sync_address``, held from
    then on and served by the store itself: no free port probed, closed and bound again (another
    process, or another sync, could take it in between);
@@ -29,11 +31,11 @@ shut their end down (``/shutdown_weight_transfer_engine``) and rank 0 destroys i
 from __future__ import annotations
 
 import math
-import os
 import socket
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -41,6 +43,7 @@ from torch import Tensor
 
 from lightning_ppo.rollout.engines.server.checksum import Checksum, checksum
 from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
+from lightning_ppo.rollout.engines.server.nccl_rendezvous import Failed, serve_rendezvous
 from lightning_ppo.rollout.engines.server.weight_group import listening_socket
 
 BUCKET_BYTES = 1 << 30  # tensors described by one /update_weights call
@@ -52,36 +55,31 @@ _FIELD = "generation.sync_transport: nccl"
 class Broadcaster(Protocol):
     """Rank 0's end of the NCCL group: opened once, its rendezvous store served on ``listener`` (a
     socket listening on rank 0's address, whose port the servers were given; closed by the caller
-    after, so an implementation serves on a duplicate), one broadcast per tensor."""
+    after, so an implementation serves on a duplicate), one broadcast per tensor. While it waits
+    for the servers' workers, ``failed()`` returns a server's failed answer to its init call, if one
+    came: raised at once (the workers of a server that failed never come)."""
 
-    def open(self, listener: socket.socket, world: int, timeout: float) -> None: ...
+    def open(self, listener: socket.socket, world: int, timeout: float, failed: Failed) -> None: ...
     def send(self, tensor: Tensor) -> None: ...
     def close(self) -> None: ...
 
 
 class VLLMBroadcaster:
     """vLLM's own communicator on this process's CUDA device, as ``nccl_common.trainer_init`` opens
-    it, but with the rendezvous store served on the socket it is handed (vLLM's
-    ``StatelessProcessGroup.create(listen_socket=...)``) rather than one bound again by port."""
+    it, but with the rendezvous store served on the socket it is handed rather than one bound again
+    by port, and the wait for the workers watching the servers' answers (:mod:`.nccl_rendezvous`)."""
 
     def __init__(self) -> None:
         self.group: Any = None
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
-    def open(self, listener: socket.socket, world: int, timeout: float) -> None:
+    def open(self, listener: socket.socket, world: int, timeout: float, failed: Failed) -> None:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
         from vllm.utils.nccl import unpinned_nccl_env
 
-        host, port = listener.getsockname()[:2]
-        # vLLM's store takes over (detaches) the socket it is handed: a duplicate, ours closed after
-        served = socket.socket(listener.family, listener.type, fileno=os.dup(listener.fileno()))
-        try:
-            rendezvous = StatelessProcessGroup.create(
-                host, port, 0, world, store_timeout=max(1, math.ceil(timeout)), listen_socket=served
-            )
-        finally:
-            served.close()  # a no-op where the store took it
+        store = serve_rendezvous(listener, world, max(1, math.ceil(timeout)), failed)
+        rendezvous = StatelessProcessGroup(rank=0, world_size=world, store=store)
         with unpinned_nccl_env():
             group = PyNcclCommunicator(rendezvous, device=self.device)
         if not group.available or group.disabled:  # no NCCL library: its broadcasts would do nothing
@@ -182,7 +180,9 @@ class NcclSync:
                 for server, first in zip(self.servers, firsts, strict=True)
             ]  # fmt: skip
             try:
-                self.broadcaster.open(listener, world, self.timeout)
+                self.broadcaster.open(listener, world, self.timeout, partial(_failure, calls))
+            except GenerationServerError:  # a server's own line, as soon as it answered
+                raise
             except Exception as err:
                 _raise_done(calls)  # a server that refused its init: its line, not the wait's end
                 raise GenerationServerError(
@@ -281,6 +281,12 @@ def _init_call(address: str, port: int, first: int, world: int, timeout: float) 
     return lambda server: server.post(
         "/init_weight_transfer_engine", {"init_info": init_info}, timeout=timeout
     )
+
+
+def _failure(calls: list[Future]) -> BaseException | None:
+    """The first failure among the calls answered so far, if any."""
+    answered = [call for call in calls if call.done() and not call.cancelled()]
+    return next((call.exception() for call in answered if call.exception() is not None), None)
 
 
 def _raise_done(calls: list[Future]) -> None:
