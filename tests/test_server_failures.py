@@ -6,6 +6,7 @@ servers run the real worker extension on a tiny torch model, with a stand-in for
 
 from __future__ import annotations
 
+import _thread
 import json
 import socket
 import threading
@@ -314,6 +315,40 @@ def test_ctrl_c_during_a_sync_leaves_no_group_for_the_next_fit(fake_vllm):
     start = time.monotonic()
     _synced(sync, workers, "run/2")
     assert time.monotonic() - start < 30
+
+
+class _LateWorker(_Worker):
+    """A server's second worker (tensor parallelism) whose join starts only once ``go`` is set (a
+    slow worker, the reason a user hits Ctrl-C); as its call arrives, rank 0 is interrupted."""
+
+    def __init__(self, model: nn.Module, go: threading.Event) -> None:
+        super().__init__(model, rank=1)
+        self.go = go
+
+    def lppo_join(self, *args: str) -> int:
+        if not self.go.is_set():  # the interrupted join: Ctrl-C while rank 0 waits for this worker
+            threading.Timer(0.5, _thread.interrupt_main).start()
+            self.go.wait(60)
+        return super().lppo_join(*args)
+
+
+def test_ctrl_c_during_the_join_lets_the_servers_go_and_the_next_fit_syncs(fake_vllm):
+    """Ctrl-C while rank 0 waits for a slow worker to join (the other one joined, waiting in the
+    group's rendezvous): the interrupted store stayed alive with the error's traceback (a notebook
+    keeps it), so the joined worker waited there the whole timeout (60 s) and the slow one, told a
+    port nobody serves any more, retried it as long; the server, busy with that join, held the next
+    fit's join until its own timeout (JoinFailed). Now the store goes with the interrupt, each worker
+    stops at once, and the next fit's sync (the same engine's) joins anew and arrives whole."""
+    url, workers = fake_vllm
+    go = threading.Event()
+    workers.append(_LateWorker(_model(), go))
+    sync = MemorySync([ServerClient(url, 60.0)], [2], "127.0.0.1", 60.0)
+    with pytest.raises(KeyboardInterrupt):
+        sync.load(iter(_weights(_model(), 2.0)), torch.float32, True, "run/1")
+    assert sync.group is None
+    go.set()  # the slow worker's join goes on now, to the interrupted group's port
+    _synced(sync, workers, "run/2")
+    assert [worker.lppo_group() for worker in workers] == [sync.secret] * 2
 
 
 def _listening_on(address_hex: str) -> int:

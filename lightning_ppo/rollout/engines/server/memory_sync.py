@@ -156,7 +156,11 @@ class MemorySync:
             )
         except Exception as err:
             raise self._join_error(err, joining.failure()) from None
-        joining.wait(self.timeout)
+        try:
+            joining.wait(self.timeout)
+        except BaseException:  # a server's late error, Ctrl-C: the group is nobody's; the next join anew
+            group.let_go()
+            raise
         return group
 
     def _join_error(self, err: BaseException, answered: BaseException | None) -> GenerationServerError:

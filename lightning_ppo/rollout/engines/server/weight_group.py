@@ -34,6 +34,7 @@ import queue
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,6 +47,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 BUCKET_BYTES = 256 * 2**20  # per broadcast: large enough to stream, small enough to hold twice
 POLL_S = 0.1  # how often a wait looks for a stop in the store: a store call each, ~0.1 ms on a LAN
+PROBE_S = 5.0  # at most, for a worker's first look at rank 0's store (refused: its join ended)
 SYNC_HOST_VARIABLE = "LIGHTNING_PPO_SYNC_HOST"  # a server's address for the group, where it is set
 
 Stopped = Callable[[], BaseException | None]  # what stopped the sync, if anything has
@@ -175,10 +177,34 @@ def open_group(
         else:
             _await_the_others(store, world, timeout, failed)
         return WeightsGroup(ProcessGroupGloo(store, rank, world, options), store, rank)
-    except Exception as err:
-        if rank == 0 and not isinstance(err, JoinFailed) and err is not failed():
-            raise JoinFailed(err, _addresses(store, world)) from None
-        raise
+    except BaseException as err:
+        if rank > 0:
+            raise
+        said = err
+        if isinstance(err, Exception) and not isinstance(err, JoinFailed) and err is not failed():
+            said = JoinFailed(err, _addresses(store, world))
+        # Rank 0's store goes now (Ctrl-C too), not with the last reference to these frames (the
+        # error's traceback, which a notebook keeps): the ranks waiting in it stop at once
+        store = None
+        traceback.clear_frames(err.__traceback__)
+        if said is err:
+            raise
+        raise said from None
+
+
+def still_served(host: str, port: int, timeout: float) -> None:
+    """For a rank told rank 0's port by rank 0 (a server's worker), which listens before it tells
+    it: a connection refused there means its join ended (Ctrl-C, a failure), said at once, where
+    ``TCPStore`` would retry it for twice the group's timeout. Anything else (no answer yet, no
+    route) is left to the store's own connect."""
+    try:
+        socket.create_connection((host, port), timeout=min(timeout, PROBE_S)).close()
+    except ConnectionRefusedError:
+        raise RuntimeError(
+            f"nothing serves rank 0's store at {host}:{port} any more: the trainer stopped this join"
+        ) from None
+    except OSError:
+        pass
 
 
 def _await_the_others(store: Any, world: int, timeout: float, failed: Stopped) -> None:

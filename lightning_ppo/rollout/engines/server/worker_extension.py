@@ -116,7 +116,11 @@ class WeightSyncExtension:
         the others ``device`` where the trainer names one, else :func:`.weight_group.advertised_address`
         (its address towards rank 0 at ``host``, or ``LIGHTNING_PPO_SYNC_HOST``); a join that fails
         says which, and why that one."""
-        from lightning_ppo.rollout.engines.server.weight_group import advertised_address, open_group
+        from lightning_ppo.rollout.engines.server.weight_group import (
+            advertised_address,
+            open_group,
+            still_served,
+        )
 
         self._lppo_let_go()  # a group held from before (a stopped sync, another run's)
         rank = int(first) + int(getattr(self, "rank", 0))
@@ -128,6 +132,7 @@ class WeightSyncExtension:
                 f"(generation.sync_address): {err}"
             ) from None
         try:
+            still_served(host, int(port), float(timeout))  # the trainer's join may have ended (Ctrl-C)
             group = open_group(host, int(port), rank, int(world), float(timeout), address, secret)
         except Exception as err:
             raise RuntimeError(
