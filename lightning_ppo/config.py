@@ -103,7 +103,9 @@ class GenerationConfig:
             CUDA and vLLM on the trainer, servers started with ``lightning-ppo serve --nccl``).
         sync_address: Under ``memory``, the address the servers reach the trainer's rank 0 at (it
             listens on a free port there); ``null``: 127.0.0.1 when every server URL is on this
-            machine, else this machine's name.
+            machine, else this machine's name. A name is resolved once, on the trainer, to its IPv4
+            address where it has one (``localhost``: 127.0.0.1), which rank 0 listens on and the
+            servers are told, so both sides use one address.
     """
 
     max_new_tokens: int = 16

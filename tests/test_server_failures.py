@@ -351,6 +351,45 @@ def test_ctrl_c_during_the_join_lets_the_servers_go_and_the_next_fit_syncs(fake_
     assert [worker.lppo_group() for worker in workers] == [sync.secret] * 2
 
 
+def _dual_stack_localhost(real: Callable) -> Callable:
+    """``socket.getaddrinfo`` as glibc answers on a machine whose /etc/hosts maps ``localhost`` to
+    ``::1`` and ``127.0.0.1`` (most distributions): the IPv6 address first. This machine's hosts
+    file maps it to 127.0.0.1 alone; torch's own resolver (the store's client) still does."""
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host != "localhost":
+            return real(host, port, *args, **kwargs)
+        six = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port or 0, 0, 0))
+        return [six, (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port or 0))]
+
+    return getaddrinfo
+
+
+def test_a_sync_address_named_localhost_is_one_address_for_rank_zero_and_the_servers(fake_vllm, monkeypatch):
+    """``sync_address: localhost`` where it resolves to ::1 first: rank 0 listened on ::1 alone while
+    the server's worker, told the name, reached 127.0.0.1 through torch's resolver (refused: the
+    join failed at its timeout). The name is resolved once on the trainer, to its IPv4 address where
+    it has one, and that address is what rank 0 listens on and what the servers are told."""
+    from lightning_ppo.rollout.engines.server.memory_sync import sync_address
+
+    url, workers = fake_vllm
+    monkeypatch.setattr(socket, "getaddrinfo", _dual_stack_localhost(socket.getaddrinfo))
+    address = sync_address("localhost", [url])
+    assert address == "127.0.0.1"
+    _synced(MemorySync([ServerClient(url, 5.0)], [1], address, 5.0), workers, "run/1")
+
+
+def test_a_sync_address_that_does_not_resolve_is_one_line_naming_it():
+    """Resolved on the trainer now (it was passed on to rank 0's bind and to every server)."""
+    from lightning_ppo.rollout.engines.server.memory_sync import sync_address
+
+    with pytest.raises(GenerationServerError) as caught:
+        sync_address("no-such-host.invalid", ["http://127.0.0.1:9"])
+    said = str(caught.value)
+    assert said.startswith("generation.sync_address no-such-host.invalid: does not resolve here (")
+    assert "\n" not in said
+
+
 def _listening_on(address_hex: str) -> int:
     """How many sockets listen on the address (hex, as /proc/net/tcp writes it)."""
     lines = Path("/proc/net/tcp").read_text().splitlines()[1:]

@@ -16,6 +16,7 @@ answer); the group is let go and the next sync joins anew.
 from __future__ import annotations
 
 import secrets
+import socket
 from collections.abc import Iterable, Iterator
 from functools import partial
 from typing import Any
@@ -44,11 +45,29 @@ ANSWER_GRACE_S = 5.0  # how long a failed broadcast waits for a server's answer 
 
 
 def sync_address(configured: str | None, urls: list[str]) -> str:
-    """Where the servers reach rank 0: as configured, else this machine's address towards them."""
+    """Where the servers reach rank 0, one address: as configured (a name resolved here, once),
+    else this machine's address towards them."""
     if configured:
-        return configured
+        return one_address(configured)
     local = all(urlparse(url).hostname in LOOPBACK for url in urls)
     return "127.0.0.1" if local else address_towards(urlparse(urls[0]).hostname or "")
+
+
+def one_address(name: str) -> str:
+    """``name`` as the one address rank 0 listens on and the servers are told: a name resolved here
+    once, to its IPv4 address where it has one (``localhost``: 127.0.0.1, the address chosen for
+    servers on this machine when none is set), else its first. Given the name, rank 0 listened on
+    the first address its resolver gave (``::1`` on most systems) while a server's resolver could
+    give another (``127.0.0.1``), and the join failed at its timeout."""
+    try:
+        found = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except OSError as err:
+        raise GenerationServerError(
+            f"generation.sync_address {name}: does not resolve here ({err}); give the address the "
+            "servers reach this machine at"
+        ) from None
+    ipv4 = [info[4][0] for info in found if info[0] == socket.AF_INET]
+    return ipv4[0] if ipv4 else found[0][4][0]
 
 
 class MemorySync:

@@ -112,9 +112,11 @@ def listening_socket(host: str, port: int = 0) -> socket.socket:
     """A socket listening on ``host`` alone (``port`` 0: a free one), for rank 0's store. Given only a
     port, torch's ``TCPStore`` listens on every interface of the machine (``*:port``), so a group
     meant for 127.0.0.1 would be reachable from the network; given this socket it serves where
-    ``host`` says, and no other process can take the port between choosing it and serving on it."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    return socket.create_server((host, port), family=family)
+    ``host`` says, and no other process can take the port between choosing it and serving on it.
+    A name is bound at the address it resolves to first (resolving it again in ``bind`` could give
+    another of its addresses)."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    return socket.create_server(address, family=family)
 
 
 def address_towards(host: str) -> str:
