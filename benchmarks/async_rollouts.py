@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import pinned_child, timed_digits_fit
+from benchmarks.flags import at_least_one
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 64
@@ -124,8 +125,8 @@ def _run(args: list[str], cores: str, threads: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--iterations", type=at_least_one, default=8)
+    parser.add_argument("--rounds", type=at_least_one, default=2)
     parser.add_argument("--engines", default="hf,vllm_server")
     parser.add_argument("--child", nargs="*")
     parser.add_argument("--learning", action="store_true", help="the quickstart's score per wall second")

@@ -40,6 +40,7 @@ from pathlib import Path
 from subprocess import TimeoutExpired, run
 
 from benchmarks import common, report
+from benchmarks.flags import at_least, at_least_one, positive, seconds, seconds_or_zero
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNERS = {
@@ -130,18 +131,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", help=f"comma-separated model presets of {sorted(common.PRESETS)}")
     p.add_argument("--precisions", help="comma-separated: 32, bf16-mixed")
     p.add_argument("--variants", help=f"comma-separated of {report.VARIANTS}")
-    p.add_argument("--iterations", type=int, help="PPO iterations per run; the first is not counted")
-    p.add_argument("--rounds", type=int, help="runs of each variant per (config, precision) (2; --quick: 1)")
-    p.add_argument("--batch-size", type=int, help="rollout batch (64)")
-    p.add_argument("--minibatches", type=int, help="minibatches per PPO epoch (4)")
-    p.add_argument("--ppo-epochs", type=int, help="PPO epochs per iteration (4)")
-    p.add_argument("--response-length", type=int, help="new tokens per response (32)")
-    p.add_argument("--prompt-length", type=int, help="tokens per prompt of the main table (6)")
-    p.add_argument("--threads", type=int, help="torch threads per run (default: torch's; --quick: 1)")
+    p.add_argument("--iterations", type=at_least(2), help="PPO iterations per run; the first is not counted")
+    p.add_argument(
+        "--rounds", type=at_least_one, help="runs of each variant per (config, precision) (2; --quick: 1)"
+    )
+    p.add_argument("--batch-size", type=at_least_one, help="rollout batch (64)")
+    p.add_argument("--minibatches", type=at_least_one, help="minibatches per PPO epoch (4)")
+    p.add_argument("--ppo-epochs", type=at_least_one, help="PPO epochs per iteration (4)")
+    p.add_argument("--response-length", type=at_least_one, help="new tokens per response (32)")
+    p.add_argument("--prompt-length", type=at_least_one, help="tokens per prompt of the main table (6)")
+    p.add_argument(
+        "--threads", type=at_least_one, help="torch threads per run (default: torch's; --quick: 1)"
+    )
     p.add_argument("--main", action=argparse.BooleanOptionalAction, help="the main table (default: on)")
     p.add_argument("--scaling", action=argparse.BooleanOptionalAction, help="lightning_ppo scaling table")
     p.add_argument("--scaling-config", help="model preset of the scaling table")
-    p.add_argument("--scaling-iterations", type=int, default=4, help="PPO iterations per scaling run")
+    p.add_argument("--scaling-iterations", type=at_least(2), default=4, help="PPO iterations per scaling run")
     p.add_argument("--scaling-variants", default="lightning_ppo,floor", help="variants of the scaling table")
     p.add_argument("--scaling-lengths", default="32,64,128,256", help="response lengths of the scaling table")
     p.add_argument("--scaling-batches", default="16,64,128", help="rollout batches of the scaling table")
@@ -153,23 +158,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{','.join(report.VARIABLE_VARIANTS)}; also trl, {report.COMPILED})",
     )
     p.add_argument("--variable-precision", help="precision of the variable-length table (32)")
-    p.add_argument("--variable-response", type=int, help="longest response of the variable workload (128)")
-    p.add_argument("--variable-iterations", type=int, help="PPO iterations per variable-length run (4)")
+    p.add_argument(
+        "--variable-response", type=at_least_one, help="longest response of the variable workload (128)"
+    )
+    p.add_argument(
+        "--variable-iterations", type=at_least(2), help="PPO iterations per variable-length run (4)"
+    )
     p.add_argument(
         "--count-ops",
         action=argparse.BooleanOptionalAction,
         help="aten ops and host reads per iteration: one counting run per main-table point",
     )
-    p.add_argument("--count-iterations", type=int, help="PPO iterations of a counting run (3)")
+    p.add_argument("--count-iterations", type=at_least_one, help="PPO iterations of a counting run (3)")
     p.add_argument("--no-phases", action="store_true", help="no per-phase timers (they synchronise on CUDA)")
-    p.add_argument("--peak-tflops", type=float, help="device peak for MFU where the device is not known")
+    p.add_argument("--peak-tflops", type=positive, help="device peak for MFU where the device is not known")
     p.add_argument(
-        "--wait-idle", type=float, default=0, help="wait up to this many s for a quiet CPU per run"
+        "--wait-idle", type=seconds_or_zero, default=0, help="wait up to this many s for a quiet CPU per run"
     )
     p.add_argument(
-        "--retry-busy", type=int, default=0, help="rerun a run up to N times if others used its cores"
+        "--retry-busy", type=at_least(0), default=0, help="rerun a run up to N times if others used its cores"
     )
-    p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
+    p.add_argument("--timeout", type=seconds, default=1800, help="seconds allowed per run")
     p.add_argument(
         "--vllm-python",
         default=os.environ.get(VLLM_PYTHON_ENV) or str(DEFAULT_VLLM_PYTHON),

@@ -40,6 +40,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from torch._dynamo.utils import counters
 
 import lightning_ppo.ppo.compiled_loss as compiled_loss
+from benchmarks.flags import at_least_one
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.models.roles import LoraSettings
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
@@ -175,7 +176,7 @@ def median_after_first(seconds: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--iterations", type=at_least_one, default=20)
     parser.add_argument("--backend", default="eager", help="eager (default), aot_eager, inductor")
     parser.add_argument("--time", action="store_true", help="also time eager and compiled runs")
     parser.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import PRESETS, build_tokenizer, device_name, model_config, prompts, synchronize
+from benchmarks.flags import at_least, at_least_one, seconds_or_zero
 
 MODES = ("static", "static-full", "dynamic", "compiled")
 CLOCK = time.perf_counter  # --clock cpu: time.process_time
@@ -194,16 +195,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--preset", default=None, help="tiny-llama on cpu, llama-0.5b on cuda")
-    parser.add_argument("--batch", type=int, default=None, help="8 on cpu, 64 on cuda")
+    parser.add_argument("--batch", type=at_least_one, default=None, help="8 on cpu, 64 on cuda")
     parser.add_argument("--lengths", default="32,256,1024", help="new tokens, comma-separated")
     parser.add_argument("--modes", default=",".join(MODES), help="of static, dynamic, compiled")
     parser.add_argument(
         "--repeats", type=int, default=None, help="timed calls per mode and length: 3 on cpu, 1 on cuda"
     )
     parser.add_argument("--precision", default=None, help="32 on cpu, bf16-mixed on cuda; or bf16-true")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--profile", type=int, default=0, help="profile each eager cache at this length")
-    parser.add_argument("--budget", type=float, default=0, help="seconds; no new length after it (0: none)")
+    parser.add_argument("--threads", type=at_least(0), default=0, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--profile", type=at_least(0), default=0, help="profile each eager cache at this length"
+    )
+    parser.add_argument(
+        "--budget", type=seconds_or_zero, default=0, help="seconds; no new length after it (0: none)"
+    )
     parser.add_argument(
         "--clock",
         default="wall",

@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from benchmarks.flags import at_least_one
 from lightning_ppo.watch.diversity import (
     MAX_SHARED_CHARS,
     MIN_SHARED_CHARS,
@@ -112,8 +113,8 @@ def timed(search: Callable[[list[tuple[str, str]]], tuple[str, float, float]], r
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--answers", type=int, default=64)
-    parser.add_argument("--chars", type=int, default=4000)
+    parser.add_argument("--answers", type=at_least_one, default=64)
+    parser.add_argument("--chars", type=at_least_one, default=4000)
     parser.add_argument("--no-before", action="store_true", help="time today's search only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)

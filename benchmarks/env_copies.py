@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from benchmarks.flags import at_least_one
 from lightning_ppo.rollout.episodes import Environment, StepResult, Turn, copy_for_an_episode
 
 log = logging.getLogger("benchmarks.env_copies")
@@ -62,8 +63,8 @@ def _cases() -> list[tuple[str, Environment, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=at_least_one, default=256)
+    parser.add_argument("--rounds", type=at_least_one, default=3)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     log.info(

@@ -41,6 +41,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
+from benchmarks.flags import at_least_one
 from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.config import EpisodeConfig
 from lightning_ppo.rollout.episodes import Environment, StepResult, Turn
@@ -248,8 +249,8 @@ def run_apart(policy: str, turns: int, iterations: int, seed: int, engine: str) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--rounds", type=at_least_one, default=3)
+    parser.add_argument("--iterations", type=at_least_one, default=20)
     parser.add_argument("--policy", default=None, help="default: the quickstart's tiny GPT-2 (hf)")
     parser.add_argument(
         "--engine",

@@ -23,6 +23,8 @@ from types import TracebackType
 
 from aiohttp import web
 
+from benchmarks.flags import at_least_one
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -100,7 +102,7 @@ async def _serve(service_s: list[float], tokens: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--service", required=True, help="Seconds per request of each server, by commas.")
-    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--tokens", type=at_least_one, default=16)
     args = parser.parse_args()
     asyncio.run(_serve([float(s) for s in args.service.split(",")], args.tokens))
 

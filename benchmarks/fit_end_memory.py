@@ -28,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from benchmarks import common
+from benchmarks.flags import at_least, at_least_one
 
 ROOT = Path(__file__).resolve().parents[1]
 # GPT-2 with 6 layers of 512 and a 32k vocabulary (tied head): ~35M parameters, 140 MB in fp32
@@ -85,12 +86,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--preset", default="gpt2-35m", help=f"{list(PRESETS)} or benchmarks.common's")
     parser.add_argument("--precision", default="32")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--response-length", type=int, default=16)
-    parser.add_argument("--iterations", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds; medians reported")
+    parser.add_argument("--batch-size", type=at_least_one, default=16)
+    parser.add_argument("--response-length", type=at_least_one, default=16)
+    parser.add_argument("--iterations", type=at_least_one, default=3)
+    parser.add_argument("--rounds", type=at_least_one, default=1, help="alternating rounds; medians reported")
     parser.add_argument("--variants", default=",".join(RUNNERS))
-    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--threads", type=at_least(0), default=0)
     parser.add_argument("--json", help="also write the table's rows to this file")
     parser.add_argument("--child-build", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--child-teardown", nargs=2, help=argparse.SUPPRESS)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from benchmarks.flags import at_least_one
 from lightning_ppo.module import PPOLightningModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,8 +163,8 @@ def run(strategy: str | dict, iterations: int, extra: list[str]) -> dict[str, An
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpt2-small", action="store_true", help="GPT-2-small-sized models")
-    parser.add_argument("--iterations", type=int, default=None, help="PPO iterations per run")
-    parser.add_argument("--rounds", type=int, default=1, help="runs of every setting, alternating")
+    parser.add_argument("--iterations", type=at_least_one, default=None, help="PPO iterations per run")
+    parser.add_argument("--rounds", type=at_least_one, default=1, help="runs of every setting, alternating")
     parser.add_argument("--no-gather", action="store_true", help="add FSDP2 with gather_for_generation false")
     ns = parser.parse_args()
     iterations = ns.iterations or (6 if ns.gpt2_small else 30)

@@ -58,6 +58,8 @@ from pathlib import Path
 
 from lightning.pytorch import Callback
 
+from benchmarks.flags import at_least_one, seconds
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 # tiny checkpoints the example configs load by path, as `make tiny` writes them
@@ -119,14 +121,14 @@ class Line:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(ROOT / "runs" / "gpu-check"), help="folder for the logs and table")
-    p.add_argument("--budget", type=float, default=480, help="seconds for the whole check")
-    p.add_argument("--quickstart-iterations", type=int, default=100)
+    p.add_argument("--budget", type=seconds, default=480, help="seconds for the whole check")
+    p.add_argument("--quickstart-iterations", type=at_least_one, default=100)
     p.add_argument(
         "--stages",
         default=",".join(STAGE_SHARES),
         help=f"comma-separated, in run order, of {list(STAGE_SHARES)}",
     )
-    p.add_argument("--config-iterations", type=int, default=3)
+    p.add_argument("--config-iterations", type=at_least_one, default=3)
     p.add_argument(
         "--accelerator",
         default="cuda",

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import quiet_fit_command
+from benchmarks.flags import at_least, at_least_one
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHT = 0.03
@@ -193,16 +194,20 @@ def lr_sweep(tmp: Path, warm_steps: int, iterations: int = 3) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--iterations", type=at_least_one, default=300)
     parser.add_argument(
         "--kl-horizon",
-        type=int,
+        type=at_least_one,
         default=None,
         help="ppo.kl_horizon of every variant (default: the module's, 4 iterations' episodes = 256 here)",
     )
-    parser.add_argument("--warm-steps", type=int, default=30, help="supervised steps of the warm start")
+    parser.add_argument(
+        "--warm-steps", type=at_least(0), default=30, help="supervised steps of the warm start"
+    )
     parser.add_argument("--policy", default=str(ROOT / "checkpoints" / "tiny-digits"))
-    parser.add_argument("--only", type=int, nargs="*", default=None, help="variant numbers to run (1-based)")
+    parser.add_argument(
+        "--only", type=at_least_one, nargs="*", default=None, help="variant numbers to run (1-based)"
+    )
     parser.add_argument("--lr-sweep", action="store_true", help="only the learning-rate table")
     ns = parser.parse_args()
     if ns.lr_sweep:

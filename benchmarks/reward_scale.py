@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import quiet_fit_command
+from benchmarks.flags import at_least_one
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHT = 0.03
@@ -76,8 +77,10 @@ def run(variant: Variant, policy: str, iterations: int, horizon: int, out: Path)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=250)
-    parser.add_argument("--kl-horizon", type=int, default=1000, help="ppo.kl_horizon of every variant")
+    parser.add_argument("--iterations", type=at_least_one, default=250)
+    parser.add_argument(
+        "--kl-horizon", type=at_least_one, default=1000, help="ppo.kl_horizon of every variant"
+    )
     parser.add_argument("--policy", default=str(ROOT / "checkpoints" / "tiny-digits"))
     ns = parser.parse_args()
     print(f"{ns.iterations} iterations per variant, ppo.kl_horizon {ns.kl_horizon}, policy {ns.policy}")

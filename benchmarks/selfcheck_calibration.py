@@ -28,6 +28,7 @@ from pathlib import Path
 
 from lightning.pytorch import Callback
 
+from benchmarks.flags import at_least_one, positive
 from lightning_ppo.selfcheck import selfcheck
 from lightning_ppo.selfcheck.optimum import ListedEpisodes, ListedTask, list_task
 from lightning_ppo.selfcheck.task import SelfcheckTask
@@ -166,8 +167,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--lr", type=float, default=None, help="the learning rate (default the selfcheck's)")
-    parser.add_argument("--iterations", type=int, default=None, help="(default the selfcheck's)")
+    parser.add_argument(
+        "--lr", type=positive, default=None, help="the learning rate (default the selfcheck's)"
+    )
+    parser.add_argument("--iterations", type=at_least_one, default=None, help="(default the selfcheck's)")
     ns = parser.parse_args()
     print(HEADER, flush=True)
     with tempfile.TemporaryDirectory(prefix="selfcheck-calibration-") as root:

@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import pinned_child, timed_digits_fit
+from benchmarks.flags import at_least_one
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -324,8 +325,8 @@ def _child(args: list[str], root: Path = ROOT) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--iterations", type=at_least_one, default=10)
+    parser.add_argument("--rounds", type=at_least_one, default=2)
     parser.add_argument("--sizes", default="4x256,8x512,12x768")
     parser.add_argument("--child", nargs="*")
     parser.add_argument(

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks import common
+from benchmarks.flags import at_least
 from benchmarks.roles_memory import write_checkpoints
 
 SETTINGS = {
@@ -132,7 +133,9 @@ def run_setting(devices: int, strategy: str, policy: Path, reward: Path, iterati
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a 2 x 64 model instead of GPT-2 small")
-    parser.add_argument("--iterations", type=int, default=4, help="PPO iterations (the first is warm-up)")
+    parser.add_argument(
+        "--iterations", type=at_least(2), default=4, help="PPO iterations (the first is warm-up)"
+    )
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS)[:3])
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     ns = parser.parse_args()

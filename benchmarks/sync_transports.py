@@ -30,6 +30,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.flags import at_least_one
+
 PRESET = "qwen2.5-0.5b"
 
 
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m benchmarks.sync_transports", description=__doc__.split("\n")[0]
     )
     p.add_argument("--out", default="runs/sync-transports", help="folder for the checkpoint and logs")
-    p.add_argument("--repeats", type=int, default=5, help="syncs timed after the first")
+    p.add_argument("--repeats", type=at_least_one, default=5, help="syncs timed after the first")
     p.add_argument("--transports", default="memory,nccl")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
