@@ -14,6 +14,7 @@ The trainer's side:
 - :mod:`.weight_sync`: weights written to a file, and the checksums that prove a sync arrived.
 - :mod:`.checksum`: one tensor's checksum, a bounded chunk at a time (it runs on the server too).
 - :mod:`.memory_sync`, :mod:`.weight_group`: weights sent in memory over a gloo group.
+- :mod:`.inherited`: the group's handles, never destroyed by a forked child (gloo's threads are the parent's).
 
 The server's side (``lightning-ppo serve``):
 

@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,6 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+from lightning_ppo.rollout.engines.server.inherited import note
 
 BUCKET_BYTES = 256 * 2**20  # per broadcast: large enough to stream, small enough to hold twice
 POLL_S = 0.1  # how often a wait looks for a stop in the store: a store call each, ~0.1 ms on a LAN
@@ -84,6 +87,12 @@ class WeightsGroup:
     store: Any
     rank: int
 
+    def __post_init__(self) -> None:
+        for handle in (self.process_group, self.store):
+            if handle is not None:
+                note(handle)
+        _GROUPS[id(self)] = self
+
     def stop(self, sync: str, why: str) -> None:
         """Every member's waits in sync ``sync`` end with :class:`SyncStopped`; the first reason stands
         (on one line, as the trainer's error says it: a server's tracebacks run over many)."""
@@ -106,6 +115,20 @@ class WeightsGroup:
         held = [self.process_group, self.store]
         self.process_group = self.store = None
         threading.Thread(target=held.clear, name="lightning-ppo-weights-let-go", daemon=True).start()
+
+
+_GROUPS: weakref.WeakValueDictionary[int, WeightsGroup] = weakref.WeakValueDictionary()
+
+
+def _none_in_child() -> None:
+    """A forked child's copies of the parent's groups: gloo's threads behind them are the parent's,
+    so a sync on one waited for good, and its store calls went out on the parent's sockets."""
+    for group in list(_GROUPS.values()):
+        group.process_group = group.store = None
+    _GROUPS.clear()
+
+
+os.register_at_fork(after_in_child=_none_in_child)
 
 
 def listening_socket(host: str, port: int = 0) -> socket.socket:
@@ -165,8 +188,8 @@ def open_group(
     if rank == 0:
         store = _serve_store(listener or listening_socket(host, port), world, wait)
     else:
-        store = TCPStore(host, port, world, is_master=False, timeout=wait, wait_for_workers=False)
-    store = PrefixStore(f"lightning-ppo-weights/{secret}", store)
+        store = note(TCPStore(host, port, world, is_master=False, timeout=wait, wait_for_workers=False))
+    store = note(PrefixStore(f"lightning-ppo-weights/{secret}", store))
     if rank > 0:
         store.set(f"address/{rank}", device_host or socket.gethostname())
     options = ProcessGroupGloo._Options()
@@ -237,14 +260,16 @@ def _serve_store(listener: socket.socket, world: int, wait: timedelta) -> TCPSto
     descriptor (it closes what it serves on), and ours is closed here whatever happens."""
     with listener:
         host, port = listener.getsockname()[:2]
-        return TCPStore(
-            host,
-            port,
-            world,
-            is_master=True,
-            timeout=wait,
-            wait_for_workers=False,
-            master_listen_fd=os.dup(listener.fileno()),
+        return note(
+            TCPStore(
+                host,
+                port,
+                world,
+                is_master=True,
+                timeout=wait,
+                wait_for_workers=False,
+                master_listen_fd=os.dup(listener.fileno()),
+            )
         )
 
 
@@ -349,7 +374,8 @@ def _receive_bucket(group: WeightsGroup, stopped: Stopped) -> list[tuple[str, Te
         (name, torch.empty(shape, dtype=dtype))
         for name, shape in zip(header["names"], header["shapes"], strict=True)
     ]
-    works = [_process_group(group).broadcast([tensor], _from_rank_zero()) for _, tensor in tensors]
+    process_group = _process_group(group)
+    works = [_start_broadcast(process_group, tensor) for _, tensor in tensors]
     for work in works:
         _wait(work, stopped)
     return tensors
@@ -376,12 +402,19 @@ def _send_bucket(
     _broadcast(group, torch.tensor([encoded.numel()], dtype=torch.int64), stopped)
     _broadcast(group, encoded, stopped)
     process_group = _process_group(group)
-    return [(process_group.broadcast([tensor], _from_rank_zero()), tensor) for _, tensor in bucket]
+    return [(_start_broadcast(process_group, tensor), tensor) for _, tensor in bucket]
 
 
 def _broadcast(group: WeightsGroup, tensor: Tensor, stopped: Stopped) -> Tensor:
-    _wait(_process_group(group).broadcast([tensor], _from_rank_zero()), stopped)
+    _wait(_start_broadcast(_process_group(group), tensor), stopped)
     return tensor
+
+
+def _start_broadcast(process_group: Any, tensor: Tensor) -> Any:
+    """The broadcast of ``tensor`` from rank 0, started; its work holds gloo's context (its pairs),
+    which a forked child must never destroy either (:mod:`.inherited`): a failed sync's traceback
+    keeps the work after the group is let go."""
+    return note(process_group.broadcast([tensor], _from_rank_zero()))
 
 
 def _process_group(group: WeightsGroup) -> Any:

@@ -1,0 +1,183 @@
+"""The in-memory weights group (``lightning_ppo/rollout/engines/server/weight_group.py``) in a forked
+child: a DataLoader worker, a user's ``multiprocessing`` pool, a test that forks, all after a sync.
+The child's copy of the group (gloo's process group and the store) belongs to threads only the
+parent has: destroying it there hung (rank 0's process group) or crashed the child (SIGSEGV, the
+fault CI saw when tests/test_server_engine_review.py's forked child collected the groups that
+tests/test_server_failures.py's tests left in reference cycles). Two ranks in this process, on
+127.0.0.1; every child's wait is bounded and a child still running then is killed."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from lightning_ppo.rollout.engines.server.weight_group import (
+    SyncStopped,
+    WeightsGroup,
+    listening_socket,
+    open_group,
+    receive,
+    send,
+)
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork")
+
+
+def _pair() -> tuple[WeightsGroup, WeightsGroup]:
+    """Rank 0 and rank 1 of one group of two, both in this process."""
+    listener = listening_socket("127.0.0.1")
+    port, joined = listener.getsockname()[1], []
+    peer = threading.Thread(
+        target=lambda: joined.append(open_group("127.0.0.1", port, 1, 2, 30, "127.0.0.1"))
+    )
+    peer.start()
+    zero = open_group("127.0.0.1", port, 0, 2, 30, "127.0.0.1", listener=listener)
+    peer.join(30)
+    return zero, joined[0]
+
+
+def _synced(zero: WeightsGroup, one: WeightsGroup, version: str, value: float) -> list[tuple[str, list]]:
+    """What rank 1 receives of rank 0's two weights filled with ``value``, sent as ``version``."""
+    weights = [("a", torch.full((3,), value)), ("b", torch.full((2, 2), -value))]
+    receiver = receive(one, version)
+    sender = threading.Thread(target=send, args=(zero, iter(weights), version), daemon=True)
+    sender.start()
+    received = [(name, tensor.flatten().tolist()) for name, tensor in receiver]
+    sender.join(30)
+    return received
+
+
+def _exit_code(child: int, within: float = 20.0) -> int | None:
+    """The child's exit code (negative: the signal that ended it), None if it still ran after
+    ``within`` seconds (then it is killed)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+    return None
+
+
+def _expected(value: float) -> list[tuple[str, list]]:
+    return [("a", [value] * 3), ("b", [-value] * 4)]
+
+
+def test_a_forked_child_that_drops_the_parents_group_ends_and_the_parent_syncs_on():
+    """The child drops both ranks' groups and collects them (as a child does with the garbage of
+    its parent's earlier syncs): it hung or died of SIGSEGV; it exits 0 now, and the parent's group,
+    untouched, carries the next sync whole."""
+    zero, one = _pair()
+    try:
+        assert _synced(zero, one, "run/1", 2.0) == _expected(2.0)
+        child = os.fork()
+        if child == 0:  # pragma: no cover (its exit code says how it went)
+            try:
+                zero = one = None  # noqa: F841 (the child's only references to the parent's group)
+                gc.collect()
+            finally:
+                os._exit(0)
+        assert _exit_code(child) == 0
+        assert _synced(zero, one, "run/2", 3.0) == _expected(3.0)
+    finally:
+        zero.let_go()
+        one.let_go()
+
+
+def test_a_forked_child_that_drops_a_handle_held_outside_its_group_ends():
+    """A process group held outside its :class:`WeightsGroup` (a frame of a failed sync that a
+    traceback keeps, a group being let go on its thread), dropped in the child, hung it."""
+    zero, one = _pair()
+    held = [zero.process_group]  # as a frame of a failed sync holds it
+    try:
+        assert _synced(zero, one, "run/1", 2.0) == _expected(2.0)
+        zero.let_go()
+        child = os.fork()
+        if child == 0:  # pragma: no cover (its exit code says how it went)
+            try:
+                held.clear()
+                gc.collect()
+            finally:
+                os._exit(0)
+        assert _exit_code(child) == 0
+    finally:
+        held.clear()
+        one.let_go()
+
+
+def test_a_forked_child_that_syncs_on_the_parents_group_is_told_at_once():
+    """The child's copy of the group has no gloo threads behind it: a sync on it waited for good
+    (and its store calls went out on the parent's socket). It raises at once now, in one line."""
+    zero, one = _pair()
+    try:
+        assert _synced(zero, one, "run/1", 2.0) == _expected(2.0)
+        child = os.fork()
+        if child == 0:  # pragma: no cover (its exit code says how it went)
+            status = 1
+            try:
+                send(zero, iter([("a", torch.ones(3))]), "run/2")
+            except SyncStopped as err:
+                status = 0 if err.why == "this member let go of the weights group" else 2
+            finally:
+                os._exit(status)
+        assert _exit_code(child) == 0
+        assert _synced(zero, one, "run/2", 3.0) == _expected(3.0)
+    finally:
+        zero.let_go()
+        one.let_go()
+
+
+def _failing_weights() -> Iterator[tuple[str, torch.Tensor]]:
+    """Two weights, then the trainer's own error (its gather failed): the first is on the wire."""
+    yield "a", torch.ones(3)
+    yield "b", torch.ones(3)
+    raise RuntimeError("the gather failed")
+
+
+def test_a_forked_child_that_drops_a_failed_syncs_traceback_ends():
+    """A sync that failed part way, its group let go and destroyed: the error's traceback (a
+    notebook keeps the last one) still holds the broadcasts it had started, and each holds gloo's
+    pairs. The child that dropped the error hung in gloo's destructor, waiting for a thread only
+    the parent has (seen in a run of tests/test_server_engine_review.py)."""
+    zero, one = _pair()
+    raised: list[BaseException] = []
+
+    def sending() -> None:
+        try:
+            send(zero, _failing_weights(), "run/1", bucket_bytes=1)
+        except RuntimeError as err:
+            raised.append(err)
+
+    sender = threading.Thread(target=sending, daemon=True)
+    receiver = receive(one, "run/1")
+    sender.start()
+    with pytest.raises(SyncStopped, match="the gather failed"):
+        list(receiver)
+    sender.join(30)
+    assert [str(err) for err in raised] == ["the gather failed"]
+    destroyed = weakref.ref(zero.process_group)
+    zero.let_go()
+    one.let_go()
+    deadline = time.monotonic() + 30
+    while destroyed() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert destroyed() is None  # only the traceback's broadcasts hold gloo's pairs now
+    child = os.fork()
+    if child == 0:  # pragma: no cover (its exit code says how it went)
+        try:
+            raised.clear()
+            gc.collect()
+        finally:
+            os._exit(0)
+    assert _exit_code(child) == 0
