@@ -32,8 +32,8 @@ from pathlib import Path
 # Variables a command's environment may set differently from the zygote's: none is read at import
 # time by the modules imported here, or they are read again in the child (rank_zero_only's rank,
 # tempfile's folder). PYTEST_CURRENT_TEST changes with every test; the seeds, tokenizers' switch and
-# inductor's pointer are what in-process tests leave in the test process's environment; wandb and
-# vLLM are not imported here.
+# inductor's pointer are what in-process tests leave in the test process's environment; vLLM is
+# not imported here.
 RUN_TIME_VARIABLES = frozenset(
     {
         "LOCAL_RANK",
@@ -52,7 +52,13 @@ RUN_TIME_VARIABLES = frozenset(
         "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
     }
 )
-RUN_TIME_PREFIXES = ("WANDB_", "VLLM_")
+RUN_TIME_PREFIXES = ("VLLM_",)
+
+# What parsing a config that names the WandbLogger (11 of the 14 in configs/) imports besides: jsonargparse
+# runs the `if TYPE_CHECKING:` imports of Lightning's loggers/wandb.py to resolve its hints, ~400
+# modules and 0.6 s of one core in every forked run (every rank) that a new interpreter pays too.
+# Imported with the child's own WANDB_ variables: they are part of a zygote's key, not read at run time.
+CONFIG_IMPORTS = ["wandb", "wandb.sdk.lib", "wandb.wandb_run"]
 
 
 def read_at_run_time(name: str) -> bool:
@@ -72,6 +78,7 @@ def preload() -> tuple[bytes, bytes]:
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
+    names += CONFIG_IMPORTS
     saved = [os.dup(1), os.dup(2)]
     captured = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
     for fd, file in zip((1, 2), captured, strict=True):
