@@ -175,6 +175,9 @@ class HaltUntilKilled(pl.Callback):
         raise RuntimeError(f"halted at iteration {self.iteration} and not killed within 600 s")
 
 
+BATCH = 16
+
+
 def _fit_args(policy: Path, root: Path, log: Path, batches: int, halt: dict | None = None) -> list[str]:
     saver = {
         "class_path": "lightning_ppo.checkpoint.PPOCheckpoint",
@@ -191,6 +194,9 @@ def _fit_args(policy: Path, root: Path, log: Path, batches: int, halt: dict | No
             str(policy),
         ),
         *("--model.init_args.ppo.max_staleness", "1", "--trainer.limit_train_batches", str(batches)),
+        # a quarter of the config's batch and 400 prompts: what the kills and resumes do to the data
+        # does not depend on its size, and each of the four runs costs a third as much
+        *("--data.init_args.batch_size", str(BATCH), "--data.init_args.num_prompts", "400"),
         *("--trainer.limit_val_batches", "0", "--trainer.default_root_dir", str(root)),
         *("--trainer.logger", "false", "--trainer.enable_progress_bar", "false"),
         *("--trainer.callbacks", json.dumps([recorder, *halting, saver])),
@@ -223,7 +229,7 @@ def test_every_prompt_is_trained_exactly_once_across_sigkills_and_resumes(tiny_d
     run = forked_cli_process(_fit_args(tiny_digits, tmp_path / "whole", whole_log, 10), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     whole = _trained(whole_log)
-    assert [i for i, _ in whole][::64] == list(range(1, 10))  # 9 trained, the 10th batch pending
+    assert [i for i, _ in whole][::BATCH] == list(range(1, 10))  # 9 trained, the 10th batch pending
 
     root, log, kept = tmp_path / "stopped", tmp_path / "stopped.log", []
     for index, (iteration, checkpointed) in enumerate([(3, True), (7, False), (None, None)]):
@@ -289,7 +295,7 @@ def test_two_ranks_sample_ahead_and_train_the_same_steps(tiny_digits, tmp_path):
     ]
     run = ranks_process(args)
     assert run.returncode == 0, run.stderr[-3000:]
-    lines = _trained(tmp_path / "log")  # rank 0's: 3 iterations of its 64 prompts
+    lines = _trained(tmp_path / "log")  # rank 0's: 3 iterations of its BATCH prompts
     assert sorted({i for i, _ in lines}) == [1, 2, 3]
     pending = torch.load(root / "ckpt" / "last.ckpt", weights_only=True)["lightning_ppo_pending"]
     assert [len(rank) for rank in pending] == [1, 1]
