@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_ppo.export import export_policy, load_trained_policy
 from tests.helpers import (
-    cli_process,
+    forked_cli_process,
     free_port,
     quickstart_fit_args,
     ranks_process,
@@ -54,7 +54,8 @@ def run_cli(
     together: bool = True,
 ) -> subprocess.CompletedProcess:
     """The two ranks started at once (the subject is FSDP2, not Lightning's launcher); ``together``
-    false: through Lightning's launcher, as a user runs it."""
+    false: rank 0 alone, forked as a user's ``python -m`` (Lightning's launcher in it starts rank 1
+    as a new interpreter, if it gets that far)."""
 
     recorder = {"class_path": "tests.helpers.TrainedWeightsRecorder", "init_args": {"out_dir": str(out)}}
     recorded = ("--model.init_args.generation.max_new_tokens", str(MAX_NEW_TOKENS))
@@ -70,7 +71,7 @@ def run_cli(
         prompts=40000,  # the configs' own: the data the tolerance was measured on
         config=ROOT / "configs" / config,
     )
-    return ranks_process(args) if together else cli_process(args)
+    return ranks_process(args) if together else forked_cli_process(args)
 
 
 def trained(out: Path, rank: int) -> dict[str, torch.Tensor]:
