@@ -129,23 +129,33 @@ class _EmptyOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_ON_META: ContextVar[bool] = ContextVar("lightning_ppo_parameters_on_meta", default=False)
+
+
+def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+    if not _ON_META.get() or param is None or param.is_meta:
+        return None  # a tied weight is registered again, or made on meta: keep it the same object
+    return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+
+# torch's parameter registration hooks are the process's: one hook, held for good, that acts only in a
+# thread building a skeleton. Added and removed around each build, another thread's parameters
+# went to meta too, and its registration, iterating the hooks as they changed, raised "OrderedDict
+# mutated during iteration" (tests/test_skeleton_threads.py).
+torch.nn.modules.module.register_module_parameter_registration_hook(_to_meta)
+
+
 @contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered inside moves to the meta device as it is registered (most are made
-    there: :class:`_EmptyOnMeta`); buffers computed from the config stay real. Initialising on meta is free.
-    """
-
-    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-        if param is None or param.is_meta:
-            return None  # a tied weight is registered again, or made on meta: keep it the same object
-        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    """Every parameter registered inside, on this thread, moves to the meta device as it is registered
+    (most are made there: :class:`_EmptyOnMeta`, a mode of this thread's alone); buffers computed from
+    the config stay real. Initialising on meta is free."""
+    token = _ON_META.set(True)
     try:
         with _EmptyOnMeta():
             yield
     finally:
-        handle.remove()
+        _ON_META.reset(token)
 
 
 def build_skeleton(
