@@ -11,11 +11,13 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +183,31 @@ def test_a_forked_child_that_drops_a_failed_syncs_traceback_ends():
         finally:
             os._exit(0)
     assert _exit_code(child) == 0
+
+
+_CHILD_EXITS_NORMALLY = """
+import os, sys
+from tests.test_weight_group_fork import _exit_code, _expected, _pair, _synced
+zero, one = _pair()
+assert _synced(zero, one, "run/1", 2.0) == _expected(2.0)
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # the interpreter's own exit: it clears the modules, and whatever they held
+code = _exit_code(child)
+print("child", code, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_forked_child_that_exits_as_a_script_does_ends():
+    """A child that returns from its work and exits as a script does (a user's ``os.fork()``, not
+    multiprocessing's ``os._exit``): its interpreter's exit dropped the parent's group and hung."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD_EXITS_NORMALLY],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["child", "0"]

@@ -4,17 +4,19 @@ child that dropped its copy (a DataLoader worker forked after a sync, collecting
 failed one; a user's ``multiprocessing`` pool) hung for good or died of SIGSEGV.
 
 Each handle is noted here as it is made (weakly: the parent frees it as usual). Just before a fork
-the parent holds every noted handle still alive, so that the child's copy of that hold keeps them
-alive there for good, whatever the child drops first (Python's own after-fork step frees the
-child's copies of other threads, with whatever they alone held). The parent lets go of its hold
-right after the fork, on a thread of its own: it may have been the last, and a stopped sync's
-group waits in its destructor (:meth:`.weight_group.WeightsGroup.let_go`).
+the parent holds every noted handle still alive, so that the child inherits that hold whatever it
+drops first (Python's own after-fork step frees the child's copies of other threads, with whatever
+they alone held); the child then takes a reference to each that nothing ever gives back, so not
+even its interpreter's exit destroys them (a child that returned normally hung at exit). The parent
+lets go of its hold right after the fork, on a thread of its own: it may have been the last, and a
+stopped sync's group waits in its destructor (:meth:`.weight_group.WeightsGroup.let_go`).
 
 Stdlib only: vLLM's workers import this through :mod:`.weight_group`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import threading
@@ -26,18 +28,12 @@ Handle = TypeVar("Handle")
 _NOTED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _NUMBERS = itertools.count()
 _AT_FORK: list[Any] = []  # held across a fork, in the parent only as long as the fork takes
-_INHERITED: list[Any] = []  # in a forked child: the parent's handles, never destroyed here
 
 
 def note(handle: Handle) -> Handle:
     """``handle``, noted: a child forked while it is alive never destroys it."""
     _NOTED[next(_NUMBERS)] = handle
     return handle
-
-
-def inherited() -> int:
-    """How many of its parents' handles this process holds for good (0 in a process never forked)."""
-    return len(_INHERITED)
 
 
 def _hold() -> None:
@@ -53,7 +49,8 @@ def _let_go_in_parent() -> None:
 
 def _keep_in_child() -> None:
     # Those noted after the parent's hold (another thread's, during the hold) too, while alive.
-    _INHERITED.extend([*_AT_FORK, *_NOTED.values()])
+    for handle in {id(h): h for h in [*_AT_FORK, *_NOTED.values()]}.values():
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(handle))  # never given back: never destroyed here
     _AT_FORK.clear()
     _NOTED.clear()
 
