@@ -84,7 +84,7 @@ from lightning_ppo.runs.ctrl_c import training_started
 from lightning_ppo.runs.errors import RunStopped, UsageError
 from lightning_ppo.runs.preflight import check_precision, check_sequence_fits, response_budget
 from lightning_ppo.runs.quiet import silence_intended_warnings
-from lightning_ppo.runs.resume import built_rates, check_resumable, say_restored_rates
+from lightning_ppo.runs.resume import BuiltRate, built_rates, check_resumable, say_restored_rates
 from lightning_ppo.runs.run_length import check_training_plan, explain_idle_resume
 from lightning_ppo.runs.stop_iteration import StopIterationIsAnError, loops_name_hook_stops, no_silent_stop
 from lightning_ppo.scoring import ACCURACY_COLUMN, Scorer, answer_accuracy
@@ -237,6 +237,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         self._compiled_loss: Callable | None = None  # ppo_loss under torch.compile (ppo.torch_compile)
         self.optimizer_factory = optimizer or partial(optim.default_optimizer, lora=lora is not None)
         self.scheduler_factory = lr_scheduler
+        self._built_rates: list[BuiltRate] | None = None  # by configure_optimizers (the package's)
         self.tokenizer = load_tokenizer(tokenizer or policy, trust_remote_code)
         sampling = SamplingSetup.of(generation, self.tokenizer)
         self.stop_token_id, self.suppressed_ids = sampling.stop_token_id, sampling.suppressed_ids
@@ -312,8 +313,11 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
 
     def on_train_start(self) -> None:
         check_training_plan(self.trainer, self.ppo)
-        if self.trainer.ckpt_path is not None:  # the optimizer state is the checkpoint's now
-            say_restored_rates(self._built_rates, self.trainer.optimizers[0].param_groups, self.lr_fields)
+        # the optimizer state is the checkpoint's now; an override of configure_optimizers built
+        # rates the package cannot name (_built_rates None)
+        if self.trainer.ckpt_path is not None and self._built_rates is not None:
+            groups = self.trainer.optimizers[0].param_groups
+            say_restored_rates(self._built_rates, groups, self.lr_fields, self.lr_schedulers())
         training_started()  # a Ctrl-C from now on may find checkpoints written (lightning_ppo.runs.ctrl_c)
 
     def on_fit_end(self) -> None:
@@ -822,7 +826,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         prefer_fused(optimizer)
         configured = [float(group["lr"]) for group in optimizer.param_groups]
         scheduler = None if self.scheduler_factory is None else self.scheduler_factory(optimizer)
-        self._built_rates = built_rates(optimizer.param_groups, configured)  # before a resume restores
+        self._built_rates = built_rates(optimizer.param_groups, configured, scheduler)  # before a restore
         if scheduler is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": scheduler}

@@ -20,11 +20,18 @@ HALVED = "model.optimizer.init_args.lr: 0.0005 in the config, 0.001 in the check
 
 
 def _fit(
-    policy: Path, root: Path, optimizer, scheduler=None, epochs=1, ckpt_path=None, callbacks=()
+    policy: Path,
+    root: Path,
+    optimizer,
+    scheduler=None,
+    epochs=1,
+    ckpt_path=None,
+    callbacks=(),
+    module_class=PPOLightningModule,
 ) -> list[str]:
     """One iteration per epoch; the resume warnings about learning rates it gave."""
     torch.manual_seed(0)
-    module = PPOLightningModule(
+    module = module_class(
         policy=str(policy), reward_fn=DigitsReward(), optimizer=optimizer, lr_scheduler=scheduler
     )
     trainer = pl.Trainer(
@@ -113,3 +120,47 @@ def test_an_optimizer_with_param_groups_of_its_own_resumes_and_names_each_change
     assert len(said) == 1
     assert HALVED in said[0]
     assert "param group 1's lr: 0.0005 in the config, 0.001 in the checkpoint" in said[0]
+
+
+class OwnOptimizer(PPOLightningModule):
+    """A subclass that builds its optimizer itself, as a Lightning user may (no ``super()``)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def test_a_subclass_building_its_own_optimizer_resumes(tiny_digits, tmp_path):
+    """Before, the resume stopped in on_train_start: "'OwnOptimizer' object has no attribute
+    '_built_rates'" (the rates the package's configure_optimizers records, which did not run)."""
+    assert _fit(tiny_digits, tmp_path, None, module_class=OwnOptimizer) == []
+    ckpt = tmp_path / "one.ckpt"
+    assert _fit(tiny_digits, tmp_path, None, epochs=2, ckpt_path=ckpt, module_class=OwnOptimizer) == []
+
+
+class SetsTheScheduledRate(pl.Callback):
+    """docs/resuming.md's advice with a scheduler: set the groups' lr and the scheduler's base_lrs."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for group in trainer.optimizers[0].param_groups:
+            group["lr"] = self.lr
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        scheduler.base_lrs = [self.lr] * len(scheduler.base_lrs)
+
+
+def _warmup(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 100))
+
+
+def test_a_scheduled_rate_a_callback_sets_after_the_restore_says_nothing(tiny_digits, tmp_path):
+    """Before, the comparison read the groups' initial_lr, which a LambdaLR does not schedule from
+    (its base_lrs, which the callback set): the run warned that it went on at the checkpoint's rate
+    while it trained at the callback's."""
+    assert _fit(tiny_digits, tmp_path, partial(torch.optim.AdamW, lr=1e-3), _warmup) == []
+    changed, ckpt = partial(torch.optim.AdamW, lr=5e-4), tmp_path / "one.ckpt"
+    said = _fit(tiny_digits, tmp_path, changed, _warmup, epochs=2, ckpt_path=ckpt)
+    assert len(said) == 1 and HALVED in said[0]  # without the callback: the checkpoint's rate goes on
+    callback = SetsTheScheduledRate(5e-4)
+    assert _fit(tiny_digits, tmp_path, changed, _warmup, epochs=2, ckpt_path=ckpt, callbacks=[callback]) == []

@@ -140,35 +140,45 @@ class BuiltRate:
     by_scheduler: bool
 
 
-def base_rate(group: Mapping[str, Any]) -> float:
-    """The rate a param group is scheduled from: a scheduler's ``initial_lr``, else its ``lr``."""
-    return float(group.get("initial_lr", group["lr"]))
+def base_rates(groups: list[dict[str, Any]], scheduler: Any = None) -> list[float]:
+    """The rate each param group is scheduled from. A torch scheduler keeps it as ``base_lrs``, part
+    of its state (restored on a resume, set by a callback that changes the rate) and what it scales
+    (LambdaLR, StepLR, CyclicLR...): the group's ``initial_lr`` is only where ``base_lrs`` started.
+    Without ``base_lrs`` (no scheduler, SequentialLR, ChainedScheduler): ``initial_lr``, else ``lr``."""
+    kept = getattr(scheduler, "base_lrs", None)
+    if kept is not None and len(kept) == len(groups):
+        return [float(rate) for rate in kept]
+    return [float(group.get("initial_lr", group["lr"])) for group in groups]
 
 
-def built_rates(groups: list[dict[str, Any]], configured: list[float]) -> list[BuiltRate]:
-    """Each group's :class:`BuiltRate`, from the groups once the scheduler (if any) is built and
-    ``configured``, each group's ``lr`` as the optimizer was built."""
-    rates = [base_rate(group) for group in groups]
+def built_rates(
+    groups: list[dict[str, Any]], configured: list[float], scheduler: Any = None
+) -> list[BuiltRate]:
+    """Each group's :class:`BuiltRate`, from the groups and ``scheduler`` (if any) once it is built,
+    and ``configured``, each group's ``lr`` as the optimizer was built."""
+    rates = base_rates(groups, scheduler)
     return [BuiltRate(rate, rate != lr) for rate, lr in zip(rates, configured, strict=True)]
 
 
-def say_restored_rates(built: list[BuiltRate], groups: list[dict[str, Any]], fields: list[str]) -> None:
+def say_restored_rates(
+    built: list[BuiltRate], groups: list[dict[str, Any]], fields: list[str], scheduler: Any = None
+) -> None:
     """Warn, in one line, of each learning rate the config sets that the resumed optimizer does not
     train at: Lightning restores the optimizer state, param groups' ``lr`` included (a scheduler's
     base rate, ``initial_lr``, too), over what ``configure_optimizers`` built. That is kept, as a
     Lightning user expects; what is said is that the config's new rate is not the one used.
 
-    ``built``: each group's base rate as this run built it; ``groups``: the param groups as restored
-    (and as a callback's ``on_train_start`` may have set them since); ``fields``: the config field of
+    ``built``: each group's base rate as this run built it; ``groups`` and ``scheduler``: the param
+    groups and the scheduler as restored (and as a callback's ``on_train_start`` may have set them
+    since); ``fields``: the config field of
     the first groups' rates (an optimizer factory's own further groups are named by their index, a
     rate the scheduler sets by the scheduler).
     """
     changed: dict[str, str] = {}
-    for index, (now, group) in enumerate(zip(built, groups, strict=True)):
+    for index, (now, saved) in enumerate(zip(built, base_rates(groups, scheduler), strict=True)):
         field = fields[index] if index < len(fields) else f"param group {index}'s lr"
         if now.by_scheduler:  # the config's lr is not the one the scheduler starts from
             field = "model.lr_scheduler's base rate" + (f" of param group {index}" if index else "")
-        saved = base_rate(group)
         if saved != now.rate:
             changed.setdefault(field, f"{field}: {now.rate:g} in the config, {saved:g} in the checkpoint")
     if changed:
