@@ -55,6 +55,7 @@ from lightning_ppo.ppo.optim import OptimizerStep, mean_grad_norms, prefer_fused
 from lightning_ppo.ppo.param_groups import CriticSettings, check_role_groups, role_groups
 from lightning_ppo.ppo.rollout_data import Rollout
 from lightning_ppo.ppo.row_groups import forward_groups
+from lightning_ppo.ppo.schedule import check_scheduler
 from lightning_ppo.reward_setup import RewardSetup
 from lightning_ppo.rewards import RewardLike, RunningMoments, ScoreInputs, check_scores
 from lightning_ppo.rollout.ahead import (
@@ -826,6 +827,7 @@ class PPOLightningModule(LoadsWhereItRuns, LightningModule):
         prefer_fused(optimizer)
         configured = [float(group["lr"]) for group in optimizer.param_groups]
         scheduler = None if self.scheduler_factory is None else self.scheduler_factory(optimizer)
+        check_scheduler(scheduler)  # ppo_update steps it after every optimizer step, with no metric
         self._built_rates = built_rates(optimizer.param_groups, configured, scheduler)  # before a restore
         if scheduler is None:
             return optimizer
