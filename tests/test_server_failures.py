@@ -390,6 +390,43 @@ def test_a_sync_address_that_does_not_resolve_is_one_line_naming_it():
     assert "\n" not in said
 
 
+def _has_ipv6_loopback() -> bool:
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="needs ::1 (this machine has no IPv6 loopback)")
+def test_a_sync_address_given_as_an_ipv6_literal_syncs(fake_vllm):
+    """``sync_address: '::1'`` (or a name with only IPv6 addresses): rank 0's gloo device was put on
+    127.0.0.1 (the loopback names were all mapped to it) while the worker gave ::1, and gloo refused
+    the pair of families at once (``ss1.ss_family == ss2.ss_family. 2 vs 10``): no sync arrived."""
+    from lightning_ppo.rollout.engines.server.memory_sync import sync_address
+
+    url, workers = fake_vllm
+    address = sync_address("::1", [url])
+    assert address == "::1"
+    sync = MemorySync([ServerClient(url, 5.0)], [1], address, 5.0)
+    _synced(sync, workers, "run/1")
+    assert sync.group.store.get("address/1") == b"::1"
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::"])
+def test_a_wildcard_sync_address_is_one_line_naming_it(wildcard):
+    """A wildcard is where to listen, not an address the servers can reach rank 0 at: it was told
+    to them as it was (a server on another machine connects to itself there, and its worker then
+    said the trainer had stopped the join)."""
+    from lightning_ppo.rollout.engines.server.memory_sync import sync_address
+
+    with pytest.raises(GenerationServerError) as caught:
+        sync_address(wildcard, ["http://127.0.0.1:9"])
+    said = str(caught.value)
+    assert said.startswith(f"generation.sync_address {wildcard}: listens everywhere, but the servers ")
+    assert "\n" not in said
+
+
 def _listening_on(address_hex: str) -> int:
     """How many sockets listen on the address (hex, as /proc/net/tcp writes it)."""
     lines = Path("/proc/net/tcp").read_text().splitlines()[1:]

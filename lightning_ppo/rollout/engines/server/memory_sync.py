@@ -15,6 +15,7 @@ answer); the group is let go and the next sync joins anew.
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 import socket
 from collections.abc import Iterable, Iterator
@@ -67,7 +68,14 @@ def one_address(name: str) -> str:
             "servers reach this machine at"
         ) from None
     ipv4 = [info[4][0] for info in found if info[0] == socket.AF_INET]
-    return ipv4[0] if ipv4 else found[0][4][0]
+    address = ipv4[0] if ipv4 else found[0][4][0]
+    if ipaddress.ip_address(address.partition("%")[0]).is_unspecified:  # told to the servers as it is
+        raise GenerationServerError(
+            f"generation.sync_address {name}: listens everywhere, but the servers are told this address "
+            "and cannot reach rank 0 at it; give this machine's address towards them (null: the one "
+            "its route to the first server's URL takes)"
+        )
+    return address
 
 
 class MemorySync:
@@ -245,5 +253,7 @@ def _in_dtype(
 
 def _device_host(address: str) -> str:
     """The address gloo advertises for a process: explicit, since its default (the machine's name)
-    maps to 127.0.1.1 on some systems, which other machines cannot reach."""
-    return "127.0.0.1" if address in LOOPBACK else address
+    maps to 127.0.1.1 on some systems, which other machines cannot reach. Of rank 0's own family:
+    gloo refuses a pair of an IPv4 and an IPv6 end, and the workers give their address towards rank
+    0's (``::1`` for ``::1``)."""
+    return "127.0.0.1" if address == "localhost" else address
