@@ -86,6 +86,30 @@ def test_a_forked_command_parses_a_config_naming_wandb_without_importing_it_agai
     assert [name for name in imported if name.split(".")[0] == "wandb"] == []
 
 
+def _forked_from(env: dict[str, str]) -> int:
+    """The pid of the process a forked command with ``env`` was forked from: its zygote's."""
+    process = start_forked(["--ppid"], entry="tests.test_zygote", env=env, stdout=subprocess.PIPE, text=True)
+    if not isinstance(process, ForkedProcess):
+        pytest.skip("no zygote here (off Linux or LIGHTNING_PPO_TEST_NO_FORK): every command starts anew")
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == 0
+    return int(out)
+
+
+def test_wandb_s_mode_and_service_do_not_start_another_zygote() -> None:
+    """Neither wandb 0.17.2 nor 0.31 reads WANDB_MODE or WANDB_SERVICE at import (WANDB_DIR, say,
+    0.17.2 does): a command's own are read in it. Before, each value was a zygote of its own (~5 s of
+    one core, ~0.5 GB): a test's WANDB_MODE=offline, and the WANDB_SERVICE an in-process wandb.init
+    leaves in the test process's environment, which every later forked command then carried."""
+    zygote = _forked_from({})
+    assert _forked_from({"WANDB_MODE": "offline"}) == zygote
+    assert _forked_from({"WANDB_SERVICE": "3-1-unix-/tmp/wandb-1-2-3"}) == zygote
+
+
 if __name__ == "__main__":
-    _start_a_child_and_wait(sys.argv[1])
+    if sys.argv[1] == "--ppid":  # _forked_from's command; os._exit flushes nothing
+        sys.stdout.write(f"{os.getppid()}\n")
+        sys.stdout.flush()
+    else:
+        _start_a_child_and_wait(sys.argv[1])
     os._exit(0)

@@ -50,6 +50,11 @@ RUN_TIME_VARIABLES = frozenset(
         "PL_SEED_WORKERS",
         "TOKENIZERS_PARALLELISM",
         "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+        # wandb's, read by wandb.init, not at import (0.17.2 and 0.31 alike; 0.17.2 reads WANDB_DIR
+        # and others at import: the rest stay in the key). WANDB_SERVICE is what an in-process
+        # wandb.init leaves in the test process's environment for good.
+        "WANDB_MODE",
+        "WANDB_SERVICE",
     }
 )
 RUN_TIME_PREFIXES = ("VLLM_",)
@@ -57,7 +62,7 @@ RUN_TIME_PREFIXES = ("VLLM_",)
 # What parsing a config that names the WandbLogger (11 of the 14 in configs/) imports besides: jsonargparse
 # runs the `if TYPE_CHECKING:` imports of Lightning's loggers/wandb.py to resolve its hints, ~400
 # modules and 0.6 s of one core in every forked run (every rank) that a new interpreter pays too.
-# Imported with the child's own WANDB_ variables: they are part of a zygote's key, not read at run time.
+# Imported with the child's own WANDB_ variables: those wandb may read at import are part of a zygote's key.
 CONFIG_IMPORTS = ["wandb", "wandb.sdk.lib", "wandb.wandb_run"]
 
 
