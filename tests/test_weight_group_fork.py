@@ -211,3 +211,44 @@ def test_a_forked_child_that_exits_as_a_script_does_ends():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["child", "0"]
+
+
+class _Handle:
+    """A stand-in for a gloo handle: what :func:`.inherited.note` keeps needs only be weakly referable."""
+
+
+def test_a_fork_while_another_thread_notes_handles_holds_them_all(monkeypatch):
+    """A fork (a DataLoader worker starting) while another thread notes handles (a sync on the
+    sampling-ahead thread, a worker's receiving thread): the parent's hold iterated the noted
+    handles as they changed and raised 'dictionary changed size during iteration' in the fork's
+    hook (a traceback on stderr, the hold partial): 19 forks of 20 here, with a thread noting
+    (Python's thread switch made frequent, and many handles alive, to meet the window each time)."""
+    from lightning_ppo.rollout.engines.server.inherited import note
+
+    raised: list[BaseException] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: raised.append(unraisable.exc_value))
+    alive = [note(_Handle()) for _ in range(20_000)]
+    stop = threading.Event()
+
+    def noting() -> None:
+        while not stop.is_set():
+            note(_Handle())  # noted, then gone at once
+
+    thread = threading.Thread(target=noting, daemon=True)
+    switch = sys.getswitchinterval()
+    thread.start()
+    sys.setswitchinterval(1e-6)
+    try:
+        codes = []
+        for _ in range(20):
+            child = os.fork()
+            if child == 0:
+                os._exit(0)
+            codes.append(_exit_code(child))
+    finally:
+        sys.setswitchinterval(switch)
+        stop.set()
+        thread.join(10)
+    assert codes == [0] * 20
+    assert [repr(error) for error in raised] == []
+    assert len(alive) == 20_000

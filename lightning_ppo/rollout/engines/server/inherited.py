@@ -36,8 +36,15 @@ def note(handle: Handle) -> Handle:
     return handle
 
 
+def _noted() -> list[Any]:
+    """The noted handles still alive. The references are copied in one step: another thread may note
+    one during a fork (a sync on the sampling-ahead thread, a worker's receiving thread), and
+    iterating the mapping as it changed raised in the fork's hook, the hold left partial."""
+    return [handle for ref in _NOTED.valuerefs() if (handle := ref()) is not None]
+
+
 def _hold() -> None:
-    _AT_FORK.extend(_NOTED.values())
+    _AT_FORK.extend(_noted())
 
 
 def _let_go_in_parent() -> None:
@@ -49,7 +56,7 @@ def _let_go_in_parent() -> None:
 
 def _keep_in_child() -> None:
     # Those noted after the parent's hold (another thread's, during the hold) too, while alive.
-    for handle in {id(h): h for h in [*_AT_FORK, *_NOTED.values()]}.values():
+    for handle in {id(h): h for h in [*_AT_FORK, *_noted()]}.values():
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(handle))  # never given back: never destroyed here
     _AT_FORK.clear()
     _NOTED.clear()
