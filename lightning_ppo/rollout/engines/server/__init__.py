@@ -15,6 +15,7 @@ The trainer's side:
 - :mod:`.checksum`: one tensor's checksum, a bounded chunk at a time (it runs on the server too).
 - :mod:`.memory_sync`, :mod:`.weight_group`: weights sent in memory over a gloo group.
 - :mod:`.inherited`: the group's handles, never destroyed by a forked child (gloo's threads are the parent's).
+- :mod:`.let_go`: the group dropped on a thread once its broadcasts ended, never as the process exits.
 
 The server's side (``lightning-ppo serve``):
 

@@ -8,8 +8,8 @@ the parent holds every noted handle still alive, so that the child inherits that
 drops first (Python's own after-fork step frees the child's copies of other threads, with whatever
 they alone held); the child then takes a reference to each that nothing ever gives back, so not
 even its interpreter's exit destroys them (a child that returned normally hung at exit). The parent
-lets go of its hold right after the fork, on a thread of its own: it may have been the last, and a
-stopped sync's group waits in its destructor (:meth:`.weight_group.WeightsGroup.let_go`).
+lets go of its hold right after the fork, on a thread of its own (:mod:`.let_go`): it may have been
+the last, and a stopped sync's group waits in its destructor (:meth:`.weight_group.WeightsGroup.let_go`).
 
 Stdlib only: vLLM's workers import this through :mod:`.weight_group`.
 """
@@ -19,9 +19,10 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
-import threading
 import weakref
 from typing import Any, TypeVar
+
+from lightning_ppo.rollout.engines.server.let_go import drop_later
 
 Handle = TypeVar("Handle")
 
@@ -51,7 +52,7 @@ def _let_go_in_parent() -> None:
     if _AT_FORK:
         held = list(_AT_FORK)
         _AT_FORK.clear()
-        threading.Thread(target=held.clear, name="lightning-ppo-fork-let-go", daemon=True).start()
+        drop_later(held, [], "lightning-ppo-fork-let-go")
 
 
 def _keep_in_child() -> None:

@@ -18,7 +18,8 @@ or heard a server fail): the member says so in the group's store, which every me
 at every :data:`POLL_S` seconds, so no one waits out the group's timeout on a peer that will send
 or take nothing more, and every receiving thread ends. A stopped sync leaves operations half done
 in gloo's own threads (they end at the group's timeout): each member lets go of the group on a
-thread of its own (:meth:`WeightsGroup.let_go`), and the trainer makes a new one for the next sync.
+thread of its own once they ended (:meth:`WeightsGroup.let_go`), and the trainer makes a new one
+for the next sync.
 
 Each worker joins at :func:`advertised_address`: its machine's address towards rank 0, or the one
 set in ``LIGHTNING_PPO_SYNC_HOST``; the address is written to the store too, so that a join that
@@ -37,7 +38,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -47,6 +48,7 @@ from torch import Tensor
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from lightning_ppo.rollout.engines.server.inherited import note
+from lightning_ppo.rollout.engines.server.let_go import drop_later
 
 BUCKET_BYTES = 256 * 2**20  # per broadcast: large enough to stream, small enough to hold twice
 POLL_S = 0.1  # how often a wait looks for a stop in the store: a store call each, ~0.1 ms on a LAN
@@ -86,6 +88,9 @@ class WeightsGroup:
     process_group: Any
     store: Any
     rank: int
+    # Broadcasts started and maybe not completed (those completed are dropped before each bucket):
+    # the group is destroyed only once none is pending (:mod:`.let_go`).
+    works: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for handle in (self.process_group, self.store):
@@ -109,12 +114,13 @@ class WeightsGroup:
         return SyncStopped(int(rank), why)
 
     def let_go(self) -> None:
-        """Drop this process's hold of the group on a daemon thread: its destructor waits for the
-        operations a stopped sync left in gloo's threads (up to the group's timeout; the GIL is
-        released meanwhile), which must not hold the trainer's or a server worker's own thread."""
+        """Drop this process's hold of the group on a thread of its own once the operations a
+        stopped sync left in gloo's threads have ended (up to the group's timeout): the group's
+        destructor waits for them, which must not hold the trainer's or a server worker's own
+        thread, nor run as the process exits (:mod:`.let_go`)."""
         held = [self.process_group, self.store]
         self.process_group = self.store = None
-        threading.Thread(target=held.clear, name="lightning-ppo-weights-let-go", daemon=True).start()
+        drop_later(held, self.works, "lightning-ppo-weights-let-go")
 
 
 _GROUPS: weakref.WeakValueDictionary[int, WeightsGroup] = weakref.WeakValueDictionary()
@@ -125,6 +131,7 @@ def _none_in_child() -> None:
     so a sync on one waited for good, and its store calls went out on the parent's sockets."""
     for group in list(_GROUPS.values()):
         group.process_group = group.store = None
+        group.works = []  # the parent's, never completed here (:mod:`.inherited` keeps them)
     _GROUPS.clear()
 
 
@@ -374,8 +381,7 @@ def _receive_bucket(group: WeightsGroup, stopped: Stopped) -> list[tuple[str, Te
         (name, torch.empty(shape, dtype=dtype))
         for name, shape in zip(header["names"], header["shapes"], strict=True)
     ]
-    process_group = _process_group(group)
-    works = [_start_broadcast(process_group, tensor) for _, tensor in tensors]
+    works = [_start_broadcast(group, tensor) for _, tensor in tensors]
     for work in works:
         _wait(work, stopped)
     return tensors
@@ -401,20 +407,24 @@ def _send_bucket(
         raise error
     _broadcast(group, torch.tensor([encoded.numel()], dtype=torch.int64), stopped)
     _broadcast(group, encoded, stopped)
-    process_group = _process_group(group)
-    return [(_start_broadcast(process_group, tensor), tensor) for _, tensor in bucket]
+    return [(_start_broadcast(group, tensor), tensor) for _, tensor in bucket]
 
 
 def _broadcast(group: WeightsGroup, tensor: Tensor, stopped: Stopped) -> Tensor:
-    _wait(_start_broadcast(_process_group(group), tensor), stopped)
+    """A header's broadcast (twice a bucket, and the end): the works completed are forgotten here,
+    not at every tensor's (a bucket holds hundreds)."""
+    group.works[:] = [work for work in group.works if not work.is_completed()]
+    _wait(_start_broadcast(group, tensor), stopped)
     return tensor
 
 
-def _start_broadcast(process_group: Any, tensor: Tensor) -> Any:
-    """The broadcast of ``tensor`` from rank 0, started; its work holds gloo's context (its pairs),
-    which a forked child must never destroy either (:mod:`.inherited`): a failed sync's traceback
-    keeps the work after the group is let go."""
-    return note(process_group.broadcast([tensor], _from_rank_zero()))
+def _start_broadcast(group: WeightsGroup, tensor: Tensor) -> Any:
+    """The broadcast of ``tensor`` from rank 0, started, and noted in ``group.works``; its work holds
+    gloo's context (its pairs), which a forked child must never destroy either (:mod:`.inherited`):
+    a failed sync's traceback keeps the work after the group is let go."""
+    work = note(_process_group(group).broadcast([tensor], _from_rank_zero()))
+    group.works.append(work)
+    return work
 
 
 def _process_group(group: WeightsGroup) -> Any:

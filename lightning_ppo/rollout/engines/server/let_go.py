@@ -1,0 +1,93 @@
+"""Gloo handles dropped on a thread of their own (a stopped sync's weights group,
+:meth:`.weight_group.WeightsGroup.let_go`; a fork's hold of the groups, :mod:`.inherited`), and
+the process's exit while such a thread runs.
+
+A stopped sync leaves broadcasts pending in gloo's threads until the group's timeout (a peer that
+neither reads nor closes: a frozen server), and the group's destructor waits for them with the GIL
+released, so it must not run on the trainer's or a server worker's own thread. But a thread that
+takes the GIL back once the interpreter has begun to finalize is ended by Python (3.11) with
+``pthread_exit``, whose forced unwinding through that destructor (``noexcept``) is
+``std::terminate``: a process that ended while the destructor ran (Ctrl-C during a sync to a frozen
+server that died a moment later, a script ending just after a let-go) died of SIGABRT, "terminate
+called without an active exception", instead of with its own error and exit status.
+
+So a dropping thread destroys nothing while one of the group's operations is pending: it looks at
+them every :data:`POLL_S` s (their own timeouts end them), and drops the handles once none is; the
+destructor then takes milliseconds. As the process exits (``atexit``: before the interpreter
+finalizes), a thread still waiting leaves what it holds alive for good (the process is ending: the
+kernel closes the sockets) and one already destroying is joined, :data:`EXIT_BOUND_S` s at most in
+all, so that the exit never waits out a group's timeout.
+
+Stdlib only: vLLM's workers import this through :mod:`.weight_group`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import threading
+import time
+from typing import Any
+
+POLL_S = 0.05  # how often a dropping thread looks at the pending operations (one call each)
+# The longest the exit waits, in all, for threads already destroying handles with nothing pending:
+# that took ~20 ms (measured); a destructor still running after 5 s is hung in gloo, not slow.
+EXIT_BOUND_S = 5.0
+
+_THREADS: set[threading.Thread] = set()
+_EXITING = threading.Event()
+
+
+def drop_later(held: list[Any], pending: list[Any], name: str) -> None:
+    """Drop ``held`` (this process's last references to gloo handles, as the caller gave them up)
+    on a thread named ``name``, once every work in ``pending`` has completed; ``pending`` may grow
+    meanwhile (a thread that started a broadcast just before the let-go)."""
+    if not _EXITING.is_set():
+        thread = threading.Thread(target=_drop, args=(held, pending), name=name, daemon=True)
+        _THREADS.add(thread)
+        try:
+            thread.start()
+            return
+        except RuntimeError:  # no new thread at interpreter shutdown (a let-go from a finalizer)
+            _THREADS.discard(thread)
+    _keep_for_good(held, pending)
+
+
+def _drop(held: list[Any], pending: list[Any]) -> None:
+    try:
+        while not all(work.is_completed() for work in list(pending)):
+            if _EXITING.wait(POLL_S):
+                _keep_for_good(held, pending)
+                return
+        pending.clear()
+        held.clear()
+    finally:
+        _THREADS.discard(threading.current_thread())
+
+
+def _keep_for_good(held: list[Any], pending: list[Any]) -> None:
+    """Never destroyed, not even by the interpreter's finalization: its destructor would wait for
+    the pending operations on the finalizing thread, up to the group's timeout."""
+    for handle in [*held, *pending]:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(handle))  # never given back
+    held.clear()
+    pending.clear()
+
+
+def _at_exit() -> None:
+    _EXITING.set()
+    deadline = time.monotonic() + EXIT_BOUND_S
+    for thread in list(_THREADS):
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _in_child() -> None:
+    """A forked child has none of the parent's threads (what they held, :mod:`.inherited` keeps)."""
+    global _EXITING
+    _THREADS.clear()
+    _EXITING = threading.Event()
+
+
+atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_in_child)
