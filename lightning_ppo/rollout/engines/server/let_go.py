@@ -18,6 +18,11 @@ finalizes), a thread still waiting leaves what it holds alive for good (the proc
 kernel closes the sockets) and one already destroying is joined, :data:`EXIT_BOUND_S` s at most in
 all, so that the exit never waits out a group's timeout.
 
+A weights receiving thread (:class:`.weight_group.Receiver`, a server worker's) waits in gloo with
+the GIL released too, :data:`.weight_group.POLL_S` s a call: a server that ended while it waited
+(rank 0 still to send) died of the same SIGABRT. It is joined at exit the same way (:func:`joined_at_exit`):
+its waits end as :func:`exiting` says so.
+
 Stdlib only: vLLM's workers import this through :mod:`.weight_group`.
 """
 
@@ -54,6 +59,22 @@ def drop_later(held: list[Any], pending: list[Any], name: str) -> None:
     _keep_for_good(held, pending)
 
 
+def exiting() -> bool:
+    """The process is ending (its ``atexit`` handlers run): a thread waiting in gloo stops waiting."""
+    return _EXITING.is_set()
+
+
+def joined_at_exit(thread: threading.Thread) -> None:
+    """``thread``, which waits in gloo's calls (GIL released) and ends once :func:`exiting`, is joined
+    as the process exits (within :data:`EXIT_BOUND_S` s in all) until it calls :func:`ended`."""
+    _THREADS.add(thread)
+
+
+def ended() -> None:
+    """The calling thread is done with gloo: the exit need not wait for it."""
+    _THREADS.discard(threading.current_thread())
+
+
 def _drop(held: list[Any], pending: list[Any]) -> None:
     try:
         while not all(work.is_completed() for work in list(pending)):
@@ -63,7 +84,7 @@ def _drop(held: list[Any], pending: list[Any]) -> None:
         pending.clear()
         held.clear()
     finally:
-        _THREADS.discard(threading.current_thread())
+        ended()
 
 
 def _keep_for_good(held: list[Any], pending: list[Any]) -> None:

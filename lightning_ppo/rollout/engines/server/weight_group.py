@@ -40,7 +40,6 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import partial
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ from torch import Tensor
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from lightning_ppo.rollout.engines.server.inherited import note
-from lightning_ppo.rollout.engines.server.let_go import drop_later
+from lightning_ppo.rollout.engines.server.let_go import drop_later, ended, exiting, joined_at_exit
 
 BUCKET_BYTES = 256 * 2**20  # per broadcast: large enough to stream, small enough to hold twice
 POLL_S = 0.1  # how often a wait looks for a stop in the store: a store call each, ~0.1 ms on a LAN
@@ -336,6 +335,7 @@ class Receiver:
         self.ended = threading.Event()  # the caller stopped: the thread hands it nothing more
         self.whole = False  # the end of the weights was reached
         self.thread = threading.Thread(target=self._pull, name="lightning-ppo-weights", daemon=True)
+        joined_at_exit(self.thread)  # it must not be in gloo as the interpreter finalizes (:mod:`.let_go`)
         self.thread.start()
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
@@ -355,16 +355,22 @@ class Receiver:
             self.buckets.get_nowait()
 
     def _pull(self) -> None:
-        stopped = partial(self.group.stopped, self.sync)
         try:
-            while (bucket := _receive_bucket(self.group, stopped)) is not None:
+            while (bucket := _receive_bucket(self.group, self._stopped)) is not None:
                 self._put(bucket)
             self._put(None)
         except BaseException as err:  # noqa: BLE001  (raised by the loading thread, in __iter__)
             self._put(err)
+        finally:
+            ended()
+
+    def _stopped(self) -> SyncStopped | None:
+        if exiting():
+            return SyncStopped(self.group.rank, "this process is exiting")
+        return self.group.stopped(self.sync)
 
     def _put(self, item: list[tuple[str, Tensor]] | BaseException | None) -> None:
-        while not self.ended.is_set():
+        while not self.ended.is_set() and not exiting():
             with contextlib.suppress(queue.Full):
                 self.buckets.put(item, timeout=POLL_S)
                 return
