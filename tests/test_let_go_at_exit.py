@@ -220,3 +220,35 @@ def test_ctrl_c_during_a_sync_to_a_frozen_server_that_dies_after_ends_with_statu
     assert "terminate called" not in stderr
     assert stderr.strip().splitlines()[-1].startswith("lightning-ppo: interrupted (Ctrl-C)")
     assert process.returncode == 130
+
+
+# The exit's handler runs between a let-go reading the exit's flag and registering its thread
+# (another thread's let-go as the main thread ends): the interleaving forced by running the handler
+# as the thread is made, between the two.
+_EXIT_BETWEEN_CHECK_AND_REGISTER = """
+import threading
+from lightning_ppo.rollout.engines.server import let_go
+
+class Handle:
+    def __del__(self):
+        print("destroyed", flush=True)
+
+made = threading.Thread.__init__
+
+def exit_begins_first(thread, *args, **kwargs):
+    let_go._at_exit()
+    made(thread, *args, **kwargs)
+
+threading.Thread.__init__ = exit_begins_first
+let_go.drop_later([Handle()], [], "let-go")
+threading.Thread.__init__ = made
+print("let go", flush=True)
+"""
+
+
+def test_a_let_go_as_the_exit_begins_keeps_its_handles(tmp_path):
+    """Before: the let-go's thread, registered after the exit listed the threads to join, destroyed
+    its handles unjoined (as the interpreter finalizes, in a real exit: SIGABRT with a gloo group)."""
+    done = _script(tmp_path, _EXIT_BETWEEN_CHECK_AND_REGISTER)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["let", "go"]

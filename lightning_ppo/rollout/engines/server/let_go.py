@@ -42,20 +42,26 @@ EXIT_BOUND_S = 5.0
 
 _THREADS: set[threading.Thread] = set()
 _EXITING = threading.Event()
+# Held while the flag is read and a thread registered, and while the flag is set and the threads
+# listed: a let-go between the two would otherwise run unjoined as the interpreter finalizes.
+_LOCK = threading.Lock()
 
 
 def drop_later(held: list[Any], pending: list[Any], name: str) -> None:
     """Drop ``held`` (this process's last references to gloo handles, as the caller gave them up)
     on a thread named ``name``, once every work in ``pending`` has completed; ``pending`` may grow
     meanwhile (a thread that started a broadcast just before the let-go)."""
-    if not _EXITING.is_set():
-        thread = threading.Thread(target=_drop, args=(held, pending), name=name, daemon=True)
-        _THREADS.add(thread)
+    thread = threading.Thread(target=_drop, args=(held, pending), name=name, daemon=True)
+    with _LOCK:
+        dropping = not _EXITING.is_set()
+        if dropping:
+            _THREADS.add(thread)
+    if dropping:
         try:
             thread.start()
             return
         except RuntimeError:  # no new thread at interpreter shutdown (a let-go from a finalizer)
-            _THREADS.discard(thread)
+            ended_thread(thread)
     _keep_for_good(held, pending)
 
 
@@ -67,22 +73,31 @@ def exiting() -> bool:
 def joined_at_exit(thread: threading.Thread) -> None:
     """``thread``, which waits in gloo's calls (GIL released) and ends once :func:`exiting`, is joined
     as the process exits (within :data:`EXIT_BOUND_S` s in all) until it calls :func:`ended`."""
-    _THREADS.add(thread)
+    with _LOCK:
+        _THREADS.add(thread)
 
 
 def ended() -> None:
     """The calling thread is done with gloo: the exit need not wait for it."""
-    _THREADS.discard(threading.current_thread())
+    ended_thread(threading.current_thread())
+
+
+def ended_thread(thread: threading.Thread) -> None:
+    with _LOCK:
+        _THREADS.discard(thread)
 
 
 def _drop(held: list[Any], pending: list[Any]) -> None:
+    """The exit is looked at first: a thread that started after the exit listed the threads to join
+    (registered, not yet running) must not destroy anything as the interpreter finalizes."""
     try:
-        while not all(work.is_completed() for work in list(pending)):
-            if _EXITING.wait(POLL_S):
-                _keep_for_good(held, pending)
+        while not _EXITING.is_set():
+            if all(work.is_completed() for work in list(pending)):
+                pending.clear()
+                held.clear()
                 return
-        pending.clear()
-        held.clear()
+            _EXITING.wait(POLL_S)
+        _keep_for_good(held, pending)
     finally:
         ended()
 
@@ -97,17 +112,21 @@ def _keep_for_good(held: list[Any], pending: list[Any]) -> None:
 
 
 def _at_exit() -> None:
-    _EXITING.set()
+    with _LOCK:
+        _EXITING.set()
+        threads = list(_THREADS)
     deadline = time.monotonic() + EXIT_BOUND_S
-    for thread in list(_THREADS):
-        thread.join(max(0.0, deadline - time.monotonic()))
+    for thread in threads:
+        if thread.ident is not None:  # one not started yet finds the exit set and keeps its handles
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _in_child() -> None:
     """A forked child has none of the parent's threads (what they held, :mod:`.inherited` keeps)."""
-    global _EXITING
+    global _EXITING, _LOCK
     _THREADS.clear()
     _EXITING = threading.Event()
+    _LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
 
 
 atexit.register(_at_exit)
