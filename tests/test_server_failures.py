@@ -9,8 +9,10 @@ from __future__ import annotations
 import _thread
 import json
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -238,15 +240,24 @@ def fake_vllm(monkeypatch) -> Iterator[tuple[str, list[_Worker]]]:
         server.server_close()
 
 
-def _receiving_threads(within: float = 30.0) -> list[threading.Thread]:
-    """The weights' receiving threads still alive after waiting up to ``within`` s for them to end."""
+def _receiving_threads(within: float = 30.0) -> list[str]:
+    """The stacks of the weights' receiving threads still alive after waiting up to ``within`` s for
+    them to end. A thread looks for a stop every ``weight_group.POLL_S`` s, a store call each, so it
+    ends within a fraction of a second of one; 30 s is half these tests' group timeout (60 s), so a
+    thread that waits out the group still fails. Looked at once more after the deadline: the list
+    taken before a stall of the test process past it (a loaded machine) was returned as it was."""
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        alive = [t for t in threading.enumerate() if t.name == "lightning-ppo-weights"]
-        if not alive:
-            return []
+    while (alive := [t for t in threading.enumerate() if t.name == "lightning-ppo-weights"]) and (
+        time.monotonic() < deadline
+    ):
         time.sleep(0.1)
-    return alive
+    frames = sys._current_frames()
+    return [f"{t!r}:\n{''.join(traceback.format_stack(frames[t.ident]))}" for t in alive if t.ident in frames]
+
+
+def _assert_no_receiving_thread() -> None:
+    left = _receiving_threads()
+    assert not left, "receiving threads still alive:\n" + "\n".join(left)
 
 
 def _eventually(condition: Callable[[], bool], within: float = 30.0) -> bool:
@@ -284,7 +295,7 @@ def test_a_load_that_fails_on_a_server_stops_the_sync_at_once_and_leaks_no_threa
     assert time.monotonic() - start < 30
     assert str(caught.value).startswith(f"generation server {url} (/collective_rpc lppo_receive): ")
     assert "KeyError: 'lm_head.extra'" in str(caught.value)
-    assert _receiving_threads() == []
+    _assert_no_receiving_thread()
     assert sync.group is None
     assert _eventually(lambda: workers[0].lppo_group() == "") and workers[0].lppo_version() == ""
     start = time.monotonic()
@@ -311,7 +322,7 @@ def test_ctrl_c_during_a_sync_leaves_no_group_for_the_next_fit(fake_vllm):
     with pytest.raises(KeyboardInterrupt):
         sync.load(interrupted(), torch.float32, True, "run/1")
     assert sync.group is None
-    assert _receiving_threads() == []
+    _assert_no_receiving_thread()
     start = time.monotonic()
     _synced(sync, workers, "run/2")
     assert time.monotonic() - start < 30
@@ -549,7 +560,7 @@ def test_a_failing_worker_stops_its_tensor_parallel_sibling_and_the_other_server
         assert str(caught.value).startswith(f"generation server {url} (/collective_rpc lppo_receive): ")
         assert "out of memory loading the 5th tensor" in str(caught.value)
         assert "\n" not in str(caught.value)
-        assert _receiving_threads() == []
+        _assert_no_receiving_thread()
         # the failing worker let go of the group; the others stopped too, or had loaded it all
         assert _eventually(lambda: workers[1].lppo_group() == "")
         workers[1] = _Worker(big(), rank=1)
@@ -645,7 +656,7 @@ def test_a_worker_that_died_mid_sync_is_named_by_its_servers_answer_not_the_clos
         sync.load(iter(_weights(big(), 2.0)), torch.float32, True, "run/1")
     assert str(caught.value).startswith(f"generation server {url} (/collective_rpc lppo_receive): ")
     assert "RuntimeError: the worker's process died (killed: out of memory)" in str(caught.value)
-    assert _receiving_threads() == []
+    _assert_no_receiving_thread()
     workers[0] = _Worker(big())
     sums, held = sync.load(iter(_weights(big(), 2.0)), torch.float32, True, "run/2")
     assert [len(answers) for answers in held] == [1] and workers[0].lppo_version() == "run/2"
@@ -682,6 +693,6 @@ def test_the_trainers_own_error_in_its_weights_is_raised_as_it_is_not_a_servers_
     with pytest.raises(ValueError, match="^the policy's gather failed on rank 0$"):
         sync.load(failing(), torch.float32, True, "run/1")
     assert sync.group is None
-    assert _receiving_threads() == []
+    _assert_no_receiving_thread()
     workers[0] = _Worker(_model())
     _synced(sync, workers, "run/2")
