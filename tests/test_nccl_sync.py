@@ -511,3 +511,70 @@ def test_ctrl_c_while_rank_zero_waits_for_the_workers_lets_its_store_go():
         time.sleep(0.1)
     assert ended == ["ended"]
     assert not [t for t in threading.enumerate() if t.name == "lppo-nccl-rendezvous"]
+
+
+class _NoNccl:
+    """vLLM's ``PyNcclCommunicator`` where NCCL cannot be used: its constructor fails ("raises"), or
+    it comes up unavailable ("unavailable", as vLLM's does without an NCCL library). It keeps the
+    rendezvous it was given, as vLLM's does, before it fails."""
+
+    how = "raises"
+
+    def __init__(self, group, device=None) -> None:
+        self.group, self.available, self.disabled = group, False, True
+        if self.how == "raises":
+            raise RuntimeError("NCCL error: unhandled system error")
+
+
+def _fake_vllm(monkeypatch, how: str) -> None:
+    """The three vLLM modules :meth:`VLLMBroadcaster.open` imports (vLLM is not in this environment,
+    and its communicator needs CUDA): a communicator that fails (:class:`_NoNccl`), vLLM's
+    ``StatelessProcessGroup`` reduced to the store it holds, and its NCCL environment guard."""
+    import types
+
+    communicator = type("PyNcclCommunicator", (_NoNccl,), {"how": how})
+    modules = {
+        "vllm": {},
+        "vllm.distributed": {},
+        "vllm.distributed.device_communicators": {},
+        "vllm.distributed.device_communicators.pynccl": {"PyNcclCommunicator": communicator},
+        "vllm.distributed.utils": {"StatelessProcessGroup": types.SimpleNamespace},  # rank, world_size, store
+        "vllm.utils": {},
+        "vllm.utils.nccl": {"unpinned_nccl_env": contextlib.nullcontext},
+    }  # fmt: skip
+    for name, attributes in modules.items():
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(__name__=name, **attributes))
+
+
+@pytest.mark.parametrize("how", ["raises", "unavailable"])
+def test_a_failure_opening_nccl_after_the_store_is_served_lets_the_store_go(monkeypatch, how):
+    """vLLM's communicator fails (or finds no NCCL) once every worker joined rank 0's store, before
+    rank 0 hands out NCCL's id: the error's traceback kept the store alive (a notebook keeps the
+    error), so a joined worker waited for the id its whole timeout (30 s here; the servers'
+    generation.server_timeout). Now the store goes with the failure, the error still held: the
+    worker's wait ends at once (at most 10 s asserted)."""
+    from lightning_ppo.rollout.engines.server.nccl_sync import VLLMBroadcaster
+
+    _fake_vllm(monkeypatch, how)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    ended: list[float] = []
+
+    def worker() -> None:
+        wait = timedelta(seconds=30)
+        joined = TCPStore("127.0.0.1", port, 2, is_master=False, timeout=wait, use_libuv=False)
+        with contextlib.suppress(Exception):
+            joined.get("broadcast_from/0/0")  # NCCL's id, never handed out
+        ended.append(time.monotonic())
+
+    threading.Thread(target=worker, daemon=True).start()
+    with listener, pytest.raises(RuntimeError) as caught:
+        VLLMBroadcaster().open(listener, 2, 600, lambda: None)
+    failed = time.monotonic()
+    for _ in range(100):  # at most 10 s
+        if ended:
+            break
+        time.sleep(0.1)
+    assert ended, "the joined worker still waits for NCCL's id while the error is held"
+    assert caught.value is not None  # held until here, as a notebook holds it
+    assert ended[0] - failed < 10

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import socket
 import time
+import traceback
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -79,11 +80,18 @@ class VLLMBroadcaster:
         from vllm.utils.nccl import unpinned_nccl_env
 
         store = serve_rendezvous(listener, world, max(1, math.ceil(timeout)), failed)
-        rendezvous = StatelessProcessGroup(rank=0, world_size=world, store=store)
-        with unpinned_nccl_env():
-            group = PyNcclCommunicator(rendezvous, device=self.device)
-        if not group.available or group.disabled:  # no NCCL library: its broadcasts would do nothing
-            raise RuntimeError("vLLM's PyNcclCommunicator found no usable NCCL library")
+        try:
+            rendezvous = StatelessProcessGroup(rank=0, world_size=world, store=store)
+            with unpinned_nccl_env():
+                group = PyNcclCommunicator(rendezvous, device=self.device)
+            if not group.available or group.disabled:  # no NCCL library: its broadcasts would do nothing
+                raise RuntimeError("vLLM's PyNcclCommunicator found no usable NCCL library")
+        except BaseException as err:
+            # The store goes now (Ctrl-C too), not with the error's traceback (a notebook keeps it):
+            # the workers waiting in it for NCCL's id stop at once, not at their server_timeout
+            store = rendezvous = group = None
+            traceback.clear_frames(err.__traceback__)
+            raise
         self.group = group
 
     def send(self, tensor: Tensor) -> None:
