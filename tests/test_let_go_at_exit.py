@@ -106,7 +106,7 @@ def test_a_script_that_ends_just_after_a_sync_and_its_let_go_ends_with_status_0(
     assert done.returncode == 0
 
 
-@pytest.mark.parametrize("peer", ["frozen", "dies"])
+@pytest.mark.parametrize("peer", ["frozen", pytest.param("dies", marks=pytest.mark.long)])  # 6 s each
 def test_a_script_whose_sync_stopped_with_a_broadcast_pending_ends_with_its_own_error(tmp_path, peer):
     done = _script(tmp_path, _STOPPED_WITH_A_BROADCAST_PENDING, peer)
     assert done.stderr.strip().splitlines()[-1] == "RuntimeError: the trainer's gather failed"
@@ -168,6 +168,7 @@ class _Server(_Serving):
         self.reply(json.dumps({"tokens": tokens}).encode())
 
 
+@pytest.mark.long  # 10-20 s: the CLI end to end; the scripts above prove the exit in make test
 def test_ctrl_c_during_a_sync_to_a_frozen_server_that_dies_after_ends_with_status_130(tmp_path, monkeypatch):
     """``lightning-ppo fit``, its first in-memory sync to a server frozen in it (rank 0's broadcast
     of the 50 MB policy pending), Ctrl-C, and the server killed 0.7 s later (as Ctrl-C in a terminal

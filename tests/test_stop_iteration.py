@@ -159,6 +159,7 @@ class StopsOnRankOne(Callback):
 
 
 @pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
+@pytest.mark.long  # 15-26 s: two ranks end to end; the one-process hook tests above stay in make test
 def test_a_hook_stop_on_one_rank_of_two_stops_both_with_its_error(tiny_digits, tmp_path):
     """Before, rank 1 ended its fit in silence (exit status 0) and rank 0, in the next iteration's
     all-reduce, failed with gloo's 'Connection closed by peer', which names no hook."""
