@@ -160,7 +160,10 @@ def test_compiled_decoding_gives_eager_tokens_and_log_probs(tiny, arch, precisio
     assert _matches_eager(model, precision, monkeypatch) == 1  # greedy and sampled: one graph
 
 
-@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
+# Each compiles cold in ~24 s (make test's cache is cold); float32 is make test-long's: bf16-mixed's
+# rounding is the one that differs from CPU to CPU (issue 49), and the default backend's float32
+# test above runs the same decoding.
+@pytest.mark.parametrize("precision", [pytest.param("32", marks=pytest.mark.long), "bf16-mixed"])
 def test_inductor_gives_eager_tokens_and_log_probs(tiny, precision, monkeypatch):
     monkeypatch.setattr(compiled_decoding, "BACKEND", None)  # inductor
     model = _load(tiny["llama"])
