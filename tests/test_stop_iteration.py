@@ -3,7 +3,10 @@ Lightning's loops stop an epoch (or a validation) in silence on any StopIteratio
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+import torch
 from lightning.pytorch import Callback
 
 from lightning_ppo import PPOLightningModule
@@ -78,6 +81,55 @@ def test_a_score_raising_stop_iteration_in_validation_is_an_error(tiny_digits, t
         quiet_trainer(tmp_path, iterations=1).validate(module, datamodule=data)
 
 
+class WarmsUpOnPrompts(PPOLightningModule):
+    """An automatic-optimization subclass (a supervised warm-up on the prompts' tokens): Lightning
+    calls the optimizer's hooks (``optimizer_step``, ``on_before_optimizer_step``,
+    ``lr_scheduler_step``) from its loop, outside ``training_step``. ``stops_in`` raises
+    StopIteration (``next()`` over no match) the first time it is called."""
+
+    def __init__(self, *args, stops_in: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = True
+        self.stops_in, self.steps = stops_in, 0
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        logits = self.policy(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask).logits
+        return logits.float().logsumexp(-1).mean()
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        self._look("optimizer_step")
+        super().optimizer_step(*args, **kwargs)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self._look("on_before_optimizer_step")
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        self._look("lr_scheduler_step")
+        scheduler.step()
+
+    def _look(self, hook: str) -> None:
+        if hook == self.stops_in:
+            next(iter(()))
+
+
+@pytest.mark.parametrize("hook", ["optimizer_step", "on_before_optimizer_step", "lr_scheduler_step"])
+def test_an_optimizer_hook_called_by_the_loop_raising_stop_iteration_is_named(hook, tiny_digits, tmp_path):
+    """A hook whose name ends in ``_step`` is not a step: before, the loop took its StopIteration for
+    the end of the data (a ``dataloader_iter`` step's) and the fit returned as done, without a word:
+    an epoch of 4 batches ended at its first (the scheduler's, at the first epoch's end: 1 of 2 epochs)."""
+    constant = functools.partial(torch.optim.lr_scheduler.ConstantLR, factor=1.0)
+    module = WarmsUpOnPrompts(
+        policy=str(tiny_digits), reward_fn=DigitsReward(), lr_scheduler=constant, stops_in=hook
+    )
+    trainer = quiet_trainer(tmp_path, iterations=4)
+    trainer.fit_loop.max_epochs = 2
+    with pytest.raises(RuntimeError, match=rf"^WarmsUpOnPrompts\.{hook} raised StopIteration") as raised:
+        trainer.fit(module, datamodule=_digits())
+    assert isinstance(raised.value.__cause__, StopIteration)
+    assert module.steps == {"optimizer_step": 0, "lr_scheduler_step": 4}.get(hook, 1)  # it calls the step
+
+
 class StopsInTheLoop(Callback):
     """A callback whose ``hook``, one of those Lightning's loops call outside the step, raises
     StopIteration (``next()`` over no match) at the second batch or epoch it sees."""
@@ -133,6 +185,52 @@ def test_a_callback_hook_of_the_validation_loop_raising_stop_iteration_is_named(
     trainer = quiet_trainer(tmp_path, iterations=1, callbacks=[StopsInTheLoop("on_validation_batch_end")])
     with pytest.raises(RuntimeError, match=r"^StopsInTheLoop\.on_validation_batch_end raised StopIteration"):
         trainer.validate(module, datamodule=data)
+
+
+class StopsAtTheEdges(Callback):
+    """A callback whose ``hook``, one Lightning calls as a loop starts or ends (outside its
+    ``try: ... except StopIteration``), raises StopIteration (``next()`` over no match)."""
+
+    def __init__(self, hook: str) -> None:
+        self.hook = hook
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._look("on_train_start")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._look("on_train_end")
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._look("on_validation_start")
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        self._look("on_validation_epoch_end")
+
+    def _look(self, hook: str) -> None:
+        if hook == self.hook:
+            next(iter(()))
+
+
+@pytest.mark.parametrize(
+    "hook, run",
+    [
+        ("on_train_start", "fit"),
+        ("on_train_end", "fit"),
+        ("on_validation_start", "fit"),  # the sanity check's validation, before the first iteration
+        ("on_validation_start", "validate"),
+        ("on_validation_epoch_end", "validate"),
+    ],
+)
+def test_a_hook_starting_or_ending_a_loop_raising_stop_iteration_is_named(hook, run, tiny_digits, tmp_path):
+    """Before, the StopIteration came out of ``fit``/``validate`` bare (no message, no hook named)."""
+    module = PPOLightningModule(policy=str(tiny_digits), reward_fn=DigitsReward())
+    data = DigitsDataModule(num_prompts=32, num_val_prompts=16, batch_size=8, max_prompt_length=16)
+    trainer = quiet_trainer(tmp_path, iterations=2, callbacks=[StopsAtTheEdges(hook)])
+    trainer.limit_val_batches = 1
+    with pytest.raises(RuntimeError, match=rf"^StopsAtTheEdges\.{hook} raised StopIteration") as raised:
+        getattr(trainer, run)(module, datamodule=data)
+    assert isinstance(raised.value.__cause__, StopIteration)
+    assert module.iteration == (2 if hook == "on_train_end" else 0)
 
 
 def test_the_end_of_the_data_and_a_hook_returning_minus_one_still_end_the_epoch(tiny_digits, tmp_path):

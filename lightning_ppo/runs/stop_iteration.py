@@ -14,7 +14,8 @@ in the same place: a ``next()`` bug there ended the epoch, the fit or the valida
 2 gloo ranks the one that stopped exited 0, the other failed in its next all-reduce naming no hook).
 A Lightning user ends an epoch by returning -1 from ``on_train_batch_start`` and a fit by
 ``trainer.should_stop``, never by raising StopIteration, so :func:`loops_name_hook_stops` makes it
-the same error. The loops' own
+the same error; and the same for the hooks a loop calls as it starts or ends (``on_train_start``,
+``on_validation_start``, ``on_train_end``...), whose StopIteration came out of ``fit`` bare. The loops' own
 StopIterations (the data running out, the -1 return) pass through no hook and still end the loop.
 """
 
@@ -63,15 +64,23 @@ def no_silent_stop(step: Step) -> Step:
     return guarded  # type: ignore[return-value]
 
 
-# The loop methods that call hooks inside a ``try: ... except StopIteration: break`` (Lightning 2.x):
-# each loop's attribute path from the trainer, and its methods. A name a Lightning version lacks is
-# left as it is: its loop then behaves as Lightning's does.
+# The loop methods that call hooks (Lightning 2.x): each loop's attribute path from the trainer, and
+# its methods. Those inside a ``try: ... except StopIteration: break`` ended the loop in silence;
+# ``on_run_start`` and ``on_run_end`` (``on_train_start``, ``on_validation_start``, their ``_end``s,
+# the evaluation epoch's) are outside it: the StopIteration came out of ``fit`` or ``validate`` bare.
+# A name a Lightning version lacks is left as it is: its loop then behaves as Lightning's does.
+_EDGES = ("on_run_start", "on_run_end")
 _GUARDED: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("fit_loop", ("on_advance_start", "on_advance_end")),
+    ("fit_loop", ("on_advance_start", "on_advance_end", *_EDGES)),
     ("fit_loop.epoch_loop", ("advance", "on_advance_end")),
-    ("fit_loop.epoch_loop.val_loop", ("_evaluation_step",)),
-    ("validate_loop", ("_evaluation_step",)),
+    ("fit_loop.epoch_loop.val_loop", ("_evaluation_step", *_EDGES)),
+    ("validate_loop", ("_evaluation_step", *_EDGES)),
 )
+
+
+# The hooks that may consume a ``dataloader_iter`` (the strategy's, which call the module's), whose
+# StopIteration is the data's end in the loops of ``_GUARDED``.
+_DATA_STEPS = frozenset({"training_step", "validation_step"})
 
 
 def loops_name_hook_stops(trainer: Any) -> None:
@@ -93,8 +102,10 @@ def _naming_hook_stops(method: Callable[..., Any]) -> Callable[..., Any]:
         except StopIteration as err:
             hook = hook_that_raised(err)
             # none: the loop's own (the data's end, a -1 return); a step's: the end of the
-            # ``dataloader_iter`` a step consumes (the package's own steps name theirs already)
-            if hook is None or hook.endswith("_step"):
+            # ``dataloader_iter`` a step consumes (the package's own steps name theirs already).
+            # Only a step: ``optimizer_step``, ``on_before_optimizer_step``, ``lr_scheduler_step``
+            # consume no data, and automatic optimization calls them from the loop.
+            if hook is None or hook.rpartition(".")[2] in _DATA_STEPS:
                 raise
             raise RuntimeError(f"{hook} raised StopIteration: {err}") from err
 
