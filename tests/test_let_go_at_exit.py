@@ -144,7 +144,7 @@ class _Frozen(_Described):
         super().__init__(model, policy)
         self.receiving, self.dies = threading.Event(), threading.Event()
 
-    def lppo_receive(self, with_checksums: str = "1", version: str = "") -> None:
+    def lppo_receive(self, with_checksums: str = "1", version: str = "", secret: str = "") -> None:
         self.receiving.set()
         self.dies.wait(120)
         self._lppo_let_go()  # its pairs close, as a killed server's do

@@ -7,6 +7,7 @@ servers run the real worker extension on a tiny torch model, with a stand-in for
 from __future__ import annotations
 
 import _thread
+import contextlib
 import json
 import socket
 import sys
@@ -188,11 +189,15 @@ class _Serving(_Quiet):
     one_at_a_time: threading.Lock
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        with self.one_at_a_time:
-            self._run()
-
-    def _run(self) -> None:
         request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        self.arrive(request)
+        with self.one_at_a_time:
+            self._run(request)
+
+    def arrive(self, request: dict) -> None:
+        """Where a call is on its way to the server (a thread not yet scheduled, a slow network)."""
+
+    def _run(self, request: dict) -> None:
         results: list = [None] * len(self.workers)
         errors: list[BaseException] = []
 
@@ -225,19 +230,26 @@ def _weights(model: nn.Module, scale: float, extra: bool = False) -> list[tuple[
     return weights[:2] + [("lm_head.extra", torch.ones(32, 32))] + weights[2:] if extra else weights
 
 
+@contextlib.contextmanager
+def _served(workers: list[_Worker], serving: type[_Serving] = _Serving) -> Iterator[str]:
+    """``workers`` behind a ``serving`` handler on 127.0.0.1, stopped at the end; its URL."""
+    handler = type("Serving", (serving,), {"workers": workers, "one_at_a_time": threading.Lock()})
+    server = _Backlogged(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch) -> Iterator[tuple[str, list[_Worker]]]:
     """A server of one worker (add more to the list for tensor parallelism), on 127.0.0.1."""
     monkeypatch.setattr(worker_extension, "_repack_embedding_gemms", lambda model: None)  # vLLM's CPU GEMMs
     workers = [_Worker(_model())]
-    handler = type("Serving", (_Serving,), {"workers": workers, "one_at_a_time": threading.Lock()})
-    server = _Backlogged(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}", workers
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _served(workers) as url:
+        yield url, workers
 
 
 def _receiving_threads(within: float = 30.0) -> list[str]:
@@ -326,6 +338,51 @@ def test_ctrl_c_during_a_sync_leaves_no_group_for_the_next_fit(fake_vllm):
     start = time.monotonic()
     _synced(sync, workers, "run/2")
     assert time.monotonic() - start < 30
+
+
+class _LateReceive(_Serving):
+    """A server whose first ``lppo_receive`` call reaches it only once the next join has started
+    there (the interrupted sync's call still on its way: its thread not yet scheduled, a slow
+    network); what each such late call was answered is kept in ``late``."""
+
+    rejoined: threading.Event
+    late: list[tuple[int, bytes]]
+
+    def arrive(self, request: dict) -> None:
+        if request["method"] == "lppo_join" and any(worker.lppo_group() for worker in self.workers):
+            self.rejoined.set()
+        elif request["method"] == "lppo_receive" and request["args"][1] == "run/1":
+            self.rejoined.wait(30)
+            self.is_late = True
+
+    def reply(self, body: bytes, status: int = 200) -> None:
+        if getattr(self, "is_late", False):
+            self.late.append((status, body))
+        super().reply(body, status=status)
+
+
+def test_a_stopped_syncs_late_receive_call_is_refused_and_the_next_sync_arrives_whole(monkeypatch):
+    """Ctrl-C before the first bucket went, while the sync's receive call was still on its way: it
+    reached the server after the next fit's join, the worker took the next sync's weights for it,
+    and the next sync's own receive waited for weights already taken (CI: no answer within 60 s, the
+    server's timeout). A receive names the group it is for; a worker refuses one for another group."""
+    monkeypatch.setattr(worker_extension, "_repack_embedding_gemms", lambda model: None)
+    workers = [_Worker(_model())]
+    late = type("LateReceive", (_LateReceive,), {"rejoined": threading.Event(), "late": []})
+    with _served(workers, late) as url:
+        sync = MemorySync([ServerClient(url, 20.0)], [1], "127.0.0.1", 20.0)
+
+        def interrupted() -> Iterator[tuple[str, torch.Tensor]]:
+            yield from _weights(_model(), 3.0)[:3]
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            sync.load(interrupted(), torch.float32, True, "run/1")
+        _synced(sync, workers, "run/2")
+        assert _eventually(lambda: len(late.late) == 1)
+        status, body = late.late[0]
+        assert status == 500
+        assert "is for a weights group this worker no longer holds" in json.loads(body)["error"]["message"]
 
 
 class _LateWorker(_Worker):
@@ -630,7 +687,9 @@ class _DyingWorker(_Worker):
     with no word in the store, and its server answers the call with an error once it notices (here:
     once rank 0 met the closed pipe and said so in the store: the slowest order for the trainer)."""
 
-    def lppo_receive(self, with_checksums: str = "1", version: str = "") -> dict[str, list[float]] | None:
+    def lppo_receive(
+        self, with_checksums: str = "1", version: str = "", secret: str = ""
+    ) -> dict[str, list[float]] | None:
         from lightning_ppo.rollout.engines.server import weight_group
 
         group = self.lppo_weights_group
@@ -666,9 +725,11 @@ class _PipeClosedWorker(_Worker):
     """A worker whose receive, once the sync stopped, answers with gloo's closed pipe: it met rank
     0's pairs closing before it looked at the store, and the store was gone with them."""
 
-    def lppo_receive(self, with_checksums: str = "1", version: str = "") -> dict[str, list[float]] | None:
+    def lppo_receive(
+        self, with_checksums: str = "1", version: str = "", secret: str = ""
+    ) -> dict[str, list[float]] | None:
         try:
-            return super().lppo_receive(with_checksums, version)
+            return super().lppo_receive(with_checksums, version, secret)
         except Exception:
             raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:40000") from None
 

@@ -97,7 +97,9 @@ class MemorySync:
             self._let_go()
             self.group = self._join()
         sums: dict[str, Checksum] = {}
-        calls = [partial(s.rpc_all, "lppo_receive", "1" if verify else "0", version) for s in self.servers]
+        # The group's secret: a call of this sync that reaches a server after a later join is refused.
+        receive = ("lppo_receive", "1" if verify else "0", version, self.secret)
+        calls = [partial(s.rpc_all, *receive) for s in self.servers]
         receiving = Requests(calls, len(calls))
         own: list[Exception] = []  # what the trainer's weights raised, if they did
         try:

@@ -146,16 +146,26 @@ class WeightSyncExtension:
         """The secret of the weights group this worker holds ("" for none)."""
         return getattr(self, "lppo_group_secret", "")
 
-    def lppo_receive(self, with_checksums: str = "1", version: str = "") -> dict[str, list[float]] | None:
+    def lppo_receive(
+        self, with_checksums: str = "1", version: str = "", secret: str = ""
+    ) -> dict[str, list[float]] | None:
         """Load the weights the trainer broadcasts over its group, as they arrive, as ``version``;
         the checksums after, as :meth:`lppo_load`. A load that fails stops the sync for every member
         at once (the trainer raises this worker's error, its receiving thread ends) and lets go of
-        the group: the trainer makes a new one for the next sync."""
+        the group: the trainer makes a new one for the next sync. ``secret`` names the group the
+        call is for: a stopped sync's call that reaches the server after the next join (its thread
+        late, a slow network) is refused, or it would take the next sync's weights for its own and
+        leave that sync's call waiting for weights already taken."""
         from lightning_ppo.rollout.engines.server.weight_group import receive
 
         group = getattr(self, "lppo_weights_group", None)
         if not self.lppo_group() or group is None:
             raise RuntimeError("this server holds no weights group of a trainer (restarted since it joined?)")
+        if secret and secret != self.lppo_group():
+            raise RuntimeError(
+                f"the receive of weights {version} is for a weights group this worker no longer holds "
+                "(a stopped sync's call, arriving after the next join)"
+            )
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         self.lppo_weights_version = ""
         weights = receive(group, version)
