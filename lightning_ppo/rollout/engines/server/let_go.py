@@ -49,8 +49,9 @@ _LOCK = threading.Lock()
 
 def drop_later(held: list[Any], pending: list[Any], name: str) -> None:
     """Drop ``held`` (this process's last references to gloo handles, as the caller gave them up)
-    on a thread named ``name``, once every work in ``pending`` has completed; ``pending`` may grow
-    meanwhile (a thread that started a broadcast just before the let-go)."""
+    on a thread named ``name``, once every work in ``pending`` has completed. ``pending`` is the
+    caller's to give up: nothing is added to it once given here (a work added after this thread's
+    look would be dropped while pending; ``WeightsGroup.lock`` sees to it)."""
     thread = threading.Thread(target=_drop, args=(held, pending), name=name, daemon=True)
     with _LOCK:
         dropping = not _EXITING.is_set()

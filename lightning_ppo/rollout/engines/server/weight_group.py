@@ -90,6 +90,10 @@ class WeightsGroup:
     # Broadcasts started and maybe not completed (those completed are dropped before each bucket):
     # the group is destroyed only once none is pending (:mod:`.let_go`).
     works: list[Any] = field(default_factory=list)
+    # Held while a broadcast is started and noted in ``works``, and while the group is let go: a
+    # broadcast a receiving thread started as the loading thread let go would be left out of the
+    # works the let-go waits for, and the group destroyed while it was pending.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for handle in (self.process_group, self.store):
@@ -117,9 +121,11 @@ class WeightsGroup:
         stopped sync left in gloo's threads have ended (up to the group's timeout): the group's
         destructor waits for them, which must not hold the trainer's or a server worker's own
         thread, nor run as the process exits (:mod:`.let_go`)."""
-        held = [self.process_group, self.store]
-        self.process_group = self.store = None
-        drop_later(held, self.works, "lightning-ppo-weights-let-go")
+        with self.lock:  # no broadcast starts after this, and every one started is in ``pending``
+            held, pending = [self.process_group, self.store], self.works
+            self.process_group = self.store = None
+            self.works = []
+        drop_later(held, pending, "lightning-ppo-weights-let-go")
 
 
 _GROUPS: weakref.WeakValueDictionary[int, WeightsGroup] = weakref.WeakValueDictionary()
@@ -131,6 +137,7 @@ def _none_in_child() -> None:
     for group in list(_GROUPS.values()):
         group.process_group = group.store = None
         group.works = []  # the parent's, never completed here (:mod:`.inherited` keeps them)
+        group.lock = threading.Lock()  # another thread of the parent may have held it at the fork
     _GROUPS.clear()
 
 
@@ -419,7 +426,8 @@ def _send_bucket(
 def _broadcast(group: WeightsGroup, tensor: Tensor, stopped: Stopped) -> Tensor:
     """A header's broadcast (twice a bucket, and the end): the works completed are forgotten here,
     not at every tensor's (a bucket holds hundreds)."""
-    group.works[:] = [work for work in group.works if not work.is_completed()]
+    with group.lock:
+        group.works[:] = [work for work in group.works if not work.is_completed()]
     _wait(_start_broadcast(group, tensor), stopped)
     return tensor
 
@@ -428,8 +436,9 @@ def _start_broadcast(group: WeightsGroup, tensor: Tensor) -> Any:
     """The broadcast of ``tensor`` from rank 0, started, and noted in ``group.works``; its work holds
     gloo's context (its pairs), which a forked child must never destroy either (:mod:`.inherited`):
     a failed sync's traceback keeps the work after the group is let go."""
-    work = note(_process_group(group).broadcast([tensor], _from_rank_zero()))
-    group.works.append(work)
+    with group.lock:  # against a let-go on another thread (``WeightsGroup.lock``); enqueuing is quick
+        work = note(_process_group(group).broadcast([tensor], _from_rank_zero()))
+        group.works.append(work)
     return work
 
 

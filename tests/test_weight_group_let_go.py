@@ -1,0 +1,75 @@
+"""A weights group let go (``WeightsGroup.let_go``, ``lightning_ppo/rollout/engines/server/let_go.py``)
+while another thread starts a broadcast on it: a server worker's loading thread lets go as its
+receiving thread starts the next tensor's broadcast. Two ranks in this process, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from lightning_ppo.rollout.engines.server import weight_group
+from lightning_ppo.rollout.engines.server.weight_group import SyncStopped, _broadcast, _start_broadcast
+from tests.test_weight_group_fork import _pair
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo on 127.0.0.1")
+
+LET_GO_THREAD = "lightning-ppo-weights-let-go"
+# Far past what a socket buffers: rank 0's broadcast stays pending until rank 1 takes it.
+LARGE = 64 * 2**20
+
+
+def _let_go_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == LET_GO_THREAD]
+
+
+def _ended(threads: list[threading.Thread], within: float) -> bool:
+    deadline = time.monotonic() + within
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in threads)
+
+
+def test_a_broadcast_started_as_the_group_is_let_go_is_waited_for(monkeypatch):
+    """The let-go runs between the broadcast's start and its noting in the group's pending works
+    (forced: it runs as the work is noted). Before, its thread took its look at the pending works
+    first, found none and let go of the process group while the broadcast was pending (its
+    destructor then waited for it, up to the group's timeout, and as the process exited). Now the
+    let-go waits for the broadcast to be noted, and its thread for the broadcast to end."""
+    zero, one = _pair()
+    process_group = zero.process_group  # held here: the let-go's thread ends where it dropped it
+    before = set(_let_go_threads())
+    noted = weight_group.note
+    started: list[object] = []
+
+    def let_go_as_it_is_noted(handle):
+        noted(handle)
+        if not started:
+            started.append(handle)
+            letting = threading.Thread(target=zero.let_go)
+            letting.start()
+            letting.join(1.0)  # now: blocked until the broadcast is noted
+            if not letting.is_alive():  # before: its thread's first look, bounded
+                _ended([t for t in _let_go_threads() if t not in before], 10.0)
+            started.append(letting)
+        return handle
+
+    monkeypatch.setattr(weight_group, "note", let_go_as_it_is_noted)
+    sending = threading.Thread(target=_start_broadcast, args=(zero, torch.ones(LARGE, dtype=torch.uint8)))
+    sending.start()
+    sending.join(30)
+    work, letting = started
+    letting.join(30)
+    assert not work.is_completed()  # rank 1 has taken nothing yet
+    dropping = [t for t in _let_go_threads() if t not in before]
+    assert len(dropping) == 1 and dropping[0].is_alive()  # waits for the broadcast
+    with pytest.raises(SyncStopped, match="this member let go"):
+        _start_broadcast(zero, torch.ones(1))  # none starts after the let-go
+    received = _broadcast(one, torch.zeros(LARGE, dtype=torch.uint8), lambda: None)
+    assert int(received.sum()) == LARGE
+    assert _ended(dropping, 10.0)  # the broadcast ended: the let-go's thread drops the group
+    one.let_go()
+    del process_group
