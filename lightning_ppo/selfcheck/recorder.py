@@ -42,6 +42,9 @@ class SamplingRecorder(Callback):
         self._response_index: dict[tuple[int, ...], int] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # a fit before in this process (a notebook's) ran another policy, or the same one from
+        # elsewhere: its versions numbered as this fit's would be scored against in their place
+        self.versions = {}
         self._space = sampling_space(pl_module)
         listed = (tuple(prompt_ids(pl_module.tokenizer, p)) for p in self.prompts)
         self._prompt_index = {ids: row for row, ids in enumerate(listed)}
