@@ -122,7 +122,6 @@ class WeightSyncExtension:
             still_served,
         )
 
-        self._lppo_let_go()  # a group held from before (a stopped sync, another run's)
         rank = int(first) + int(getattr(self, "rank", 0))
         try:
             address, why = (device, "given by the trainer") if device else advertised_address(host)
@@ -132,7 +131,11 @@ class WeightSyncExtension:
                 f"(generation.sync_address): {err}"
             ) from None
         try:
-            still_served(host, int(port), float(timeout))  # the trainer's join may have ended (Ctrl-C)
+            # The trainer's join may have ended (Ctrl-C, its timeout), looked at before a group held
+            # is let go: a stopped join's call that arrives late keeps the group a later join made
+            # (or the next sync's receive finds none held).
+            still_served(host, int(port), float(timeout))
+            self._lppo_let_go()  # a group held from before (a stopped sync, another run's)
             group = open_group(host, int(port), rank, int(world), float(timeout), address, secret)
         except Exception as err:
             raise RuntimeError(
