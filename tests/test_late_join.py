@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from lightning_ppo.rollout.engines.server import worker_extension
+from lightning_ppo.rollout.engines.server import memory_sync, worker_extension
 from lightning_ppo.rollout.engines.server.client import GenerationServerError, ServerClient
 from lightning_ppo.rollout.engines.server.memory_sync import MemorySync
 from tests.test_server_failures import _eventually, _model, _served, _Serving, _synced, _weights, _Worker
@@ -59,3 +59,29 @@ def test_a_stopped_joins_late_join_call_leaves_the_next_syncs_group_held(monkeyp
         _synced(MemorySync([ServerClient(url, 20.0)], [1], "127.0.0.1", 20.0), workers, "run/2")
         assert _eventually(lambda: late.late == [500])
         assert workers[0].lppo_group() != ""
+
+
+class _InterruptedAsTheCallsStart(memory_sync.Requests):
+    """The calls of a sync's receive, started; Ctrl-C lands just after (before the broadcast)."""
+
+    def __init__(self, calls, max_in_flight: int) -> None:
+        super().__init__(calls, max_in_flight)
+        if calls and calls[0].args[0] == "lppo_receive":
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_as_a_syncs_receive_calls_start_lets_the_group_go(monkeypatch):
+    """Ctrl-C as the receive calls had started, before the broadcast: the group was kept, so the next
+    sync (a notebook's next fit, on the same engine) sent on it; the stopped sync's call, for the
+    same group, took those weights for its own, and the next sync's call waited for weights already
+    taken: no answer within the server's timeout. The group is let go as for a Ctrl-C in the
+    broadcast, and the next sync joins anew."""
+    monkeypatch.setattr(worker_extension, "_repack_embedding_gemms", lambda model: None)
+    workers = [_Worker(_model())]
+    with _served(workers) as url:
+        sync = MemorySync([ServerClient(url, 5.0)], [1], "127.0.0.1", 5.0)
+        with monkeypatch.context() as interrupted:
+            interrupted.setattr(memory_sync, "Requests", _InterruptedAsTheCallsStart)
+            with pytest.raises(KeyboardInterrupt):
+                sync.load(iter(_weights(_model(), 3.0)), torch.float32, True, "run/1")
+        _synced(sync, workers, "run/2")

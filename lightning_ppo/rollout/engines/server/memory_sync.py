@@ -100,9 +100,12 @@ class MemorySync:
         # The group's secret: a call of this sync that reaches a server after a later join is refused.
         receive = ("lppo_receive", "1" if verify else "0", version, self.secret)
         calls = [partial(s.rpc_all, *receive) for s in self.servers]
-        receiving = Requests(calls, len(calls))
         own: list[Exception] = []  # what the trainer's weights raised, if they did
+        receiving: Requests | None = None
         try:
+            # In the try: a Ctrl-C as the calls start leaves them waiting on this group, which the
+            # next sync would broadcast on to this sync's calls if it were kept.
+            receiving = Requests(calls, len(calls))
             send(
                 self.group,
                 _noting(_in_dtype(weights, dtype, sums if verify else None), own),
@@ -115,7 +118,7 @@ class MemorySync:
             # A stopped sync leaves the group's order broken (every member was told: send): the next
             # sync joins anew. Ctrl-C included, or a notebook's next fit would send on it.
             self._let_go()
-            if not isinstance(err, Exception) or err in own:  # the trainer's own: said as it is
+            if not isinstance(err, Exception) or err in own or receiving is None:  # said as it is
                 raise
             raise self._failure(err, receiving) from None
 
