@@ -56,6 +56,7 @@ from lightning_ppo.rollout.engines.server.weight_sync import (
     unchecked,
     write_weights,
 )
+from lightning_ppo.rollout.engines.server.worker_extension import PROTOCOL
 from lightning_ppo.rollout.engines.weights import hf_weights
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.runs.warn import warn
@@ -202,6 +203,13 @@ class VLLMServerEngine:
                 f"(--worker-extension-cls {EXTENSION}) and VLLM_SERVER_DEV_MODE=1",
             ) from None
         described = {**workers[0], "workers": len(workers)}
+        if described.get("protocol", 1) != PROTOCOL:  # 1: the servers before the number was given
+            raise server.error(
+                "worker extension",
+                f"speaks protocol {described.get('protocol', 1)} of lightning_ppo's calls, this trainer "
+                f"speaks {PROTOCOL}: start the server with `lightning-ppo serve` from the trainer's "
+                "lightning_ppo version",
+            )
         config = policy.config
         ours = list(getattr(config, "architectures", None) or [])
         if ours and described["architectures"] != ours:

@@ -21,6 +21,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+# The calls' arguments and answers between a trainer and this extension, numbered: raised whenever
+# they change (2: lppo_receive names its group's secret), so a trainer and a server of different
+# lightning_ppo installs refuse each other before the first sync, in one line naming both numbers,
+# instead of failing each call with a TypeError from the server.
+PROTOCOL = 2
+
 
 def checksums(model: torch.nn.Module) -> dict[str, list[float]]:
     """``name: [sum, sum of squares, numel]`` of every parameter, in float64, a bounded chunk at a
@@ -84,6 +90,7 @@ class WeightSyncExtension:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         hf_config = model_config.hf_config
         return {
+            "protocol": PROTOCOL,
             "model": str(model_config.model),
             "architectures": list(getattr(hf_config, "architectures", None) or []),
             "vocab_size": int(model_config.get_vocab_size()),
