@@ -52,6 +52,7 @@ from lightning_ppo.rollout.engines.server.let_go import drop_later, ended, exiti
 BUCKET_BYTES = 256 * 2**20  # per broadcast: large enough to stream, small enough to hold twice
 POLL_S = 0.1  # how often a wait looks for a stop in the store: a store call each, ~0.1 ms on a LAN
 PROBE_S = 5.0  # at most, for a worker's first look at rank 0's store (refused: its join ended)
+SAY_STOP_S = 1.0  # at most, for a member's stop to reach the store (a store call: ~0.1 ms on a LAN)
 SYNC_HOST_VARIABLE = "LIGHTNING_PPO_SYNC_HOST"  # a server's address for the group, where it is set
 
 Stopped = Callable[[], BaseException | None]  # what stopped the sync, if anything has
@@ -103,8 +104,19 @@ class WeightsGroup:
 
     def stop(self, sync: str, why: str) -> None:
         """Every member's waits in sync ``sync`` end with :class:`SyncStopped`; the first reason stands
-        (on one line, as the trainer's error says it: a server's tracebacks run over many)."""
-        self.store.compare_set(f"stop/{sync}", "", f"{self.rank} {' '.join(why.split())[:1000]}")
+        (on one line, as the trainer's error says it: a server's tracebacks run over many). Said on
+        a thread of its own, waited for :data:`SAY_STOP_S` s at most: a server's store calls go to
+        rank 0's store, and one to a trainer that neither answers nor closes (stopped, its machine
+        gone) never returns, not even at the store's timeout, which held a SIGTERM'd server's exit."""
+        store, said = self.store, f"{self.rank} {' '.join(why.split())[:1000]}"
+        if store is None:  # let go of: no member hears from this one any more
+            return
+        saying = threading.Thread(
+            target=_say, args=(store, f"stop/{sync}", said), name="lightning-ppo-weights-stop", daemon=True
+        )
+        joined_at_exit(saying)  # in a store call (GIL released) as the interpreter finalizes: :mod:`.let_go`
+        saying.start()
+        saying.join(SAY_STOP_S)
 
     def stopped(self, sync: str) -> SyncStopped | None:
         """What stopped sync ``sync``, if a member did (or this one let go of the group)."""
@@ -126,6 +138,15 @@ class WeightsGroup:
             self.process_group = self.store = None
             self.works = []
         drop_later(held, pending, "lightning-ppo-weights-let-go")
+
+
+def _say(store: Any, key: str, value: str) -> None:
+    try:
+        store.compare_set(key, "", value)
+    except Exception:  # noqa: BLE001, S110  (the store gone with rank 0: nobody left to tell)
+        pass
+    finally:
+        ended()
 
 
 _GROUPS: weakref.WeakValueDictionary[int, WeightsGroup] = weakref.WeakValueDictionary()
