@@ -7,8 +7,10 @@ import os
 import random
 import subprocess
 import sys
+import warnings
 from dataclasses import replace
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward, digits_score
 from lightning_ppo.watch.diversity import Diversity, _shared_part, normalise
 from lightning_ppo.watch.guardrails import Guardrails, IterationView
-from tests.helpers import fit_warnings
+from tests.helpers import fit_warnings, quiet_trainer
 
 CALM = {"approx_kl": 0.02, "clipfrac": 0.1, "kl": 3.0, "kl_coef": 0.05, "kl_coef_pinned": False}
 
@@ -161,6 +163,26 @@ def pays_one_phrase(prompts, completions, batch):
     return [digits_score(c, "12345", in_order=True) for c in completions]
 
 
+class StopOnceFired(pl.Callback):
+    """Ends the fit at the iteration the guardrail ``name`` fired: the tests ask whether it fires
+    within the iterations given, and what it says then; the iterations after it change neither."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def on_train_batch_end(self, trainer, module, *args) -> None:
+        if self.name in module.guardrails.fired:
+            trainer.should_stop = True
+
+
+def fit_until_fired(module: PPOLightningModule, data, iterations: int, name: str) -> list[str]:
+    """:func:`tests.helpers.fit_warnings` ended once the guardrail ``name`` has fired."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer("unused", iterations, callbacks=[StopOnceFired(name)]).fit(module, datamodule=data)
+    return [str(w.message) for w in caught]
+
+
 def _quickstart(policy, reward, lr: float) -> PPOLightningModule:
     return PPOLightningModule(
         policy=str(policy),
@@ -175,7 +197,7 @@ def test_a_reward_that_pays_one_phrase_is_said_to_make_the_answers_converge(tiny
     torch.manual_seed(0)
     module = _quickstart(tiny_digits, pays_one_phrase, lr=1e-3)
     data = DigitsDataModule(num_prompts=4096, batch_size=32, max_prompt_length=8)
-    caught = fit_warnings(module, data, iterations=60)
+    caught = fit_until_fired(module, data, iterations=60, name="converging")
     assert "converging" in module.guardrails.fired, module.last_samples.completions
     message = next(m for m in caught if m.startswith("answers are converging: "))
     assert "got the same answer ('123" in message  # the phrase the reward pays, or its first digits
@@ -326,7 +348,7 @@ def test_a_reward_that_pays_a_phrase_inside_varied_answers_is_said_to_make_them_
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
     )
     data = DigitsDataModule(num_prompts=4096, batch_size=32, max_prompt_length=8)
-    caught = fit_warnings(module, data, iterations=60)
+    caught = fit_until_fired(module, data, iterations=60, name="converging")
     assert "converging" in module.guardrails.fired, module.last_samples.completions
     message = next(m for m in caught if m.startswith("answers are converging: "))
     assert "77777" in message  # the phrase the reward pays, quoted
