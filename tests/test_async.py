@@ -195,8 +195,10 @@ def _fit_args(policy: Path, root: Path, log: Path, batches: int, halt: dict | No
         ),
         *("--model.init_args.ppo.max_staleness", "1", "--trainer.limit_train_batches", str(batches)),
         # a quarter of the config's batch and 400 prompts: what the kills and resumes do to the data
-        # does not depend on its size, and each of the four runs costs a third as much
+        # does not depend on its size, and each of the four runs costs a third as much; nor on how
+        # many passes an update makes over its batch (one, not the config's 4)
         *("--data.init_args.batch_size", str(BATCH), "--data.init_args.num_prompts", "400"),
+        *("--model.init_args.ppo.ppo_epochs", "1"),
         *("--trainer.limit_val_batches", "0", "--trainer.default_root_dir", str(root)),
         *("--trainer.logger", "false", "--trainer.enable_progress_bar", "false"),
         *("--trainer.callbacks", json.dumps([recorder, *halting, saver])),
@@ -501,7 +503,7 @@ class FailsOnRankOne(Environment):
 
     def reset(self, prompt, row, rng) -> None:
         FailsOnRankOne.resets += 1
-        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1 and self.resets > 64:
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1 and self.resets > BATCH:
             raise RuntimeError("rank 1's environment broke")
 
     def step(self, turn: Turn) -> StepResult:
