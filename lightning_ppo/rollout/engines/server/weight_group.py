@@ -109,7 +109,7 @@ class WeightsGroup:
         rank 0's store, and one to a trainer that neither answers nor closes (stopped, its machine
         gone) never returns, not even at the store's timeout, which held a SIGTERM'd server's exit."""
         store, said = self.store, f"{self.rank} {' '.join(why.split())[:1000]}"
-        if store is None:  # let go of: no member hears from this one any more
+        if store is None or exiting():  # let go of, or the process ends: its pipes close with it
             return
         saying = threading.Thread(
             target=_say, args=(store, f"stop/{sync}", said), name="lightning-ppo-weights-stop", daemon=True
@@ -318,13 +318,31 @@ def send(
     bucket by bucket, then the end. A bucket's tensors go as they are (no packing copy), while the
     next bucket is gathered (two buckets in flight at most). Stopped as soon as ``failed()`` returns
     an error (a server's answer to its receive call) or a member stopped the sync; whatever ends it
-    early (that, an error of ``weights``, Ctrl-C) is said in the store, so every member stops too."""
+    early (that, an error of ``weights``, Ctrl-C) is said in the store, so every member stops too.
+    A send on a daemon thread (a user's fit there) stops as the process exits, which joins it: it
+    took the GIL back from gloo's wait as the interpreter finalized (SIGABRT; :mod:`.let_go`)."""
+    joined_at_exit(threading.current_thread())
     try:
-        _send(group, weights, lambda: failed() or group.stopped(sync), bucket_bytes)
+        _send(group, weights, lambda: _exiting(group.rank) or failed() or group.stopped(sync), bucket_bytes)
     except BaseException as err:
         with contextlib.suppress(Exception):  # the store gone with the group: nobody left to tell
             group.stop(sync, f"{type(err).__name__}: {err}")
+        _kept_at_exit(group)
         raise
+    finally:
+        ended()
+
+
+def _kept_at_exit(group: WeightsGroup) -> None:
+    """A sync the exit stopped leaves broadcasts pending: the group, a module's global or held by a
+    daemon thread's frame, must not be destroyed as the interpreter finalizes (its destructor waited
+    for them, up to its timeout): let go of now, it is kept for good (:mod:`.let_go`)."""
+    if exiting():
+        group.let_go()
+
+
+def _exiting(rank: int) -> SyncStopped | None:
+    return SyncStopped(rank, "this process is exiting") if exiting() else None
 
 
 def _send(
@@ -388,14 +406,13 @@ class Receiver:
                 self._put(bucket)
             self._put(None)
         except BaseException as err:  # noqa: BLE001  (raised by the loading thread, in __iter__)
+            _kept_at_exit(self.group)
             self._put(err)
         finally:
             ended()
 
     def _stopped(self) -> SyncStopped | None:
-        if exiting():
-            return SyncStopped(self.group.rank, "this process is exiting")
-        return self.group.stopped(self.sync)
+        return _exiting(self.group.rank) or self.group.stopped(self.sync)
 
     def _put(self, item: list[tuple[str, Tensor]] | BaseException | None) -> None:
         while not self.ended.is_set() and not exiting():
