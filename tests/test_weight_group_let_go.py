@@ -4,6 +4,7 @@ receiving thread starts the next tensor's broadcast. Two ranks in this process, 
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -73,3 +74,24 @@ def test_a_broadcast_started_as_the_group_is_let_go_is_waited_for(monkeypatch):
     assert _ended(dropping, 10.0)  # the broadcast ended: the let-go's thread drops the group
     one.let_go()
     del process_group
+
+
+def test_a_group_nobody_let_go_of_is_dropped_on_a_thread_of_its_own_when_collected():
+    """A group with a broadcast pending that nobody let go of (an engine dropped with its group, a
+    test's leftover) held in a reference cycle: the garbage collector destroyed it on whatever thread
+    allocated as it ran (a receiving thread starting its next broadcast, in CI: 30 s stuck there),
+    and its destructor waited there for the broadcast, up to the group's timeout (8 s of 8 measured,
+    ``gc.collect()`` on the main thread). Now it is let go as it is collected: the let-go's thread
+    waits for the broadcast, and the collection returns at once."""
+    zero, one = _pair()
+    before = set(_let_go_threads())
+    _start_broadcast(zero, torch.ones(LARGE, dtype=torch.uint8))
+    zero.cycle = zero  # held by a cycle alone once this frame drops it
+    del zero
+    gc.collect()
+    dropping = [t for t in _let_go_threads() if t not in before]
+    assert len(dropping) == 1 and dropping[0].is_alive()  # waits for the broadcast
+    received = _broadcast(one, torch.zeros(LARGE, dtype=torch.uint8), lambda: None)
+    assert int(received.sum()) == LARGE
+    assert _ended(dropping, 10.0)
+    one.let_go()

@@ -139,6 +139,15 @@ class WeightsGroup:
             self.works = []
         drop_later(held, pending, "lightning-ppo-weights-let-go")
 
+    def __del__(self) -> None:
+        # A group nobody let go of (an engine dropped with its group, a test's leftover) held by a
+        # reference cycle: the garbage collector destroyed it on whatever thread allocated as it
+        # ran (a receiving thread starting a broadcast), whose destructor waited there for a
+        # stopped sync's pending broadcasts, up to the group's timeout. Let go of as it goes.
+        if getattr(self, "process_group", None) is not None or getattr(self, "store", None) is not None:
+            with contextlib.suppress(Exception):  # late in the interpreter's end: destroyed in place
+                self.let_go()
+
 
 def _say(store: Any, key: str, value: str) -> None:
     try:
