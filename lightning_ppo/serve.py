@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nccl",
         action="store_true",
-        help="Open vLLM's NCCL weight transfer (--weight-transfer-config {\"backend\": \"nccl\"}) for "
+        help='Open vLLM\'s NCCL weight transfer (--weight-transfer-config {"backend": "nccl"}) for '
         "generation.sync_transport: nccl (GPUs only).",
     )
     parser.add_argument(

@@ -356,6 +356,7 @@ def test_a_users_freeze_during_a_server_fit_is_left_as_they_froze_it(tmp_path, t
         gc.unfreeze()
     assert frozen > 0
 
+
 @pytest.mark.parametrize(
     ("settings", "field"),
     [
