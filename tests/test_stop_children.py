@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -11,27 +12,18 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.helpers import quickstart_fit_args, start_cli, two_cpu_ranks
-
-pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
-
-ROOT = Path(__file__).resolve().parents[1]
-
-# Rank 0 raises at its 2nd call, once rank 1 is busy in its own 2nd call: a sleep outside any
-# collective (a slow reward service), which no dead peer interrupts. Rank 0 then exits slowly.
-REWARD = """
-import atexit
-import os
-import time
-from pathlib import Path
-
 import torch.distributed as dist
 
 from lightning_ppo.tasks.digits import DigitsReward
+from tests.helpers import quickstart_fit_args, start_forked, two_cpu_ranks
+
+pytestmark = pytest.mark.ranks  # several processes: run alone (tests/conftest.py)
 
 
 class FailsOnRankZero(DigitsReward):
+    """Rank 0 raises at its 2nd call, once rank 1 is busy in its own 2nd call: a sleep outside any
+    collective (a slow reward service), which no dead peer interrupts. Rank 0 then exits slowly."""
+
     def __init__(self, pid_file: str) -> None:
         super().__init__()
         self.pid_file, self.calls = Path(pid_file), 0
@@ -48,16 +40,15 @@ class FailsOnRankZero(DigitsReward):
             self.pid_file.write_text(str(os.getpid()))
             time.sleep(300)
         return super().__call__(prompts, completions, batch)
-"""
 
 
 def test_rank_zero_failing_stops_the_rank_it_started(tiny_digits, tmp_path):
-    (tmp_path / "rank_zero_fails.py").write_text(REWARD)
     pid_file = tmp_path / "rank1.pid"
-    reward = {"class_path": "rank_zero_fails.FailsOnRankZero", "init_args": {"pid_file": str(pid_file)}}
+    failing = "tests.test_stop_children.FailsOnRankZero"
+    reward = {"class_path": failing, "init_args": {"pid_file": str(pid_file)}}
     args = quickstart_fit_args(tiny_digits, tmp_path, [], *two_cpu_ranks("ddp", iterations=3))
     args += ["--model.init_args.reward_fn", json.dumps(reward)]
-    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     log = tmp_path / "output.txt"
     child = None
     try:
@@ -96,7 +87,7 @@ def test_a_stop_every_rank_takes_keeps_the_ranks_for_a_checkpoint_saved_on_it(ti
     args += ["--model.init_args.ppo.on_bad_reward", "drop"]
     args += ["--model.init_args.ppo.max_consecutive_skips", "1"]
     args += ["--trainer.enable_checkpointing", "true"]
-    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1"}
     log = tmp_path / "output.txt"
     try:
         returncode, output = _run(args, env, log)
@@ -111,9 +102,11 @@ def test_a_stop_every_rank_takes_keeps_the_ranks_for_a_checkpoint_saved_on_it(ti
 
 def _run(args: list[str], env: dict[str, str], log: Path) -> tuple[int, str]:
     """``lightning_ppo.cli ARGS`` to its end (bounded): its return code and its output. Output to a
-    file, not a pipe: rank 1 inherits it, and a pipe would stay open while rank 1 lives."""
+    file, not a pipe: rank 1 inherits it, and a pipe would stay open while rank 1 lives. Rank 0 is
+    forked from the test zygote (its imports done, as in every test of this worker), a user's
+    ``python -m lightning_ppo.cli``; Lightning's launcher in it starts rank 1 as a new interpreter."""
     with log.open("w") as out:
-        main = start_cli(args, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        main = start_forked(args, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         try:
             returncode = main.wait(timeout=300)
         except subprocess.TimeoutExpired:
