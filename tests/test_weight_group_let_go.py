@@ -5,9 +5,11 @@ receiving thread starts the next tensor's broadcast. Two ranks in this process, 
 from __future__ import annotations
 
 import gc
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from tests.test_weight_group_fork import _pair
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo on 127.0.0.1")
 
+ROOT = Path(__file__).resolve().parents[1]
 LET_GO_THREAD = "lightning-ppo-weights-let-go"
 # Far past what a socket buffers: rank 0's broadcast stays pending until rank 1 takes it.
 LARGE = 64 * 2**20
@@ -95,3 +98,44 @@ def test_a_group_nobody_let_go_of_is_dropped_on_a_thread_of_its_own_when_collect
     assert int(received.sum()) == LARGE
     assert _ended(dropping, 10.0)
     one.let_go()
+
+
+# A group nobody let go of, held by a cycle, collected on a thread that holds the let-go's lock.
+_COLLECTED_UNDER_A_LOCK = """
+import gc
+from lightning_ppo.rollout.engines.server import let_go
+from tests.test_weight_group_fork import _pair
+zero, one = _pair()
+zero.cycle = zero
+del zero
+with let_go._LOCK:
+    gc.collect()
+print("collected")
+one.let_go()
+"""
+
+
+def test_a_group_collected_on_a_thread_holding_the_let_gos_lock_is_let_go(tmp_path):
+    """The garbage collector runs on whatever thread allocates, the exit's too as it lists the let-go
+    threads to join (``let_go._LOCK`` held: ``Event.set`` and ``list`` allocate): a group nobody let
+    go of, collected there, is let go in place (``WeightsGroup.__del__``), and the let-go registers
+    its thread under that lock: the exit waited for itself for good. (threading's own lock, held as
+    ``threading.enumerate()`` allocates, is reentrant.)"""
+    script = tmp_path / "script.py"
+    script.write_text(_COLLECTED_UNDER_A_LOCK)
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    process = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(60)
+        pytest.fail("the collection under the let-go's lock never returned")
+    assert (process.returncode, stdout) == (0, "collected\n"), stderr[-2000:]

@@ -44,7 +44,9 @@ _THREADS: set[threading.Thread] = set()
 _EXITING = threading.Event()
 # Held while the flag is read and a thread registered, and while the flag is set and the threads
 # listed: a let-go between the two would otherwise run unjoined as the interpreter finalizes.
-_LOCK = threading.Lock()
+# Reentrant: the garbage collector runs on whatever thread allocates, the exit's too while it holds
+# this lock, and a group it collects is let go there (``WeightsGroup.__del__``), which takes it again.
+_LOCK = threading.RLock()
 
 
 def drop_later(held: list[Any], pending: list[Any], name: str) -> None:
@@ -127,7 +129,7 @@ def _in_child() -> None:
     global _EXITING, _LOCK
     _THREADS.clear()
     _EXITING = threading.Event()
-    _LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
+    _LOCK = threading.RLock()  # another thread of the parent may have held it at the fork
 
 
 atexit.register(_at_exit)
