@@ -45,8 +45,9 @@ test: $(STAMP)
 # The end-to-end runs of 15-110 s each on one thread: the quickstart task trained until the score
 # rises or the KL holds its target (every estimator, one step off, the README recipe, the reveal
 # environment, the custom reward notebook), DDP and FSDP2 on two nodes through torchrun and
-# Lightning's launcher, runs killed and resumed, `lightning-ppo serve` started twice, the compiled
-# loss against eager (inductor's cold compile), and gpu-check's variable-length and fit-end stages.
+# Lightning's launcher, runs killed and resumed (sharded saves killed or filling a real disk too),
+# `lightning-ppo serve` started twice, the compiled loss against eager (inductor's cold compile),
+# the quick benchmark end to end, and gpu-check's variable-length and fit-end stages.
 test-long: $(STAMP)
 	OMP_NUM_THREADS=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=5 \
 		-m long

@@ -25,6 +25,7 @@ def _table_rows(report: str, first_cell: str) -> list[list[str]]:
     return [[cell.strip() for cell in row] for row in rows if row[0].strip().startswith(first_cell)]
 
 
+@pytest.mark.long  # the benchmark end to end: 9 runs of a tiny model (63 s in a loaded make test)
 def test_quick_benchmark_reports_positive_numbers(tmp_path, capsys, monkeypatch):
     # each run a process of its own as the benchmark starts it, forked from one that has done the imports
     monkeypatch.setattr(bench, "run", forked_run)

@@ -61,6 +61,9 @@ def _side_folders(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if ".tmpdir-" in p.name or ".old-" in p.name)
 
 
+# Two 2-rank fits (60 s in a loaded make test): a kill during a save is in make test unsharded
+# (test_checkpoint_io), a sharded save that fails part way in the ENOSPC case below.
+@pytest.mark.long
 def test_kill_during_a_sharded_save_keeps_the_previous_last_ckpt_and_resumes(
     tiny_digits, tiny_reward, tmp_path
 ):
@@ -93,7 +96,11 @@ def test_kill_during_a_sharded_save_keeps_the_previous_last_ckpt_and_resumes(
     assert _side_folders(folder) == []  # the dead run's folder was removed at start
 
 
-@pytest.mark.parametrize("disk", ["rank-1-writer-raises-ENOSPC", "full-tmpfs"])
+# The real full disk (a small tmpfs, 55 s in a loaded make test) in make test-long; the same failure
+# raised by rank 1's writer stays in make test.
+@pytest.mark.parametrize(
+    "disk", ["rank-1-writer-raises-ENOSPC", pytest.param("full-tmpfs", marks=pytest.mark.long)]
+)
 def test_full_disk_during_a_sharded_save_keeps_the_previous_last_ckpt_and_says_so(
     disk, tiny_digits, tmp_path, request
 ):
