@@ -252,3 +252,50 @@ def test_a_fork_while_another_thread_notes_handles_holds_them_all(monkeypatch):
     assert codes == [0] * 20
     assert [repr(error) for error in raised] == []
     assert len(alive) == 20_000
+
+
+# The collector is held off until the child's fork hooks run (enabled by the first of them, before
+# the package's own), and another thread of the parent holds the let-go's lock as it forks.
+_COLLECTED_IN_THE_CHILDS_FORK_HOOKS = """
+import gc, os, threading, time
+gc.disable()
+os.register_at_fork(after_in_child=gc.enable)
+from lightning_ppo.rollout.engines.server import let_go
+from tests.test_weight_group_fork import _exit_code, _pair
+zero, one = _pair()
+zero.cycle = zero
+del zero
+gc.set_threshold(1)
+held = threading.Event()
+
+def registering():  # for a second: the parent's own fork hook waits for the lock too
+    with let_go._LOCK:
+        held.set()
+        time.sleep(1.0)
+
+threading.Thread(target=registering, daemon=True).start()
+held.wait(10)
+child = os.fork()
+if child == 0:
+    os._exit(0)
+print("child", _exit_code(child), flush=True)
+one.let_go()
+"""
+
+
+def test_a_group_collected_in_a_forked_childs_fork_hooks_is_not_let_go_there():
+    """The collector runs on whatever allocates, in a forked child too before the package's fork
+    hooks have set the parent's groups aside (``threading``'s own, the let-go's ``_in_child``): a
+    group of the parent left in a reference cycle was let go there (``WeightsGroup.__del__``), with
+    the parent's lock copies (one held by another thread of the parent at the fork: the child hung
+    for good), and a thread started in the child to wait for the parent's broadcasts. A child's copy
+    is the parent's (:mod:`.inherited` keeps its handles): it lets go of nothing."""
+    done = subprocess.run(
+        [sys.executable, "-c", _COLLECTED_IN_THE_CHILDS_FORK_HOOKS],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["child", "0"]

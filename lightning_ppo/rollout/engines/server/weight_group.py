@@ -95,6 +95,8 @@ class WeightsGroup:
     # broadcast a receiving thread started as the loading thread let go would be left out of the
     # works the let-go waits for, and the group destroyed while it was pending.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # The process that made the group: a forked child's copy is the parent's (:mod:`.inherited`).
+    pid: int = field(default_factory=os.getpid, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for handle in (self.process_group, self.store):
@@ -143,7 +145,11 @@ class WeightsGroup:
         # A group nobody let go of (an engine dropped with its group, a test's leftover) held by a
         # reference cycle: the garbage collector destroyed it on whatever thread allocated as it
         # ran (a receiving thread starting a broadcast), whose destructor waited there for a
-        # stopped sync's pending broadcasts, up to the group's timeout. Let go of as it goes.
+        # stopped sync's pending broadcasts, up to the group's timeout. Let go of as it goes; not
+        # in a forked child, where the collector may run before ``_none_in_child`` (in the fork
+        # hooks before it): its locks are the parent's copies, its works the parent's threads'.
+        if getattr(self, "pid", None) != os.getpid():
+            return
         if getattr(self, "process_group", None) is not None or getattr(self, "store", None) is not None:
             with contextlib.suppress(Exception):  # late in the interpreter's end: destroyed in place
                 self.let_go()
