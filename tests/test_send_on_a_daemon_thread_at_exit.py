@@ -42,3 +42,24 @@ def test_a_script_that_ends_while_a_daemon_thread_sends_ends_with_its_own_status
     assert done.returncode == status, done.stderr[-2000:]
     if how == "raises":  # the thread's send then raises SyncStopped ("this process is exiting")
         assert "RuntimeError: the script failed" in done.stderr.splitlines()
+
+
+# The same send on a thread that ``threading`` did not start (a Ray actor's, a C library's callback
+# thread: Python knows it as a dummy thread, which cannot be joined).
+_SENDING_ON_A_FOREIGN_THREAD = _SENDING_ON_A_DAEMON_THREAD.replace(
+    'threading.Thread(target=send, args=(zero, weights, "run/1", lambda: None, 2**20), daemon=True).start()',
+    'import _thread\n_thread.start_new_thread(send, (zero, weights, "run/1", lambda: None, 2**20))',
+)
+
+
+def test_a_script_that_ends_while_a_thread_not_started_by_threading_sends_ends_with_status_0(tmp_path):
+    """The exit joins a sending thread; one that ``threading`` did not start is a dummy thread there,
+    whose join raised in the exit's handler ("AssertionError: cannot join a dummy thread" on stderr,
+    2 runs of 2), leaving it and every thread listed after it unjoined (the joins that keep a thread
+    from taking the GIL back from gloo as the interpreter finalizes: SIGABRT). The exit now waits
+    for it to say it ended."""
+    assert _SENDING_ON_A_FOREIGN_THREAD != _SENDING_ON_A_DAEMON_THREAD
+    done = _script(tmp_path, _SENDING_ON_A_FOREIGN_THREAD, "ends")
+    assert "terminate called" not in done.stderr
+    assert "cannot join" not in done.stderr
+    assert done.returncode == 0, done.stderr[-2000:]

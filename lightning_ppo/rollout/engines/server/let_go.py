@@ -120,8 +120,23 @@ def _at_exit() -> None:
         threads = list(_THREADS)
     deadline = time.monotonic() + EXIT_BOUND_S
     for thread in threads:
-        if thread.ident is not None:  # one not started yet finds the exit set and keeps its handles
+        if thread.ident is None:  # one not started yet finds the exit set and keeps its handles
+            continue
+        if isinstance(thread, threading._DummyThread):
+            _said_ended(thread, deadline)
+        else:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _said_ended(thread: threading.Thread, deadline: float) -> None:
+    """Until ``thread``, one that ``threading`` did not start (a send on a Ray actor's or a C library's
+    thread), called :func:`ended`: a dummy thread cannot be joined (its join raised in the exit's
+    handler, and the threads after it went unjoined)."""
+    while time.monotonic() < deadline:
+        with _LOCK:
+            if thread not in _THREADS:
+                return
+        time.sleep(POLL_S)
 
 
 def _in_child() -> None:
