@@ -63,3 +63,24 @@ def test_a_script_that_ends_while_a_thread_not_started_by_threading_sends_ends_w
     assert "terminate called" not in done.stderr
     assert "cannot join" not in done.stderr
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# The main thread left registered by a send (a Ctrl-C just after its registration, before its
+# ``try``, put it there for good), beside a daemon thread's send pending to the frozen peer.
+_MAIN_THREAD_LEFT_REGISTERED = _SENDING_ON_A_DAEMON_THREAD.replace(
+    "zero, one = _pair()",
+    "zero, one = _pair()\nfrom lightning_ppo.rollout.engines.server import let_go\n"
+    "let_go.joined_at_exit(threading.current_thread())",
+)
+
+
+def test_a_script_whose_main_thread_a_send_left_registered_ends_with_status_0(tmp_path):
+    """The exit's handler runs on the main thread and joined every registered thread: the main
+    thread's own join raised ("RuntimeError: cannot join current thread" from the atexit callback),
+    and the threads after it in the set went unjoined (the joins that keep a sending thread from
+    taking the GIL back as the interpreter finalizes). The exit passes over its own thread now,
+    and ``send`` registers its thread inside its ``try``."""
+    done = _script(tmp_path, _MAIN_THREAD_LEFT_REGISTERED, "ends")
+    assert "cannot join current thread" not in done.stderr, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -122,6 +122,8 @@ def _at_exit() -> None:
     for thread in threads:
         if thread.ident is None:  # one not started yet finds the exit set and keeps its handles
             continue
+        if thread is threading.current_thread():  # the exit's own (a send it ran, left registered)
+            continue
         if isinstance(thread, threading._DummyThread):
             _said_ended(thread, deadline)
         else:

@@ -336,8 +336,8 @@ def send(
     early (that, an error of ``weights``, Ctrl-C) is said in the store, so every member stops too.
     A send on a daemon thread (a user's fit there) stops as the process exits, which joins it: it
     took the GIL back from gloo's wait as the interpreter finalized (SIGABRT; :mod:`.let_go`)."""
-    joined_at_exit(threading.current_thread())
-    try:
+    try:  # registered inside: a Ctrl-C just after would leave it registered, the exit joining itself
+        joined_at_exit(threading.current_thread())
         _send(group, weights, lambda: _exiting(group.rank) or failed() or group.stopped(sync), bucket_bytes)
     except BaseException as err:
         with contextlib.suppress(Exception):  # the store gone with the group: nobody left to tell
