@@ -199,11 +199,11 @@ os._exit(0)
 """
 
 
-def test_a_forked_child_that_exits_as_a_script_does_ends():
-    """A child that returns from its work and exits as a script does (a user's ``os.fork()``, not
-    multiprocessing's ``os._exit``): its interpreter's exit dropped the parent's group and hung."""
+def _child_ends_with_0(script: str) -> None:
+    """``script`` (which forks a child and prints its exit code) run in a new interpreter: the child
+    ended, with status 0, and so did the script."""
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD_EXITS_NORMALLY],
+        [sys.executable, "-c", script],
         cwd=Path(__file__).parent.parent,
         capture_output=True,
         text=True,
@@ -211,6 +211,12 @@ def test_a_forked_child_that_exits_as_a_script_does_ends():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["child", "0"]
+
+
+def test_a_forked_child_that_exits_as_a_script_does_ends():
+    """A child that returns from its work and exits as a script does (a user's ``os.fork()``, not
+    multiprocessing's ``os._exit``): its interpreter's exit dropped the parent's group and hung."""
+    _child_ends_with_0(_CHILD_EXITS_NORMALLY)
 
 
 class _Handle:
@@ -290,12 +296,4 @@ def test_a_group_collected_in_a_forked_childs_fork_hooks_is_not_let_go_there():
     the parent's lock copies (one held by another thread of the parent at the fork: the child hung
     for good), and a thread started in the child to wait for the parent's broadcasts. A child's copy
     is the parent's (:mod:`.inherited` keeps its handles): it lets go of nothing."""
-    done = subprocess.run(
-        [sys.executable, "-c", _COLLECTED_IN_THE_CHILDS_FORK_HOOKS],
-        cwd=Path(__file__).parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["child", "0"]
+    _child_ends_with_0(_COLLECTED_IN_THE_CHILDS_FORK_HOOKS)
