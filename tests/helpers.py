@@ -274,16 +274,16 @@ class Throttle(Callback):
 
 
 def quiet_trainer(
-    root, iterations: int, callbacks=(), plugins=(), precision="32-true", accelerator="cpu"
+    root, iterations: int, callbacks=(), plugins=(), precision="32-true", accelerator="cpu", epochs: int = 1
 ) -> pl.Trainer:
-    """A Trainer (CPU unless told) for ``iterations`` PPO iterations: no logger, bar or summary;
-    checkpoints only when checkpoint callbacks are given."""
+    """A Trainer (CPU unless told) for ``epochs`` of ``iterations`` PPO iterations each: no logger,
+    bar or summary; checkpoints only when checkpoint callbacks are given."""
     return pl.Trainer(
         plugins=list(plugins),
         accelerator=accelerator,
         devices=1,
         precision=precision,
-        max_epochs=1,
+        max_epochs=epochs,
         limit_train_batches=iterations,
         logger=False,
         enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),

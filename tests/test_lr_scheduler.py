@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_ppo import PPOLightningModule
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
+from tests.helpers import quiet_trainer
 
 
 def test_a_scheduler_on_a_monitored_metric_is_refused_in_one_line_before_training(tiny_digits, tmp_path):
@@ -19,16 +19,7 @@ def test_a_scheduler_on_a_monitored_metric_is_refused_in_one_line_before_trainin
         reward_fn=DigitsReward(),
         lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau,
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, iterations=1)
     data = DigitsDataModule(num_prompts=32, batch_size=8, max_prompt_length=16)
     with pytest.raises(
         UsageError, match=r"^model\.lr_scheduler: ReduceLROnPlateau steps on a monitored"

@@ -12,6 +12,7 @@ from lightning_ppo import GenerationConfig, PPOConfig, PPOLightningModule
 from lightning_ppo.checkpoint import PPOCheckpoint
 from lightning_ppo.runs.errors import UsageError
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
+from tests.helpers import quiet_trainer
 
 EPOCHS, MINIBATCHES = 2, 2
 KEYS = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "kl_coef", "episode")
@@ -207,16 +208,7 @@ def test_a_learning_rate_changed_on_resume_is_the_checkpoints_and_said_once(sche
             optimizer=partial(torch.optim.AdamW, lr=lr),
             lr_scheduler=partial(torch.optim.lr_scheduler.LinearLR, total_iters=100) if scheduled else None,
         )
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            max_epochs=epochs,
-            limit_train_batches=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        )
+        trainer = quiet_trainer(tmp_path, iterations=1, epochs=epochs)
         data = DigitsDataModule(num_prompts=32, batch_size=8, max_prompt_length=16)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

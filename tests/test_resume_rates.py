@@ -14,6 +14,7 @@ import torch
 
 from lightning_ppo import PPOLightningModule
 from lightning_ppo.tasks.digits import DigitsDataModule, DigitsReward
+from tests.helpers import quiet_trainer
 
 RESUME_WARNING = "resuming restores the checkpoint's optimizer"
 HALVED = "model.optimizer.init_args.lr: 0.0005 in the config, 0.001 in the checkpoint"
@@ -34,17 +35,7 @@ def _fit(
     module = module_class(
         policy=str(policy), reward_fn=DigitsReward(), optimizer=optimizer, lr_scheduler=scheduler
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=epochs,
-        limit_train_batches=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=list(callbacks),
-    )
+    trainer = quiet_trainer(root, iterations=1, callbacks=callbacks, epochs=epochs)
     data = DigitsDataModule(num_prompts=32, batch_size=8, max_prompt_length=16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
