@@ -181,7 +181,10 @@ class MemorySync:
                 0,
                 world,
                 self.timeout,
-                _device_host(self.address),
+                # gloo's device address, given: its default (the machine's name) maps to 127.0.1.1
+                # on some systems. ``address`` is already one numeric address (:func:`sync_address`),
+                # of rank 0's own family, as gloo needs (it refuses an IPv4 end paired with an IPv6 one).
+                self.address,
                 self.secret,
                 listener,
                 failed=joining.failure,  # a worker that cannot join fails the join at once
@@ -254,11 +257,3 @@ def _in_dtype(
         if sums is not None:
             sums[name] = checksum(tensor)
         yield name, tensor
-
-
-def _device_host(address: str) -> str:
-    """The address gloo advertises for a process: explicit, since its default (the machine's name)
-    maps to 127.0.1.1 on some systems, which other machines cannot reach. Of rank 0's own family:
-    gloo refuses a pair of an IPv4 and an IPv6 end, and the workers give their address towards rank
-    0's (``::1`` for ``::1``)."""
-    return "127.0.0.1" if address == "localhost" else address
