@@ -92,6 +92,7 @@ class PPOLightningCLI(LightningCLI):
         """Check the output folders, and what involves both model and data, before any model is loaded
         (minutes, for big ones)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
+        _no_cli_optimizer(config)
         reject_fsdp1(config.get("trainer.strategy"))
         check_precision(config.get("trainer.precision"))
         model, data = _as_dict(config.get("model.init_args")), _as_dict(config.get("data.init_args"))
@@ -188,6 +189,18 @@ def samples_main(argv: list[str]) -> None:
     iteration = rows[0]["iteration"] if rows else "?"
     print(f"{path}: iteration {iteration}, {len(rows)} samples")
     print(format_samples(rows))
+
+
+def _no_cli_optimizer(config: Namespace) -> None:
+    """LightningCLI's own ``--optimizer``/``--lr_scheduler`` replaced the module's
+    ``configure_optimizers`` in silence (the policy's and the critic's groups and rates, the
+    scheduler check): refused in one line. ``null``, as a config saved by ``fit`` writes them, passes."""
+    for key in ("optimizer", "lr_scheduler"):
+        if config.get(key) is not None:
+            raise UsageError(
+                f"{key}: LightningCLI's own --{key} would replace the module's optimizer (its policy and "
+                f"critic groups and rates); set model.init_args.{key} instead"
+            )
 
 
 def main(args: list[str] | None = None) -> PPOLightningCLI | int | None:

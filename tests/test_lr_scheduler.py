@@ -27,3 +27,18 @@ def test_a_scheduler_on_a_monitored_metric_is_refused_in_one_line_before_trainin
         trainer.fit(module, datamodule=data)
     assert "\n" not in str(raised.value)
     assert module.iteration == 0
+
+
+def test_lightning_clis_own_optimizer_flags_are_refused_in_one_line(tiny_digits, tmp_path, capsys):
+    """LightningCLI's ``--optimizer``/``--lr_scheduler`` replaced the module's configure_optimizers
+    (the policy's and the critic's parameter groups, each rate, and the ReduceLROnPlateau refusal
+    above) in silence: ``--optimizer AdamW`` trained one AdamW over every parameter, exit 0. Now
+    refused in one line naming the setting; ``null`` (a saved config's) still passes."""
+    from tests.helpers import cli_usage_error, quickstart_fit_args
+
+    args = quickstart_fit_args(tiny_digits, tmp_path, [], "--trainer.limit_train_batches", "1")
+    said = cli_usage_error(capsys, [*args, "--optimizer", "AdamW"])
+    assert said == (
+        "optimizer: LightningCLI's own --optimizer would replace the module's optimizer (its policy and "
+        "critic groups and rates); set model.init_args.optimizer instead"
+    )
